@@ -1,0 +1,207 @@
+"""`grpo`: train a run, list runs, read a run's rollouts.
+
+    grpo train --preset tiny [--max-steps 3 --loss-type grpo --storage-root DIR --run-id ID ...]
+    grpo runs [--storage-root DIR]
+    grpo rollouts RUN_ID [--step N] [--limit K] [--storage-root DIR]
+
+Every config field is an option spelled `--field-name`. Bad input (an unknown preset, a bad
+value, an unknown run) exits with status 2 and a message naming what is wrong, before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import typing
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas.config import GRPOFlowConfig, describe_validation_error
+from schemas.presets import PRESETS
+
+DEFAULT_STORAGE_ROOT = os.environ.get("GRPO_FLOW_STORAGE", "grpo-storage")
+
+
+class UsageError(Exception):
+    """Bad input from the command line: printed as one message, exit status 2."""
+
+
+def is_list_field(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is list or any(
+        typing.get_origin(arg) is list for arg in typing.get_args(annotation)
+    )
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("config fields (override the preset)")
+    for name, field in GRPOFlowConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = (field.description or "").replace("%", "%%")
+        if is_list_field(field.annotation):
+            group.add_argument(flag, dest=name, nargs="+", metavar="VALUE", help=help_text)
+        else:
+            group.add_argument(flag, dest=name, metavar="VALUE", help=help_text)
+
+
+def parse_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given, as strings for pydantic to convert; `none` means None for optional fields."""
+    overrides = {}
+    for name in GRPOFlowConfig.model_fields:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        overrides[name] = None if isinstance(value, str) and value.lower() in ("none", "null") else value
+    return overrides
+
+
+def build_config(preset: str, overrides: dict[str, Any]) -> GRPOFlowConfig:
+    if preset not in PRESETS:
+        raise UsageError(f"--preset: unknown preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
+    try:
+        return GRPOFlowConfig(**{**PRESETS[preset], **overrides})
+    except ValidationError as error:
+        raise UsageError("invalid config:\n" + "\n".join(map(cli_spelling, describe_validation_error(error).splitlines())))
+
+
+def cli_spelling(line: str) -> str:
+    """`max_steps: msg` as `  --max-steps: msg`, the way the option was typed."""
+    field, _, message = line.partition(": ")
+    if field in GRPOFlowConfig.model_fields:
+        return f"  --{field.replace('_', '-')}: {message}"
+    return f"  {line}"
+
+
+def quiet_prefect(verbose: bool) -> None:
+    """Keep Prefect's per-task logging out of the progress bar unless asked for."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def command_train(args: argparse.Namespace) -> int:
+    config = build_config(args.preset, parse_overrides(args))
+    quiet_prefect(args.verbose)  # before Prefect is first imported: its settings are read then
+    from flows.grpo import new_run_id
+    from tasks.run import check_new_run
+
+    if config.run_id is None:
+        config = config.model_copy(update={"run_id": new_run_id(config)})
+    try:
+        check_new_run(config)
+    except FileExistsError as error:
+        raise UsageError(str(error)) from error
+    check_storage_root(config.storage_root)
+    from flows.grpo import grpo
+
+    print(f"grpo-flow: run {config.run_id} ({args.preset} preset, {config.model}, {config.dataset})", flush=True)
+    summary = grpo(config, show_progress=not args.no_progress)
+    print_summary(summary)
+    return 0
+
+
+def check_storage_root(root: str) -> None:
+    """The nearest existing folder of the storage root must be writable (nothing is created here)."""
+    path = os.path.abspath(root)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK):
+        raise UsageError(f"--storage-root: {root!r} is not a writable folder")
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    rows = [
+        ("run", summary["run_id"]),
+        ("status", summary["status"]),
+        ("steps", f"{summary['steps_completed']} / {summary['total_steps']}"),
+    ]
+    if "model_heldout_accuracy_random_init" in summary:
+        rows.append(("held-out accuracy, random init", f"{summary['model_heldout_accuracy_random_init']:.3f}"))
+        rows.append(("held-out accuracy, after warm start", f"{summary['model_heldout_accuracy_after_warm_start']:.3f}"))
+    rows += [
+        ("held-out accuracy, before RL", f"{summary['initial_eval_accuracy']:.3f}"),
+        ("held-out accuracy, after RL", f"{summary['final_eval_accuracy']:.3f}"),
+        ("mean reward, last 5 steps", f"{summary['final_reward']:.3f}"),
+        ("wall time", f"{summary['wall_seconds']:.1f} s"),
+        ("storage", os.path.join(summary["storage"], "runs", summary["run_id"])),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+
+
+def command_runs(args: argparse.Namespace) -> int:
+    from workers.storage import list_runs
+
+    runs = list_runs(args.storage_root)
+    if not runs:
+        print(f"no runs under {os.path.join(args.storage_root, 'runs')}")
+        return 0
+    print(f"{'run':<40} {'status':<11} last step")
+    for run in runs:
+        print(f"{run.run_id:<40} {run.status:<11} {'-' if run.last_step is None else run.last_step}")
+    return 0
+
+
+def command_rollouts(args: argparse.Namespace) -> int:
+    from workers.storage import RunStorage
+
+    storage = RunStorage(args.storage_root, args.run_id)
+    if not storage.exists():
+        raise UsageError(f"RUN_ID: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    steps = storage.logged_steps()
+    if not steps:
+        raise UsageError(f"RUN_ID: run {args.run_id!r} has no logged steps yet")
+    step = steps[-1] if args.step is None else args.step
+    if step not in steps:
+        raise UsageError(f"--step: run {args.run_id!r} has no step {step}; logged steps are {steps[0]}..{steps[-1]}")
+    columns = ["group_index", "sample_index", "prompt", "completion", "reward", "advantage", "finish_reason"]
+    rows = storage.read_rollouts(step, columns=columns).slice(0, args.limit).to_pylist()
+    print(f"run {args.run_id}, step {step}: {len(rows)} of its completions")
+    for row in rows:
+        print(json.dumps(row, ensure_ascii=False))
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo", description="GRPO as a Prefect workflow around GPU workers.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="start a run from a preset plus overrides")
+    train.add_argument("--preset", default="tiny", help=f"one of: {', '.join(sorted(PRESETS))} (default: tiny)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--verbose", action="store_true", help="show Prefect's task logs")
+    add_config_options(train)
+    train.set_defaults(handler=command_train, storage_root=None)
+
+    runs = commands.add_parser("runs", help="list runs with their last step and status")
+    runs.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
+    runs.set_defaults(handler=command_runs)
+
+    rollouts = commands.add_parser("rollouts", help="show a step's completions with their rewards")
+    rollouts.add_argument("run_id", metavar="RUN_ID")
+    rollouts.add_argument("--step", type=int, default=None, help="step to show (default: the last logged)")
+    rollouts.add_argument("--limit", type=int, default=8, help="completions to show (default: 8)")
+    rollouts.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
+    rollouts.set_defaults(handler=command_rollouts)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if args.command == "train" and args.storage_root is None:
+        args.storage_root = DEFAULT_STORAGE_ROOT
+    try:
+        return args.handler(args)
+    except UsageError as error:
+        print(f"grpo {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

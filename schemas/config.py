@@ -1,0 +1,176 @@
+"""The one typed config of a grpo-flow run.
+
+It is the `grpo` flow's parameter, so Prefect validates deployment parameters against it
+and draws its form from it. Option names are TRL's `GRPOConfig` names wherever TRL has the
+option; the help texts say where we differ. Cross-field rules live in validators whose
+messages quote the bad values, so a bad run fails here, before any model loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Every loss TRL 1.16's GRPOTrainer implements; the actor delegates the objective to TRL.
+LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
+ScaleRewards = Literal["group", "batch", "none"]
+Backend = Literal["local", "modal"]
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+# Fields that do not change what a run computes; everything else is part of the config hash.
+NON_TRAINING_FIELDS = frozenset(
+    {"run_id", "storage_root", "max_steps", "save_steps", "report_to", "wandb_project", "backend"}
+)
+
+
+class GRPOFlowConfig(BaseModel):
+    """Everything a run needs, validated once at the edge (CLI, Python API, Prefect parameters)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # Where the run lives
+    run_id: str | None = Field(
+        default=None,
+        pattern=RUN_ID_PATTERN,
+        description="Name of the run under `<storage_root>/runs/`. Generated from the data set and time if unset.",
+    )
+    storage_root: str = Field(
+        default="grpo-storage",
+        description="Folder (or, with the Modal backend, Volume path) holding runs, models and caches.",
+    )
+    backend: Backend = Field(
+        default="local",
+        description="Where the GPU workers run: `local` (this process) or `modal` (Modal GPUs).",
+    )
+
+    # Model and data
+    model: str = Field(
+        default="tiny",
+        min_length=1,
+        description="Hugging Face model id or local path; `tiny` is the project's own offline model.",
+    )
+    dataset: Literal["last_digit", "gsm8k"] = Field(
+        default="last_digit",
+        description="Task: `last_digit` (synthetic, offline) or `gsm8k` (openai/gsm8k from the hub).",
+    )
+    reward_funcs: list[str] = Field(
+        default_factory=list,
+        description="Reward functions by built-in name or `module:function` import path. "
+        "Empty means the data set's default rewards.",
+    )
+    reward_weights: list[float] | None = Field(
+        default=None,
+        description="Weights for each reward function. If `None`, all rewards are weighted equally with weight "
+        "`1.0` (TRL's rule).",
+    )
+
+    # Optimisation (TRL names)
+    learning_rate: float = Field(default=1e-6, gt=0, description="The initial learning rate for AdamW.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine", "constant_with_warmup"] = Field(
+        default="linear", description="Learning-rate schedule, as in transformers' TrainingArguments."
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup over this many optimizer steps.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Maximum gradient norm (for gradient clipping).")
+    max_steps: int = Field(
+        default=-1,
+        description="Number of training steps. If `-1`, derived from `num_train_epochs` and the data set size.",
+    )
+    num_train_epochs: float = Field(
+        default=1.0, gt=0, description="Passes over the training prompts, used when `max_steps` is -1."
+    )
+    seed: int = Field(default=42, ge=0, description="Seed for sampling prompts, generation and initialisation.")
+
+    # GRPO (TRL names)
+    num_generations: int = Field(default=8, ge=2, description="Completions sampled per prompt (group size).")
+    prompts_per_step: int = Field(
+        default=8,
+        ge=1,
+        description="Prompts per training step; a step trains on prompts_per_step x num_generations "
+        "completions. (TRL derives this from its batch sizes.)",
+    )
+    loss_type: LossType = Field(default="dapo", description="Loss formulation, as TRL's GRPOConfig.loss_type.")
+    beta: float = Field(default=0.0, ge=0, description="KL coefficient; 0.0 loads no reference model.")
+    epsilon: float = Field(default=0.2, gt=0, description="Epsilon value for clipping.")
+    epsilon_high: float | None = Field(
+        default=None, gt=0, description="Upper-bound epsilon for clipping; defaults to `epsilon`."
+    )
+    scale_rewards: ScaleRewards = Field(
+        default="group", description="Reward scaling for advantages: `group`, `batch` or `none` (as TRL)."
+    )
+
+    # Generation (TRL names)
+    max_prompt_length: int | None = Field(
+        default=512, ge=1, description="Prompts longer than this many tokens are truncated from the left."
+    )
+    max_completion_length: int = Field(default=256, ge=1, description="Maximum length of the generated completion.")
+    temperature: float = Field(default=1.0, gt=0, description="Temperature for sampling.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling probability mass, in (0, 1].")
+
+    # Workers and schedule
+    num_rollout_workers: int = Field(
+        default=1, ge=1, description="Rollout workers; each step's groups are split evenly across them."
+    )
+    sync_weights_every: int = Field(
+        default=1, ge=1, description="Publish the actor's weights to the rollout workers every N steps."
+    )
+    save_steps: int = Field(default=50, ge=1, description="Write a checkpoint every N steps (and at the last step).")
+
+    # Evaluation and logging
+    eval_prompts: int = Field(
+        default=200, ge=0, description="Held-out prompts scored greedily at the start and end of a run (0 = skip)."
+    )
+    report_to: Literal["none", "wandb"] = Field(default="none", description="Where metrics go besides Parquet.")
+    wandb_project: str = Field(default="grpo-flow", description="wandb project when `report_to='wandb'`.")
+
+    @model_validator(mode="after")
+    def _check_cross_field_rules(self) -> GRPOFlowConfig:
+        if self.prompts_per_step % self.num_rollout_workers:
+            raise ValueError(
+                f"prompts_per_step ({self.prompts_per_step}) must split into whole groups across "
+                f"num_rollout_workers ({self.num_rollout_workers})"
+            )
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ValueError(f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError(f"max_steps ({self.max_steps}) must be a positive number of steps, or -1")
+        if self.reward_weights is not None and self.reward_funcs and len(self.reward_weights) != len(
+            self.reward_funcs
+        ):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} values but reward_funcs has "
+                f"{len(self.reward_funcs)} functions"
+            )
+        if self.backend == "modal":
+            raise ValueError("backend 'modal' is not available in this release; use backend='local'")
+        return self
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    def total_steps(self, num_train_prompts: int) -> int:
+        """max_steps, or the steps that `num_train_epochs` passes over the prompts take (TRL's rule)."""
+        if self.max_steps > 0:
+            return self.max_steps
+        return max(1, math.ceil(self.num_train_epochs * num_train_prompts / self.prompts_per_step))
+
+    def training_hash(self) -> str:
+        """Hash of the fields that change what a run computes (cache keys, resume checks)."""
+        fields = self.model_dump(exclude=set(NON_TRAINING_FIELDS))
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per problem, each naming the field: `max_steps: Input should be a valid integer`."""
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "config"
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{field}: {message}")
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""Named starting points for a run; every value can be overridden field by field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas.config import GRPOFlowConfig
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Offline, CPU, a few minutes: the project's tiny Qwen2 model learns to repeat the last digit
+    # of a sequence. Held-out accuracy starts near chance (0.1) and ends near 1.0.
+    "tiny": {
+        "model": "tiny",
+        "dataset": "last_digit",
+        "learning_rate": 5e-3,
+        "lr_scheduler_type": "constant",
+        "num_generations": 8,
+        "prompts_per_step": 16,
+        "max_steps": 50,
+        "max_completion_length": 2,
+        "max_prompt_length": 32,
+        "temperature": 1.0,
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "num_rollout_workers": 2,
+        "save_steps": 20,
+        "eval_prompts": 200,
+    },
+    # Qwen2.5-0.5B-Instruct on GSM8K: the model and data come from the Hugging Face hub.
+    "gsm8k": {
+        "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "dataset": "gsm8k",
+        "learning_rate": 1e-6,
+        "lr_scheduler_type": "constant",
+        "num_generations": 8,
+        "prompts_per_step": 16,
+        "max_steps": 500,
+        "max_completion_length": 512,
+        "max_prompt_length": 512,
+        "temperature": 1.0,
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "num_rollout_workers": 2,
+        "save_steps": 50,
+        "eval_prompts": 200,
+    },
+}
+
+
+def preset_config(name: str, **overrides: Any) -> GRPOFlowConfig:
+    """The preset's config with `overrides` applied; raises KeyError naming the known presets."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return GRPOFlowConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,176 @@
+"""The records that pass between stages and land in Parquet, with their explicit Arrow schemas.
+
+A rollout shard travels as one `RolloutBatch` (columns, one entry per completion) from
+generation through scoring to the Parquet writer; every writer goes through `to_table`,
+which enforces `rollout_schema`. Anyone can read a run back with pandas, pyarrow or DuckDB
+without this project installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+REWARD_PREFIX = "reward_"
+
+ROLLOUT_BASE_FIELDS: list[pa.Field] = [
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("step", pa.int32(), nullable=False),
+    pa.field("policy_version", pa.int32(), nullable=False),
+    pa.field("worker_id", pa.string(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("group_index", pa.int32(), nullable=False),
+    pa.field("sample_index", pa.int32(), nullable=False),
+    pa.field("prompt", pa.string(), nullable=False),
+    pa.field("completion", pa.string(), nullable=False),
+    pa.field("prompt_token_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("completion_token_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("sampling_logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("prompt_tokens", pa.int32(), nullable=False),
+    pa.field("completion_tokens", pa.int32(), nullable=False),
+    pa.field("reward", pa.float64(), nullable=False),
+    pa.field("advantage", pa.float64(), nullable=False),
+    pa.field("reward_error", pa.string(), nullable=True),
+    pa.field("generate_s", pa.float64(), nullable=False),
+    pa.field("score_s", pa.float64(), nullable=False),
+]
+ROLLOUT_BASE_NAMES = frozenset(f.name for f in ROLLOUT_BASE_FIELDS)
+
+
+def rollout_schema(reward_names: list[str], extra_columns: dict[str, pa.DataType]) -> pa.Schema:
+    """Base fields, then one nullable float column per reward function, then the data set's extra columns."""
+    reward_fields = [pa.field(REWARD_PREFIX + name, pa.float64(), nullable=True) for name in reward_names]
+    extra_fields = [pa.field(name, dtype, nullable=True) for name, dtype in extra_columns.items()]
+    clashes = sorted(ROLLOUT_BASE_NAMES.intersection(extra_columns))
+    if clashes:
+        raise ValueError(f"data set columns {clashes} clash with rollout fields of the same name")
+    return pa.schema(ROLLOUT_BASE_FIELDS + reward_fields + extra_fields)
+
+
+@dataclass
+class RolloutBatch:
+    """One shard of a step: whole groups of completions, column by column.
+
+    Generation fills the token columns; scoring fills `rewards` (one list per reward
+    function, None where a function does not apply), `reward` and `reward_error`; the
+    advantage stage fills `advantage`.
+    """
+
+    run_id: str
+    step: int
+    policy_version: int
+    worker_id: str
+    prompt_id: list[str]
+    group_index: list[int]
+    sample_index: list[int]
+    prompt: list[str]
+    completion: list[str]
+    prompt_token_ids: list[list[int]]
+    completion_token_ids: list[list[int]]
+    sampling_logprobs: list[list[float]]
+    finish_reason: list[str]
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    rewards: dict[str, list[float | None]] = field(default_factory=dict)
+    reward: list[float] = field(default_factory=list)
+    reward_error: list[str | None] = field(default_factory=list)
+    advantage: list[float] = field(default_factory=list)
+    generate_s: float = 0.0
+    score_s: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.completion)
+
+    def replace(self, **changes: Any) -> RolloutBatch:
+        return dataclasses.replace(self, **changes)
+
+    def to_table(self, schema: pa.Schema) -> pa.Table:
+        """The batch as an Arrow table that conforms to `schema` (raises naming a missing column)."""
+        n = len(self)
+        columns: dict[str, Any] = {
+            "run_id": [self.run_id] * n,
+            "step": [self.step] * n,
+            "policy_version": [self.policy_version] * n,
+            "worker_id": [self.worker_id] * n,
+            "prompt_id": self.prompt_id,
+            "group_index": self.group_index,
+            "sample_index": self.sample_index,
+            "prompt": self.prompt,
+            "completion": self.completion,
+            "prompt_token_ids": self.prompt_token_ids,
+            "completion_token_ids": self.completion_token_ids,
+            "sampling_logprobs": self.sampling_logprobs,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": [len(ids) for ids in self.prompt_token_ids],
+            "completion_tokens": [len(ids) for ids in self.completion_token_ids],
+            "reward": self.reward,
+            "advantage": self.advantage,
+            "reward_error": self.reward_error or [None] * n,
+            "generate_s": [self.generate_s] * n,
+            "score_s": [self.score_s] * n,
+        }
+        columns.update({REWARD_PREFIX + name: scores for name, scores in self.rewards.items()})
+        columns.update(self.extra_columns)
+        missing = [name for name in schema.names if name not in columns]
+        if missing:
+            raise ValueError(f"rollout batch of step {self.step} lacks columns {missing}")
+        wrong_length = [name for name in schema.names if len(columns[name]) != n]
+        if wrong_length:
+            raise ValueError(f"rollout batch of step {self.step}: columns {wrong_length} do not have {n} rows")
+        return pa.Table.from_pydict({name: columns[name] for name in schema.names}, schema=schema)
+
+
+# One row per step. Known fields are typed here; any further metric (TRL's names, such as
+# `clip_ratio/high_mean` or `rewards/<name>/mean`) is appended as float64.
+METRICS_BASE_FIELDS: list[pa.Field] = [
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("step", pa.int32(), nullable=False),
+    pa.field("policy_version", pa.int32(), nullable=False),
+    pa.field("num_completions", pa.int32(), nullable=False),
+    pa.field("loss", pa.float64()),
+    pa.field("grad_norm", pa.float64()),
+    pa.field("learning_rate", pa.float64()),
+    pa.field("reward", pa.float64()),
+    pa.field("reward_std", pa.float64()),
+    pa.field("frac_reward_zero_std", pa.float64()),
+    pa.field("completions/mean_length", pa.float64()),
+    pa.field("completions/clipped_ratio", pa.float64()),
+    pa.field("step_s", pa.float64()),
+]
+
+
+def metrics_table(row: dict[str, Any]) -> pa.Table:
+    """A one-row metrics table: the base fields typed, every other key as float64 in sorted order."""
+    base_names = [f.name for f in METRICS_BASE_FIELDS]
+    missing = [name for name in ("run_id", "step", "policy_version", "num_completions") if name not in row]
+    if missing:
+        raise ValueError(f"metrics row lacks {missing}")
+    extra = sorted(k for k in row if k not in base_names)
+    schema = pa.schema(METRICS_BASE_FIELDS + [pa.field(k, pa.float64()) for k in extra])
+    return pa.Table.from_pylist([{name: row.get(name) for name in schema.names}], schema=schema)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What `prepare_run` resolved once, before anything loads: passed by reference to every task."""
+
+    run_id: str
+    storage_root: str
+    model_path: str
+    total_steps: int
+    reward_names: tuple[str, ...]
+    extra_columns: tuple[str, ...]
+    num_train_prompts: int
+
+
+@dataclass(frozen=True)
+class PromptShard:
+    """The prompts one rollout worker gets in a step: whole groups, in order."""
+
+    step: int
+    shard: int
+    group_offset: int
+    rows: tuple[dict[str, Any], ...]

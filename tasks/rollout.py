@@ -1,0 +1,115 @@
+"""Rollout tasks of one step: sample prompts, generate (per shard), score (per shard),
+advantages (whole batch), write the Parquet log (per shard)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from schemas.config import GRPOFlowConfig
+from schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
+from workers import local
+from workers.advantages import group_advantages
+from workers.data import load_task
+from workers.rewards import resolve_reward_funcs, score_batch
+from workers.rollout import SamplingParams
+from workers.storage import RunStorage
+
+
+def step_seed(seed: int, step: int, shard: int = 0) -> int:
+    """A distinct, reproducible seed for every (run seed, step, shard)."""
+    return int(np.random.SeedSequence([seed, step, shard]).generate_state(1)[0])
+
+
+@task(name="sample-batch", cache_policy=NO_CACHE)
+def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int) -> list[PromptShard]:
+    """The step's prompts, a deterministic function of (seed, step): epoch-wise permutations."""
+    train = load_task(config.dataset).train
+    start = (step - 1) * config.prompts_per_step
+    indices = []
+    for position in range(start, start + config.prompts_per_step):
+        epoch, offset = divmod(position, len(train))
+        indices.append(int(np.random.default_rng([config.seed, epoch]).permutation(len(train))[offset]))
+    rows = train.select(indices).to_list()
+    per_shard = config.prompts_per_step // config.num_rollout_workers
+    return [
+        PromptShard(step=step, shard=s, group_offset=s * per_shard, rows=tuple(rows[s * per_shard : (s + 1) * per_shard]))
+        for s in range(config.num_rollout_workers)
+    ]
+
+
+@task(name="generate", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def generate(config: GRPOFlowConfig, plan: RunPlan, shard: PromptShard) -> RolloutBatch:
+    """num_generations completions per prompt on rollout worker `shard.shard`."""
+    engine = local.local_workers(config, plan.model_path).rollout[shard.shard]
+    params = SamplingParams(
+        n=config.num_generations,
+        max_tokens=config.max_completion_length,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        seed=step_seed(config.seed, shard.step, shard.shard),
+    )
+    result = engine.generate([row["prompt"] for row in shard.rows], params, config.max_prompt_length)
+    g = config.num_generations
+    repeat = lambda values: [v for v in values for _ in range(g)]  # noqa: E731 - prompt-major order
+    prompt_texts = engine.tokenizer.batch_decode(result.prompt_token_ids)
+    return RolloutBatch(
+        run_id=plan.run_id,
+        step=shard.step,
+        policy_version=engine.policy_version,
+        worker_id=engine.worker_id,
+        prompt_id=repeat([row["prompt_id"] for row in shard.rows]),
+        group_index=[shard.group_offset + i // g for i in range(len(result.texts))],
+        sample_index=[i % g for i in range(len(result.texts))],
+        prompt=repeat(prompt_texts),
+        completion=result.texts,
+        prompt_token_ids=repeat(result.prompt_token_ids),
+        completion_token_ids=result.completion_token_ids,
+        sampling_logprobs=result.sampling_logprobs,
+        finish_reason=result.finish_reasons,
+        extra_columns={c: repeat([row[c] for row in shard.rows]) for c in plan.extra_columns},
+        generate_s=result.seconds,
+    )
+
+
+@task(name="score", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch) -> RolloutBatch:
+    """Every reward function on every completion of the shard, and the weighted total."""
+    funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names))
+    return score_batch(batch, funcs, config.reward_weights)
+
+
+@task(name="compute-advantages", cache_policy=NO_CACHE)
+def compute_advantages(config: GRPOFlowConfig, batches: list[RolloutBatch]) -> tuple[list[RolloutBatch], dict]:
+    """Group-relative advantages over the whole step (batch scaling needs every shard), plus reward stats."""
+    rewards = torch.tensor([r for b in batches for r in b.reward], dtype=torch.float32)
+    advantages, std_is_zero = group_advantages(rewards, config.num_generations, config.scale_rewards)
+    out, offset = [], 0
+    for batch in batches:
+        out.append(batch.replace(advantage=advantages[offset : offset + len(batch)].tolist()))
+        offset += len(batch)
+    lengths = [len(ids) for b in batches for ids in b.completion_token_ids]
+    truncated = [reason == "length" for b in batches for reason in b.finish_reason]
+    stats = {
+        "reward": float(torch.nanmean(rewards)),
+        "reward_std": float(rewards[~rewards.isnan()].std()) if rewards.numel() > 1 else 0.0,
+        "frac_reward_zero_std": float(std_is_zero.float().mean()),
+        "completions/mean_length": float(np.mean(lengths)),
+        "completions/max_length": float(np.max(lengths)),
+        "completions/clipped_ratio": float(np.mean(truncated)),
+    }
+    for name in batches[0].rewards:
+        scores = torch.tensor([np.nan if s is None else s for b in batches for s in b.rewards[name]])
+        stats[f"rewards/{name}/mean"] = float(torch.nanmean(scores))
+    return out, stats
+
+
+@task(name="write-rollouts", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def write_rollouts(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, shard: int) -> str:
+    """One Parquet file per shard, written atomically; the Arrow schema is enforced."""
+    extra_types = {c: pa.array(batch.extra_columns[c]).type for c in plan.extra_columns}
+    table = batch.to_table(rollout_schema(list(plan.reward_names), extra_types))
+    return str(RunStorage(plan.storage_root, plan.run_id).write_rollouts(batch.step, shard, table))

@@ -1,0 +1,1 @@
+"""Stateful engines as plain classes (no Prefect): actor, rollout engines, rewards, storage."""

@@ -1,0 +1,129 @@
+"""Rollout engine on transformers `generate` (CPU, or GPU without vLLM).
+
+A plain class: `load()`, `generate(prompts, params)`, `load_state_dict(weights, version)`.
+It returns completion token ids, the per-token log-probabilities of the sampling
+distribution (after temperature and top-p, as TRL's importance-sampling correction
+expects) and a finish reason per completion.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# torch's global RNG seeds `generate`; one generation at a time keeps each seeded call reproducible.
+_GENERATION_LOCK = threading.Lock()
+
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    seed: int = 0
+
+
+@dataclass
+class GenerationResult:
+    """Prompt-major: completions [i*n, (i+1)*n) belong to prompt i."""
+
+    prompt_token_ids: list[list[int]]
+    completion_token_ids: list[list[int]]
+    sampling_logprobs: list[list[float]]
+    finish_reasons: list[str]
+    texts: list[str]
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, max_prompt_length: int | None) -> list[int]:
+    """Token ids of a plain or conversational prompt (chat template), truncated from the left."""
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if max_prompt_length is not None and len(ids) > max_prompt_length:
+        ids = ids[-max_prompt_length:]
+    return list(ids)
+
+
+class TransformersRolloutEngine:
+    """One rollout worker's copy of the policy, generating with transformers."""
+
+    def __init__(self, model_path: str | Path, worker_id: str = "rollout-0", device: str = "cpu"):
+        self.model_path = str(model_path)
+        self.worker_id = worker_id
+        self.device = device
+        self.policy_version = 0
+        self.model: Any = None
+        self.tokenizer: Any = None
+
+    def load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, padding_side="left")
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        self.model.eval()
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Take the actor's weights in memory (the local backend's weight sync)."""
+        self.model.load_state_dict(state_dict, strict=True)
+        self.policy_version = version
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[Prompt], params: SamplingParams, max_prompt_length: int | None = None
+    ) -> GenerationResult:
+        import time
+
+        from transformers import GenerationConfig
+
+        started = time.perf_counter()
+        prompt_ids = [encode_prompt(self.tokenizer, p, max_prompt_length) for p in prompts]
+        padded = self.tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt")
+        eos_id = self.tokenizer.eos_token_id
+        sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        generation_config = GenerationConfig(
+            max_new_tokens=params.max_tokens,
+            do_sample=not params.greedy,
+            num_return_sequences=params.n,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=eos_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
+        with _GENERATION_LOCK:
+            torch.manual_seed(params.seed)
+            output = self.model.generate(
+                input_ids=padded["input_ids"].to(self.device),
+                attention_mask=padded["attention_mask"].to(self.device),
+                generation_config=generation_config,
+            )
+        tokens = output.sequences[:, padded["input_ids"].shape[1] :].cpu()  # (B*n, T)
+        scores = torch.stack(output.scores, dim=1).float().cpu()  # (B*n, T, V), processed logits
+        logprobs = scores.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        # A completion ends at its first EOS, which it keeps (as TRL's completion mask does).
+        is_eos = tokens == eos_id
+        has_eos = is_eos.any(dim=1)
+        lengths = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, tokens.shape[1]).tolist()
+        token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
+        completion_ids = [row[:length] for row, length in zip(token_rows, lengths)]
+        return GenerationResult(
+            prompt_token_ids=prompt_ids,
+            completion_token_ids=completion_ids,
+            sampling_logprobs=[row[:length] for row, length in zip(logprob_rows, lengths)],
+            finish_reasons=["stop" if eos else "length" for eos in has_eos.tolist()],
+            texts=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            seconds=time.perf_counter() - started,
+        )
