@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import typing
+import warnings
 from typing import Any
 
 from pydantic import ValidationError
@@ -83,6 +84,7 @@ def quiet_prefect(verbose: bool) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+        warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notices
 
 
 def command_train(args: argparse.Namespace) -> int:

@@ -7,15 +7,16 @@ from typing import Any
 from schemas.config import GRPOFlowConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Offline, CPU, a few minutes: the project's tiny Qwen2 model learns to repeat the last digit
-    # of a sequence. Held-out accuracy starts near chance (0.1) and ends near 1.0.
+    # Offline, CPU, about a minute: the project's tiny Qwen2 model learns to answer `35060=`
+    # with the last digit. Held-out accuracy starts near 0.3 (after the format warm start,
+    # see workers/tiny_model.py) and ends near 1.0.
     "tiny": {
         "model": "tiny",
         "dataset": "last_digit",
         "learning_rate": 5e-3,
         "lr_scheduler_type": "constant",
         "num_generations": 8,
-        "prompts_per_step": 16,
+        "prompts_per_step": 32,
         "max_steps": 50,
         "max_completion_length": 2,
         "max_prompt_length": 32,

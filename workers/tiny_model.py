@@ -92,7 +92,7 @@ def format_warm_start(model: Any, tokenizer: Any, prompts: list[str], steps: int
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 def tiny_model_path(storage_root: str | os.PathLike) -> Path:
