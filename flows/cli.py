@@ -103,7 +103,14 @@ def command_train(args: argparse.Namespace) -> int:
     from flows.grpo import grpo
 
     print(f"grpo-flow: run {config.run_id} ({args.preset} preset, {config.model}, {config.dataset})", flush=True)
-    summary = grpo(config, show_progress=not args.no_progress)
+    try:
+        summary = grpo(config, show_progress=not args.no_progress)
+    except Exception as error:  # the flow already recorded it; say it in one line unless asked for more
+        if args.verbose:
+            raise
+        print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {error}", file=sys.stderr)
+        print("(run again with --verbose for the traceback)", file=sys.stderr)
+        return 1
     print_summary(summary)
     return 0
 

@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, unmapped
+from prefect.runtime import flow_run
 from tqdm.auto import tqdm
 
 from schemas.config import GRPOFlowConfig
@@ -34,6 +35,13 @@ def new_run_id(config: GRPOFlowConfig) -> str:
     return f"{config.dataset.replace('_', '-')}-{stamp}-{uuid.uuid4().hex[:4]}"
 
 
+def grpo_run_name() -> str:
+    """The flow run is named after the run id, so the Prefect UI and the storage root agree."""
+    config = flow_run.parameters.get("config")
+    run_id = config.get("run_id") if isinstance(config, dict) else getattr(config, "run_id", None)
+    return run_id or "grpo-new-run"
+
+
 @flow(name="grpo-step", flow_run_name="{plan.run_id}-step-{step}", validate_parameters=False)
 def grpo_step(config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: int) -> dict[str, Any]:
     """One training step; returns its metrics row (also logged as Parquet)."""
@@ -43,7 +51,7 @@ def grpo_step(config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: 
     scored = score.map(unmapped(config), unmapped(plan), generated)
     batches, reward_stats = compute_advantages(config, scored)
     paths = write_rollouts.map(unmapped(config), unmapped(plan), batches, range(len(batches)))
-    train_metrics = actor_step(config, plan, step, policy_version, wait_for=[paths])
+    train_metrics = actor_step(config, plan, step, policy_version, wait_for=paths)
     last_step = step == plan.total_steps
     synced = sync_weights(config, plan) if step % config.sync_weights_every == 0 or last_step else {}
     saved = save_checkpoint(config, plan, step) if step % config.save_steps == 0 or last_step else {}
@@ -64,7 +72,7 @@ def grpo_step(config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: 
     return row
 
 
-@flow(name="grpo", validate_parameters=True)
+@flow(name="grpo", flow_run_name=grpo_run_name, validate_parameters=True)
 def grpo(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str, Any]:
     """A GRPO run from its config; returns the run's summary (also in summary.json)."""
     started = time.perf_counter()

@@ -24,15 +24,19 @@ def step_seed(seed: int, step: int, shard: int = 0) -> int:
     return int(np.random.SeedSequence([seed, step, shard]).generate_state(1)[0])
 
 
+def epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
+    """The order in which epoch `epoch` visits the training prompts."""
+    return np.random.default_rng([seed, epoch]).permutation(size)
+
+
 @task(name="sample-batch", cache_policy=NO_CACHE)
 def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int) -> list[PromptShard]:
     """The step's prompts, a deterministic function of (seed, step): epoch-wise permutations."""
     train = load_task(config.dataset).train
     start = (step - 1) * config.prompts_per_step
-    indices = []
-    for position in range(start, start + config.prompts_per_step):
-        epoch, offset = divmod(position, len(train))
-        indices.append(int(np.random.default_rng([config.seed, epoch]).permutation(len(train))[offset]))
+    positions = range(start, start + config.prompts_per_step)
+    orders = {epoch: epoch_order(config.seed, epoch, len(train)) for epoch in {p // len(train) for p in positions}}
+    indices = [int(orders[p // len(train)][p % len(train)]) for p in positions]
     rows = train.select(indices).to_list()
     per_shard = config.prompts_per_step // config.num_rollout_workers
     return [
@@ -102,7 +106,7 @@ def compute_advantages(config: GRPOFlowConfig, batches: list[RolloutBatch]) -> t
         "completions/clipped_ratio": float(np.mean(truncated)),
     }
     for name in batches[0].rewards:
-        scores = torch.tensor([np.nan if s is None else s for b in batches for s in b.rewards[name]])
+        scores = torch.tensor([np.nan if s is None else s for b in batches for s in b.rewards[name]], dtype=torch.float64)
         stats[f"rewards/{name}/mean"] = float(torch.nanmean(scores))
     return out, stats
 

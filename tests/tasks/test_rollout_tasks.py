@@ -1,0 +1,93 @@
+"""Task logic through `.fn`: deterministic sampling, shards of whole groups, advantages, schema."""
+
+import math
+
+import pyarrow.parquet as pq
+import pytest
+
+from schemas.presets import preset_config
+from schemas.records import RolloutBatch, RunPlan
+from tasks.rollout import compute_advantages, sample_batch, write_rollouts
+from workers.data import load_task
+
+
+@pytest.fixture
+def config(tmp_path):
+    return preset_config("tiny", run_id="tasks", storage_root=str(tmp_path), prompts_per_step=8, num_rollout_workers=2)
+
+
+@pytest.fixture
+def plan(config):
+    return RunPlan(
+        run_id="tasks",
+        storage_root=config.storage_root,
+        model_path="unused",
+        total_steps=10,
+        reward_names=("last_digit",),
+        extra_columns=("answer",),
+        num_train_prompts=len(load_task("last_digit").train),
+    )
+
+
+def prompt_ids(shards):
+    return [row["prompt_id"] for shard in shards for row in shard.rows]
+
+
+def test_sample_batch_is_a_function_of_seed_and_step(config, plan):
+    first = sample_batch.fn(config, plan, 3)
+    assert prompt_ids(first) == prompt_ids(sample_batch.fn(config, plan, 3))
+    assert prompt_ids(first) != prompt_ids(sample_batch.fn(config, plan, 4))
+    other_seed = config.model_copy(update={"seed": config.seed + 1})
+    assert prompt_ids(first) != prompt_ids(sample_batch.fn(other_seed, plan, 3))
+
+
+def test_sample_batch_splits_whole_prompts_across_workers(config, plan):
+    shards = sample_batch.fn(config, plan, 1)
+    assert [s.shard for s in shards] == [0, 1]
+    assert [len(s.rows) for s in shards] == [4, 4]
+    assert [s.group_offset for s in shards] == [0, 4]
+
+
+def test_an_epoch_visits_every_prompt_once(tmp_path):
+    small = preset_config("tiny", run_id="epochs", storage_root=str(tmp_path), prompts_per_step=1000, num_rollout_workers=1)
+    size = len(load_task("last_digit").train)
+    plan = RunPlan("epochs", str(tmp_path), "unused", 10, ("last_digit",), ("answer",), size)
+    seen = [pid for step in range(1, size // 1000 + 1) for pid in prompt_ids(sample_batch.fn(small, plan, step))]
+    assert len(seen) == len(set(seen)) == size
+
+
+def scored_batch(rewards, offset=0, group_size=4):
+    n = len(rewards)
+    return RolloutBatch(
+        run_id="tasks", step=1, policy_version=0, worker_id="rollout-0",
+        prompt_id=[f"p{offset + i // group_size}" for i in range(n)],
+        group_index=[offset + i // group_size for i in range(n)], sample_index=[i % group_size for i in range(n)],
+        prompt=["12="] * n, completion=["2"] * n, prompt_token_ids=[[1, 2, 3]] * n,
+        completion_token_ids=[[4, 5]] * n, sampling_logprobs=[[-0.1, -0.2]] * n, finish_reason=["stop"] * n,
+        extra_columns={"answer": ["2"] * n}, rewards={"last_digit": list(rewards)}, reward=list(rewards),
+        reward_error=[None] * n,
+    )
+
+
+def test_advantages_span_every_shard_of_the_step(config):
+    config = config.model_copy(update={"num_generations": 4})
+    batches, stats = compute_advantages.fn(config, [scored_batch([1, 0, 0, 0]), scored_batch([1, 1, 1, 1], offset=1)])
+    first, second = batches
+    assert first.advantage[0] > 0 and all(a < 0 for a in first.advantage[1:])
+    assert math.isclose(sum(first.advantage), 0.0, abs_tol=1e-5)
+    assert second.advantage == [0.0] * 4  # a group of ties carries no signal
+    assert stats["frac_reward_zero_std"] == 0.5
+    assert stats["reward"] == pytest.approx(5 / 8)
+    assert stats["rewards/last_digit/mean"] == pytest.approx(5 / 8)
+
+
+def test_write_rollouts_enforces_the_schema_and_never_overwrites(config, plan):
+    batch, _ = compute_advantages.fn(config.model_copy(update={"num_generations": 4}), [scored_batch([1, 0, 1, 0])])
+    path = write_rollouts.fn(config, plan, batch[0], 0)
+    table = pq.read_table(path)
+    assert table.num_rows == 4
+    assert table.schema.field("completion_token_ids").type.value_type.bit_width == 32
+    assert table.column("reward_last_digit").to_pylist() == [1.0, 0.0, 1.0, 0.0]
+    with pytest.raises(FileExistsError):
+        write_rollouts.fn(config, plan, batch[0], 0)
+    assert pq.read_table(path).equals(table)
