@@ -9,6 +9,7 @@ expects) and a finish reason per completion.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,11 +85,8 @@ class TransformersRolloutEngine:
     def generate(
         self, prompts: list[Prompt], params: SamplingParams, max_prompt_length: int | None = None
     ) -> GenerationResult:
-        import time
-
         from transformers import GenerationConfig
 
-        started = time.perf_counter()
         prompt_ids = [encode_prompt(self.tokenizer, p, max_prompt_length) for p in prompts]
         padded = self.tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt")
         eos_id = self.tokenizer.eos_token_id
@@ -104,12 +102,14 @@ class TransformersRolloutEngine:
             **sampling,
         )
         with _GENERATION_LOCK:
+            started = time.perf_counter()  # time spent generating, not waiting for another shard
             torch.manual_seed(params.seed)
             output = self.model.generate(
                 input_ids=padded["input_ids"].to(self.device),
                 attention_mask=padded["attention_mask"].to(self.device),
                 generation_config=generation_config,
             )
+            seconds = time.perf_counter() - started
         tokens = output.sequences[:, padded["input_ids"].shape[1] :].cpu()  # (B*n, T)
         scores = torch.stack(output.scores, dim=1).float().cpu()  # (B*n, T, V), processed logits
         logprobs = scores.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -125,5 +125,5 @@ class TransformersRolloutEngine:
             sampling_logprobs=[row[:length] for row, length in zip(logprob_rows, lengths)],
             finish_reasons=["stop" if eos else "length" for eos in has_eos.tolist()],
             texts=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-            seconds=time.perf_counter() - started,
+            seconds=seconds,
         )
