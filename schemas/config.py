@@ -77,6 +77,12 @@ class GRPOFlowConfig(BaseModel):
     warmup_steps: int = Field(default=0, ge=0, description="Linear warmup over this many optimizer steps.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Maximum gradient norm (for gradient clipping).")
+    bf16: bool | None = Field(
+        default=None,
+        description="bf16 mixed precision (autocast) for the actor, TRL's option. None: on with a CUDA GPU, off on "
+        "CPU, where bf16 is slower and makes the actor's log-probs drift from the rollout engine's fp32 ones. "
+        "(TRL defaults to on everywhere.)",
+    )
     max_steps: int = Field(
         default=-1,
         description="Number of training steps. If `-1`, derived from `num_train_epochs` and the data set size.",

@@ -24,9 +24,11 @@ def grpo_args(config: GRPOFlowConfig, output_dir: str) -> Any:
     """TRL's GRPOConfig for our config: the same option names, one optimizer step per batch."""
     from trl import GRPOConfig
 
+    on_gpu = torch.cuda.is_available()
     return GRPOConfig(
         output_dir=output_dir,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not on_gpu,
+        bf16=on_gpu if config.bf16 is None else config.bf16,
         report_to="none",
         save_strategy="no",
         seed=config.seed,
@@ -68,10 +70,24 @@ def make_objective(model: Any, tokenizer: Any, config: GRPOFlowConfig) -> Any:
     return objective
 
 
+@torch.no_grad()
+def reference_logprobs(objective: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token log-probs of the completions under TRL's frozen reference model (loaded when beta > 0)."""
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    logps, _, _ = objective._get_per_token_logps_and_entropies(
+        objective.ref_model, input_ids, attention_mask, inputs["completion_ids"].size(1)
+    )
+    return logps
+
+
 def compute_loss(objective: Any, model: Any, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
     """TRL's GRPO loss on one batch, and the metrics TRL logged while computing it (means)."""
-    objective._metrics["train"].clear()
+    if objective.beta != 0.0:
+        inputs = {**inputs, "ref_per_token_logps": reference_logprobs(objective, inputs)}
+    mode = "train" if objective.model.training else "eval"  # where TRL files the metrics it logs
+    objective._metrics[mode].clear()
     loss = objective.compute_loss(model, inputs)
-    metrics = {name: sum(values) / len(values) for name, values in objective._metrics["train"].items() if values}
-    objective._metrics["train"].clear()
+    metrics = {name: sum(values) / len(values) for name, values in objective._metrics[mode].items() if values}
+    objective._metrics[mode].clear()
     return loss, metrics

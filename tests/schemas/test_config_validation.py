@@ -1,0 +1,66 @@
+"""The config is checked once, at the edge: every bad value is refused with the field's name."""
+
+import pytest
+from pydantic import ValidationError
+
+from schemas.config import GRPOFlowConfig, describe_validation_error
+from schemas.presets import PRESETS, preset_config
+
+
+def problems(**fields) -> str:
+    with pytest.raises(ValidationError) as caught:
+        GRPOFlowConfig(**fields)
+    return describe_validation_error(caught.value)
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"loss_type": "ppo"}, "loss_type: Input should be 'grpo', 'dapo'"),
+        ({"beta": -0.1}, "beta: Input should be greater than or equal to 0"),
+        ({"num_generations": 1}, "num_generations: Input should be greater than or equal to 2"),
+        ({"learning_rate": 0}, "learning_rate: Input should be greater than 0"),
+        ({"top_p": 1.5}, "top_p: Input should be less than or equal to 1"),
+        ({"run_id": "../escape"}, "run_id: String should match pattern"),
+        ({"scale_rewards": "std"}, "scale_rewards: Input should be 'group', 'batch' or 'none'"),
+        ({"max_steps": "abc"}, "max_steps: Input should be a valid integer"),
+        ({"no_such_field": 1}, "no_such_field: Extra inputs are not permitted"),
+        ({"prompts_per_step": 6, "num_rollout_workers": 4},
+         "prompts_per_step (6) must split into whole groups across num_rollout_workers (4)"),
+        ({"epsilon": 0.3, "epsilon_high": 0.2}, "epsilon_high (0.2) must be >= epsilon (0.3)"),
+        ({"max_steps": 0}, "max_steps (0) must be a positive number of steps, or -1"),
+        ({"reward_funcs": ["last_digit"], "reward_weights": [1.0, 2.0]},
+         "reward_weights has 2 values but reward_funcs has 1 functions"),
+        ({"backend": "modal"}, "backend 'modal' is not available in this release"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(fields, expected):
+    assert expected in problems(**fields)
+
+
+def test_defaults_are_trl_defaults_where_trl_has_the_option():
+    from trl import GRPOConfig
+
+    ours, theirs = GRPOFlowConfig(), GRPOConfig(output_dir="unused", use_cpu=True)
+    for name in ("learning_rate", "num_generations", "loss_type", "beta", "epsilon", "epsilon_high",
+                 "scale_rewards", "temperature", "top_p", "max_grad_norm"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_every_preset_is_valid_and_overridable():
+    for name in PRESETS:
+        assert preset_config(name).model == PRESETS[name]["model"]
+    assert preset_config("tiny", max_steps=3).max_steps == 3
+    with pytest.raises(KeyError, match="known presets: gsm8k, tiny"):
+        preset_config("huge")
+
+
+def test_training_hash_follows_training_fields_only():
+    base = GRPOFlowConfig()
+    assert base.training_hash() == GRPOFlowConfig(run_id="x", max_steps=7, storage_root="/else").training_hash()
+    assert base.training_hash() != GRPOFlowConfig(learning_rate=2e-6).training_hash()
+
+
+def test_total_steps_follows_trl_rule():
+    assert GRPOFlowConfig(max_steps=5).total_steps(1000) == 5
+    assert GRPOFlowConfig(max_steps=-1, num_train_epochs=2, prompts_per_step=8).total_steps(100) == 25
