@@ -14,6 +14,7 @@ and the loss is TRL's `loss_type` (dapo by default), not the paper's per-sequenc
 
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
 from datetime import datetime, timezone
@@ -82,6 +83,7 @@ def grpo(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str, Any]:
     plan = prepare_run(config)
     initial_accuracy = evaluate_heldout(config, plan)
     rows: list[dict[str, Any]] = []
+    step_walls: list[float] = []  # around each subflow call: step work plus Prefect's orchestration
     summary: dict[str, Any] = {"run_id": plan.run_id, "total_steps": plan.total_steps}
     try:
         # Step subflows run inside this flow's process, whose own heartbeat reports the run.
@@ -89,7 +91,9 @@ def grpo(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str, Any]:
         # flow run, which cost each step about a second; the subflows go without.
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             for step in tqdm(range(1, plan.total_steps + 1), desc=plan.run_id, disable=not show_progress, unit="step"):
+                step_started = time.perf_counter()
                 rows.append(grpo_step(config, plan, step, policy_version=step - 1))
+                step_walls.append(time.perf_counter() - step_started)
     except BaseException as error:
         summary.update(status="failed", error=f"{type(error).__name__}: {error}", steps_completed=len(rows))
         finish_run(config, plan, summary)
@@ -104,6 +108,7 @@ def grpo(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str, Any]:
         eval_accuracy_gain=final_accuracy - initial_accuracy,
         final_reward=sum(r["reward"] for r in recent) / len(recent),
         wall_seconds=time.perf_counter() - started,
+        median_step_seconds=statistics.median(step_walls),
         storage=str(plan.storage_root),
     )
     return finish_run(config, plan, summary)
