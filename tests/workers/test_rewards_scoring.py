@@ -1,0 +1,105 @@
+"""Rewards are called as TRL calls them; bad scores are errors that name the function and sample."""
+
+import math
+import textwrap
+
+import pytest
+
+from schemas.records import RolloutBatch
+from workers.data import extract_final_number, gsm8k_answer, gsm8k_rows, load_task
+from workers.rewards import check_scores, gsm8k_accuracy, last_digit, resolve_reward_funcs, score_batch
+
+
+def batch(completions, answers):
+    n = len(completions)
+    return RolloutBatch(
+        run_id="r", step=1, policy_version=0, worker_id="w", prompt_id=["p"] * n, group_index=[0] * n,
+        sample_index=list(range(n)), prompt=["35060="] * n, completion=completions, prompt_token_ids=[[1]] * n,
+        completion_token_ids=[[2, 3]] * n, sampling_logprobs=[[-0.1, -0.1]] * n, finish_reason=["stop"] * n,
+        extra_columns={"answer": answers},
+    )
+
+
+def test_builtin_rewards():
+    assert last_digit(completions=["0", " 0 ", "00", "6"], answer=["0"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    messages = [[{"role": "assistant", "content": "so #### 1,234"}]]
+    assert gsm8k_accuracy(completions=["The answer is 42.", "#### 41"], answer=["42", "42"]) == [1.0, 0.0]
+    assert gsm8k_accuracy(completions=messages, answer=["1234"]) == [1.0]
+
+
+def test_reward_functions_get_trl_arguments_and_dataset_columns(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        calls = []
+        def shaped(prompts, completions, completion_ids, answer, **kwargs):
+            calls.append((prompts, completions, completion_ids, answer))
+            return [None if c == "skip" else float(len(c)) for c in completions]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    funcs = resolve_reward_funcs(["last_digit", "my_rewards:shaped"])
+    assert list(funcs) == ["last_digit", "shaped"]
+    scored = score_batch(batch(["0", "skip", "12"], ["0", "0", "2"]), funcs, [2.0, 0.5])
+    import my_rewards
+
+    prompts, completions, ids, answer = my_rewards.calls[0]
+    assert completions == ["0", "skip", "12"] and answer == ["0", "0", "2"] and ids == [[2, 3]] * 3
+    assert scored.rewards == {"last_digit": [1.0, 0.0, 0.0], "shaped": [1.0, None, 2.0]}
+    # TRL's rule: a function that returns None for a sample is left out of that sample's sum
+    assert scored.reward == [2.0 * 1 + 0.5 * 1, 0.0, 0.5 * 2]
+
+
+def test_a_sample_no_function_applies_to_has_no_reward(tmp_path, monkeypatch):
+    (tmp_path / "none_rewards.py").write_text("def never(completions, **kw):\n    return [None] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    scored = score_batch(batch(["1"], ["1"]), resolve_reward_funcs(["none_rewards:never"]), None)
+    assert math.isnan(scored.reward[0])
+
+
+@pytest.mark.parametrize(
+    "scores, message",
+    [
+        ([1.0], "returned 1 scores for 2 completions"),
+        ([1.0, float("nan")], "returned nan for sample 1"),
+        ([float("inf"), 1.0], "returned inf for sample 0"),
+        (["1", 1.0], "returned '1' for sample 0"),
+        ([True, 1.0], "returned True for sample 0"),
+        (None, "returned NoneType scores"),
+    ],
+)
+def test_bad_scores_name_the_function_and_sample(scores, message):
+    with pytest.raises(ValueError, match=f"reward function 'mine' {message}"):
+        check_scores("mine", scores, 2)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [("nonsense", r"reward_funcs\[0\]: 'nonsense' is neither"), ("no_module_here:f", r"reward_funcs\[0\]: cannot import"),
+     ("math:pi", r"reward_funcs\[0\]: 'math:pi' is not callable")],
+)
+def test_unknown_reward_names_are_errors(name, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_reward_funcs([name])
+
+
+def test_last_digit_task_is_fixed_and_its_splits_disjoint():
+    task = load_task("last_digit")
+    assert set(task.train["prompt"]).isdisjoint(task.heldout["prompt"])
+    for prompt, answer in zip(task.heldout["prompt"][:50], task.heldout["answer"][:50]):
+        assert prompt.endswith("=") and prompt[-2] == answer
+    load_task.cache_clear()
+    assert load_task("last_digit").train["prompt"][:20] == task.train["prompt"][:20]
+
+
+def test_gsm8k_rows_from_hub_format():
+    from datasets import Dataset
+
+    hub = Dataset.from_dict({
+        "question": ["Tom has 3 apples and buys 1,231 more. How many?"],
+        "answer": ["3 + 1231 = <<3+1231=1234>>1234\n#### 1,234"],
+    })
+    rows = gsm8k_rows(hub, "gsm8k-test")
+    assert rows[0]["answer"] == "1234" and rows[0]["prompt_id"] == "gsm8k-test-00000"
+    assert rows[0]["prompt"][0]["role"] == "user" and "####" in rows[0]["prompt"][0]["content"]
+    with pytest.raises(ValueError, match="no '####'"):
+        gsm8k_answer("no marker here")
+    assert extract_final_number("first 3, then 4.5 and finally 1,000.") == "1000"
+    assert extract_final_number("#### -7") == "-7" and extract_final_number("none") is None
