@@ -17,6 +17,7 @@ from workers.evaluation import heldout_accuracy
 from workers.rewards import resolve_reward_funcs
 from workers.storage import RunStorage
 from workers.tiny_model import read_build_info, resolve_model_path
+from workers.tracking import wandb_finish
 
 
 def check_new_run(config: GRPOFlowConfig) -> RunStorage:
@@ -71,5 +72,6 @@ def finish_run(config: GRPOFlowConfig, plan: RunPlan, summary: dict[str, Any]) -
         markdown="## grpo-flow run `" + plan.run_id + "`\n\n```json\n" + json.dumps(summary, indent=2) + "\n```",
         description=f"Outcome of run {plan.run_id}",
     )
+    wandb_finish(plan.run_id)
     local.release(plan.run_id)
     return summary

@@ -17,7 +17,7 @@ def wandb_log(config: GRPOFlowConfig, run_id: str, step: int, row: dict[str, Any
             project=config.wandb_project, name=run_id, id=run_id, resume="allow", config=config.model_dump(mode="json")
         )
     numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
-    _RUNS[run_id].log(numbers, step=step)
+    _RUNS[run_id].log(numbers, step=step, commit=True)  # a step's row is complete when logged
 
 
 def wandb_finish(run_id: str) -> None:
