@@ -48,12 +48,14 @@ def grpo_run_name() -> str:
 def grpo_step(config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: int) -> dict[str, Any]:
     """One training step; returns its metrics row (also logged as Parquet)."""
     started = time.perf_counter()
+    # Each mapped stage is resolved before the next, so a failure surfaces as the failing
+    # task's own exception rather than as a missing input further down.
     shards = sample_batch(config, plan, step)
-    generated = generate.map(unmapped(config), unmapped(plan), shards)
-    scored = score.map(unmapped(config), unmapped(plan), generated)
+    generated = generate.map(unmapped(config), unmapped(plan), shards).result()
+    scored = score.map(unmapped(config), unmapped(plan), generated).result()
     batches, reward_stats = compute_advantages(config, scored)
-    paths = write_rollouts.map(unmapped(config), unmapped(plan), batches, range(len(batches)))
-    train_metrics = actor_step(config, plan, step, policy_version, wait_for=paths)
+    write_rollouts.map(unmapped(config), unmapped(plan), batches, range(len(batches))).result()
+    train_metrics = actor_step(config, plan, step, policy_version)
     last_step = step == plan.total_steps
     synced = sync_weights(config, plan) if step % config.sync_weights_every == 0 or last_step else {}
     saved = save_checkpoint(config, plan, step) if step % config.save_steps == 0 or last_step else {}
@@ -95,7 +97,10 @@ def grpo(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str, Any]:
                 rows.append(grpo_step(config, plan, step, policy_version=step - 1))
                 step_walls.append(time.perf_counter() - step_started)
     except BaseException as error:
-        summary.update(status="failed", error=f"{type(error).__name__}: {error}", steps_completed=len(rows))
+        failed_step = len(rows) + 1
+        summary.update(
+            status="failed", error=f"step {failed_step}: {type(error).__name__}: {error}", steps_completed=len(rows)
+        )
         finish_run(config, plan, summary)
         raise
     final_accuracy = evaluate_heldout(config, plan)

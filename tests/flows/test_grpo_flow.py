@@ -113,3 +113,33 @@ def test_tiny_preset_raises_heldout_accuracy_by_at_least_0_3(prefect_server, sto
     summary = grpo(config)
     assert summary["steps_completed"] == config.max_steps
     assert summary["final_eval_accuracy"] - summary["initial_eval_accuracy"] >= 0.3, summary
+
+
+def test_a_failing_step_fails_the_run_and_keeps_what_was_logged(prefect_server, storage_root, tmp_path, monkeypatch):
+    (tmp_path / "flaky_rewards.py").write_text(
+        "calls = 0\n"
+        "def breaks_at_step_2(completions, **kwargs):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls > 1:\n"
+        "        raise RuntimeError('reward service down')\n"
+        "    return [0.5] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = preset_config(
+        "tiny", run_id="fails-at-2", storage_root=str(storage_root), max_steps=3, prompts_per_step=2,
+        num_generations=2, num_rollout_workers=1, eval_prompts=4, reward_funcs=["flaky_rewards:breaks_at_step_2"],
+    )
+    with pytest.raises(RuntimeError, match="reward service down"):
+        grpo(config)
+    storage = RunStorage(storage_root, config.run_id)
+    summary = storage.read_summary()
+    assert summary["status"] == "failed" and summary["steps_completed"] == 1
+    assert summary["error"] == "step 2: RuntimeError: reward service down"
+    assert storage.logged_steps() == [1]
+    assert storage.read_rollouts(step=1).column("reward_breaks_at_step_2").to_pylist() == [0.5] * 4
+    assert not storage.rollout_dir(2).exists()
+
+    from workers.storage import list_runs
+
+    assert ("fails-at-2", "failed", 1) in [(r.run_id, r.status, r.last_step) for r in list_runs(storage_root)]
