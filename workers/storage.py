@@ -1,14 +1,18 @@
 """The storage root: everything a run knows, as plain files (pyarrow only, no torch).
 
     <root>/runs/<run_id>/config.json                     frozen config of the run
-    <root>/runs/<run_id>/rollouts/step=000042/shard-00.parquet
-    <root>/runs/<run_id>/metrics/step=000042.parquet
+    <root>/runs/<run_id>/rollouts/step-000042/shard-00.parquet
+    <root>/runs/<run_id>/metrics/step-000042.parquet
     <root>/runs/<run_id>/checkpoints/step-000040/        manifest.json written last = complete
     <root>/runs/<run_id>/summary.json
     <root>/models/<name>/                                models the project builds itself
 
 Every file is written to a temporary name in its own folder and renamed into place, so a
 reader never sees a partial file. Logged rollouts and metrics are never overwritten.
+
+Step folders are named `step-000042`, not hive-style `step=000042`: every row already
+carries its `step` column, and a hive folder of the same name makes pandas and pyarrow
+refuse to read the run as one data set (the folder's key and the column clash in type).
 """
 
 from __future__ import annotations
@@ -93,13 +97,13 @@ class RunStorage:
         return self.run_dir / "summary.json"
 
     def rollout_dir(self, step: int) -> Path:
-        return self.run_dir / "rollouts" / f"step={step:06d}"
+        return self.run_dir / "rollouts" / f"step-{step:06d}"
 
     def rollout_path(self, step: int, shard: int) -> Path:
         return self.rollout_dir(step) / f"shard-{shard:02d}.parquet"
 
     def metrics_path(self, step: int) -> Path:
-        return self.run_dir / "metrics" / f"step={step:06d}.parquet"
+        return self.run_dir / "metrics" / f"step-{step:06d}.parquet"
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step-{step:06d}"
@@ -135,7 +139,7 @@ class RunStorage:
         source = self.rollout_dir(step) if step is not None else self.run_dir / "rollouts"
         if not source.exists():
             raise FileNotFoundError(f"run {self.run_id!r} has no rollouts" + (f" for step {step}" if step else ""))
-        dataset = ds.dataset(source, format="parquet", partitioning="hive", exclude_invalid_files=True)
+        dataset = ds.dataset(source, format="parquet", exclude_invalid_files=True)
         table = dataset.to_table(columns=columns)
         sort_keys = [(k, "ascending") for k in ("step", "group_index", "sample_index") if k in table.column_names]
         return table.sort_by(sort_keys) if sort_keys else table
@@ -149,14 +153,14 @@ class RunStorage:
 
     def read_metrics(self) -> pa.Table:
         """All metric rows of the run; columns that appear only at some steps are null elsewhere."""
-        files = sorted((self.run_dir / "metrics").glob("step=*.parquet"))
+        files = sorted((self.run_dir / "metrics").glob("step-*.parquet"))
         if not files:
             return pa.table({})
         tables = [pq.read_table(f) for f in files]
         return pa.concat_tables(tables, promote_options="default").sort_by("step")
 
     def logged_steps(self) -> list[int]:
-        return sorted(int(p.stem.split("=")[1]) for p in (self.run_dir / "metrics").glob("step=*.parquet"))
+        return sorted(int(p.stem.split("-")[1]) for p in (self.run_dir / "metrics").glob("step-*.parquet"))
 
     # -- checkpoints ----------------------------------------------------------------------------
     def staging_checkpoint_dir(self, step: int) -> Path:
