@@ -92,10 +92,12 @@ def grpo(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str, Any]:
         # Prefect 3.8 joins a heartbeat thread that sleeps in 1 s slices at the end of every
         # flow run, which cost each step about a second; the subflows go without.
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            for step in tqdm(range(1, plan.total_steps + 1), desc=plan.run_id, disable=not show_progress, unit="step"):
+            progress = tqdm(range(1, plan.total_steps + 1), desc=plan.run_id, disable=not show_progress, unit="step")
+            for step in progress:
                 step_started = time.perf_counter()
                 rows.append(grpo_step(config, plan, step, policy_version=step - 1))
                 step_walls.append(time.perf_counter() - step_started)
+                progress.set_postfix(reward=f"{rows[-1]['reward']:.3f}", loss=f"{rows[-1]['loss']:.4f}")
     except BaseException as error:
         failed_step = len(rows) + 1
         summary.update(
