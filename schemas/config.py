@@ -19,12 +19,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 ScaleRewards = Literal["group", "batch", "none"]
 Backend = Literal["local", "modal"]
+WeightSyncMethod = Literal["reload", "volume", "direct", "checkpoint", "lora"]
+# GPU types Modal accepts in `gpu=` (https://modal.com/docs/guide/gpu); a count is given separately.
+MODAL_GPU_TYPES = ("T4", "L4", "A10G", "A10", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 # Fields that do not change what a run computes; everything else is part of the config hash.
 NON_TRAINING_FIELDS = frozenset(
-    {"run_id", "storage_root", "max_steps", "save_steps", "report_to", "wandb_project", "backend"}
+    {"run_id", "storage_root", "max_steps", "save_steps", "report_to", "wandb_project", "backend", "actor_gpu",
+     "actor_gpu_count", "rollout_gpu", "weight_sync_method", "gpu_memory_utilization", "modal_volume",
+     "modal_secrets", "detach"}
 )
 
 
@@ -127,6 +132,24 @@ class GRPOFlowConfig(BaseModel):
     )
     save_steps: int = Field(default=50, ge=1, description="Write a checkpoint every N steps (and at the last step).")
 
+    # Modal backend (the seeds' option names); ignored by the local backend
+    actor_gpu: str = Field(default="A100", description=f"Modal GPU type of the actor: one of {', '.join(MODAL_GPU_TYPES)}.")
+    actor_gpu_count: int = Field(default=1, ge=1, le=8, description="GPUs for the actor container.")
+    rollout_gpu: str = Field(default="A10G", description="Modal GPU type of each vLLM rollout worker.")
+    weight_sync_method: WeightSyncMethod = Field(
+        default="reload",
+        description="How rollout workers get new weights: `reload` (vLLM sleep/wake_up/reload_weights), `volume` "
+        "(safetensors on the volume, engine reload), `direct` (in memory through Modal calls), `checkpoint` (full "
+        "save, engine re-created), `lora` (adapter only).",
+    )
+    max_model_len: int | None = Field(default=None, ge=16, description="vLLM max_model_len; None: prompt + completion.")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="vLLM gpu_memory_utilization.")
+    modal_volume: str = Field(default="grpo-flow", min_length=1, description="Modal Volume holding the storage root.")
+    modal_secrets: list[str] = Field(
+        default_factory=list, description="Modal Secrets by name, e.g. `huggingface-secret`, `wandb-secret`."
+    )
+    detach: bool = Field(default=False, description="Keep the Modal app running if the local client disconnects.")
+
     # Evaluation and logging
     eval_prompts: int = Field(
         default=200, ge=0, description="Held-out prompts scored greedily at the start and end of a run (0 = skip)."
@@ -152,6 +175,11 @@ class GRPOFlowConfig(BaseModel):
                 f"reward_weights has {len(self.reward_weights)} values but reward_funcs has "
                 f"{len(self.reward_funcs)} functions"
             )
+        for name in ("actor_gpu", "rollout_gpu"):
+            if getattr(self, name) not in MODAL_GPU_TYPES:
+                raise ValueError(
+                    f"{name}: unknown Modal GPU type {getattr(self, name)!r}; known: {', '.join(MODAL_GPU_TYPES)}"
+                )
         if self.backend == "modal":
             raise ValueError("backend 'modal' is not available in this release; use backend='local'")
         return self
