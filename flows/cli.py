@@ -1,6 +1,7 @@
 """`grpo`: train a run, list runs, read a run's rollouts.
 
     grpo train --preset tiny [--max-steps 3 --loss-type grpo --storage-root DIR --run-id ID ...]
+    grpo train --run-id ID [--resume] [--max-steps 80] [--allow-config-change]   (resume a run)
     grpo runs [--storage-root DIR]
     grpo rollouts RUN_ID [--step N] [--limit K] [--storage-root DIR]
 
@@ -88,31 +89,66 @@ def quiet_prefect(verbose: bool) -> None:
 
 
 def command_train(args: argparse.Namespace) -> int:
-    config = build_config(args.preset, parse_overrides(args))
+    overrides = parse_overrides(args)
     quiet_prefect(args.verbose)  # before Prefect is first imported: its settings are read then
+    from workers.storage import RunStorage
+
+    check_storage_root(args.storage_root)
+    existing = overrides.get("run_id") and RunStorage(args.storage_root, overrides["run_id"]).exists()
+    if args.resume and not existing:
+        where = os.path.join(args.storage_root, "runs")
+        raise UsageError(f"--resume: no run {overrides.get('run_id')!r} under {where}" if overrides.get("run_id")
+                         else "--resume needs --run-id")
+    if existing:
+        config = resume_config(RunStorage(args.storage_root, overrides["run_id"]), overrides, args)
+    else:
+        config = build_config(args.preset or "tiny", overrides)
     from flows.grpo import new_run_id
-    from tasks.run import check_new_run
 
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
-    try:
-        check_new_run(config)
-    except FileExistsError as error:
-        raise UsageError(str(error)) from error
-    check_storage_root(config.storage_root)
+    if args.fail_at:
+        from workers.faults import parse_fail_at
+
+        try:
+            parse_fail_at(args.fail_at)
+        except ValueError as error:
+            raise UsageError(f"--{error}") from error
     from flows.grpo import grpo
 
-    print(f"grpo-flow: run {config.run_id} ({args.preset} preset, {config.model}, {config.dataset})", flush=True)
+    what = "resuming run" if existing else "run"
+    print(f"grpo-flow: {what} {config.run_id} ({config.model}, {config.dataset})", flush=True)
     try:
-        summary = grpo(config, show_progress=not args.no_progress)
+        summary = grpo(
+            config, show_progress=not args.no_progress, allow_config_change=args.allow_config_change,
+            fail_at=args.fail_at,
+        )
     except Exception as error:  # the flow already recorded it; say it in one line unless asked for more
         if args.verbose:
             raise
         print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {error}", file=sys.stderr)
-        print("(run again with --verbose for the traceback)", file=sys.stderr)
+        print(f"(resume it with: grpo train --run-id {config.run_id} --storage-root {config.storage_root}; "
+              "add --verbose for the traceback)", file=sys.stderr)
         return 1
     print_summary(summary)
     return 0
+
+
+def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namespace) -> GRPOFlowConfig:
+    """The run's own config with the options given applied; a change to training needs --allow-config-change."""
+    from workers.resume import ResumeError, check_config_change, config_for_resume
+
+    if args.preset:
+        print(f"grpo train: run {storage.run_id!r} exists; --preset is ignored, its config.json is used",
+              file=sys.stderr)
+    try:
+        config = config_for_resume(storage, overrides)
+        check_config_change(storage, config, args.allow_config_change)
+    except ValidationError as error:
+        raise UsageError("invalid config:\n" + "\n".join(map(cli_spelling, describe_validation_error(error).splitlines())))
+    except ResumeError as error:
+        raise UsageError(str(error)) from error
+    return config
 
 
 def check_storage_root(root: str) -> None:
@@ -182,7 +218,12 @@ def make_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="start a run from a preset plus overrides")
-    train.add_argument("--preset", default="tiny", help=f"one of: {', '.join(sorted(PRESETS))} (default: tiny)")
+    train.add_argument("--preset", default=None, help=f"one of: {', '.join(sorted(PRESETS))} (default: tiny)")
+    train.add_argument("--resume", action="store_true", help="require --run-id to name an existing run, and resume it")
+    train.add_argument(
+        "--allow-config-change", action="store_true", help="resume even if a field that alters training changed"
+    )
+    train.add_argument("--fail-at", default=None, metavar="STAGE@STEP[:kill]", help="testing aid: fail on purpose")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--verbose", action="store_true", help="show Prefect's task logs")
     add_config_options(train)

@@ -1,11 +1,16 @@
 """The `grpo` flow: one run, as a subflow per training step.
 
-    prepare_run → evaluate_heldout (initial)
-    for step in 1..N:  grpo_step
+    prepare_run → [restore_workers, when resuming] → evaluate_heldout (initial)
+    for step in first..N:  grpo_step
         sample_batch → generate.map(shards) → score.map(shards) → compute_advantages
-        → write_rollouts.map(shards) → actor_step → sync_weights (when due)
-        → save_checkpoint (when due) → log_metrics
+        → write_rollouts.map(shards) → commit_rollouts → actor_step → sync_weights (when due)
+        → log_metrics → save_checkpoint (when due)
+      (a step whose rollouts are already logged skips straight to actor_step: a replay)
     evaluate_heldout (final) → finish_run
+
+Resuming is the same flow on an existing run id: `prepare_run` finds the newest valid
+checkpoint and the logged steps after it (workers/resume.py). Retrying a failed flow run in
+Prefect does the same.
 
 Runs on Prefect's ephemeral server when PREFECT_API_URL is unset, on a real server otherwise.
 Where it departs from the GRPO paper: one optimizer step per batch (TRL's num_iterations=1),
@@ -27,9 +32,19 @@ from tqdm.auto import tqdm
 
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
-from tasks.rollout import compute_advantages, generate, sample_batch, score, write_rollouts
+from tasks.rollout import (
+    commit_rollouts,
+    compute_advantages,
+    generate,
+    logged_reward_stats,
+    sample_batch,
+    score,
+    write_rollouts,
+)
 from tasks.run import evaluate_heldout, finish_run, prepare_run
-from tasks.train import actor_step, log_metrics, save_checkpoint, sync_weights
+from tasks.train import actor_step, log_metrics, restore_workers, save_checkpoint, sync_weights
+from workers.faults import parse_fail_at
+from workers.storage import RunStorage
 
 
 def new_run_id(config: GRPOFlowConfig) -> str:
@@ -44,46 +59,84 @@ def grpo_run_name() -> str:
     return run_id or "grpo-new-run"
 
 
-@flow(name="grpo-step", flow_run_name="{plan.run_id}-step-{step}", validate_parameters=False)
-def grpo_step(config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: int) -> dict[str, Any]:
-    """One training step; returns its metrics row (also logged as Parquet)."""
+# persist_result=False: a retried parent flow run must run a step again, never reuse an old
+# step's result (Prefect reuses a finished subflow run only when its result was persisted).
+@flow(name="grpo-step", flow_run_name="{plan.run_id}-step-{step}", validate_parameters=False, persist_result=False)
+def grpo_step(
+    config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: int, rollout_version: int,
+    fail_at: str | None = None,
+) -> dict[str, Any]:
+    """One training step; returns its metrics row (also logged as Parquet).
+
+    `policy_version` is the actor's before the step, `rollout_version` the one the rollout
+    workers must hold; a worker holding another loads it first.
+    """
     started = time.perf_counter()
-    # Each mapped stage is resolved before the next, so a failure surfaces as the failing
-    # task's own exception rather than as a missing input further down.
-    shards = sample_batch(config, plan, step)
-    generated = generate.map(unmapped(config), unmapped(plan), shards).result()
-    scored = score.map(unmapped(config), unmapped(plan), generated).result()
-    batches, reward_stats = compute_advantages(config, scored)
-    write_rollouts.map(unmapped(config), unmapped(plan), batches, range(len(batches))).result()
-    train_metrics = actor_step(config, plan, step, policy_version)
+    retry = {"retry_delay_seconds": config.retry_delay_seconds}
+    if RunStorage(plan.storage_root, plan.run_id).rollout_dir(step).exists():
+        # Logged before a crash: the actor trains on the rows as logged, nothing is generated again.
+        num_completions, reward_stats = logged_reward_stats(config, plan, step)
+        timings = {"replayed": 1.0}
+    else:
+        # Each mapped stage is resolved before the next, so a failure surfaces as the failing
+        # task's own exception rather than as a missing input further down.
+        shards = sample_batch(config, plan, step)
+        generated = (
+            generate.with_options(retries=config.generate_retries, **retry)
+            .map(unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at))
+            .result()
+        )
+        scored = (
+            score.with_options(retries=config.score_retries, **retry)
+            .map(unmapped(config), unmapped(plan), generated, unmapped(fail_at))
+            .result()
+        )
+        batches, reward_stats = compute_advantages(config, scored)
+        write_rollouts.map(unmapped(config), unmapped(plan), batches, range(len(batches))).result()
+        commit_rollouts(config, plan, step)
+        num_completions = sum(len(b) for b in batches)
+        timings = {"time/generate_s": sum(b.generate_s for b in batches), "time/score_s": sum(b.score_s for b in batches)}
+    train_metrics = actor_step.with_options(retries=config.actor_retries, **retry)(
+        config, plan, step, policy_version, fail_at
+    )
     last_step = step == plan.total_steps
     synced = sync_weights(config, plan) if step % config.sync_weights_every == 0 or last_step else {}
-    saved = save_checkpoint(config, plan, step) if step % config.save_steps == 0 or last_step else {}
     row = {
         "run_id": plan.run_id,
         "step": step,
         "policy_version": policy_version + 1,
-        "num_completions": sum(len(b) for b in batches),
+        "num_completions": num_completions,
         **reward_stats,
         **train_metrics,
         **synced,
-        **saved,
-        "time/generate_s": sum(b.generate_s for b in batches),
-        "time/score_s": sum(b.score_s for b in batches),
+        **timings,
         "step_s": time.perf_counter() - started,
     }
-    log_metrics(config, plan, step, row)
+    # Metrics before the checkpoint: a run resumed from checkpoint N has every row up to N.
+    log_metrics(config, plan, step, row, fail_at)
+    if step % config.save_steps == 0 or last_step:
+        save_checkpoint(config, plan, step, fail_at)
     return row
 
 
 @flow(name="grpo", flow_run_name=grpo_run_name, validate_parameters=True)
-def grpo(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str, Any]:
-    """A GRPO run from its config; returns the run's summary (also in summary.json)."""
+def grpo(
+    config: GRPOFlowConfig, show_progress: bool = False, allow_config_change: bool = False, fail_at: str | None = None
+) -> dict[str, Any]:
+    """A GRPO run from its config, or the rest of an existing run with the same run_id; returns the
+    run's summary (also in summary.json).
+
+    allow_config_change: resume even if a field that alters training differs from the run's.
+    fail_at: testing aid, `stage@step` or `stage@step:kill` (see workers/faults.py).
+    """
     started = time.perf_counter()
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
-    plan = prepare_run(config)
-    initial_accuracy = evaluate_heldout(config, plan)
+    if fail_at:
+        parse_fail_at(fail_at)  # a bad spec fails here, before anything starts
+    plan = prepare_run(config, allow_config_change)
+    rollout_version = restore_workers(config, plan) if plan.resumes else 0
+    initial_accuracy = evaluate_heldout(config, plan, initial=True)
     rows: list[dict[str, Any]] = []
     step_walls: list[float] = []  # around each subflow call: step work plus Prefect's orchestration
     summary: dict[str, Any] = {"run_id": plan.run_id, "total_steps": plan.total_steps}
@@ -92,30 +145,44 @@ def grpo(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str, Any]:
         # Prefect 3.8 joins a heartbeat thread that sleeps in 1 s slices at the end of every
         # flow run, which cost each step about a second; the subflows go without.
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            progress = tqdm(range(1, plan.total_steps + 1), desc=plan.run_id, disable=not show_progress, unit="step")
+            progress = tqdm(
+                range(plan.first_step, plan.total_steps + 1),
+                desc=plan.run_id,
+                disable=not show_progress,
+                unit="step",
+                initial=plan.first_step - 1,
+                total=plan.total_steps,
+            )
             for step in progress:
                 step_started = time.perf_counter()
-                rows.append(grpo_step(config, plan, step, policy_version=step - 1))
+                rows.append(grpo_step(config, plan, step, step - 1, rollout_version, fail_at))
+                rollout_version = int(rows[-1].get("synced_version", rollout_version))
                 step_walls.append(time.perf_counter() - step_started)
                 progress.set_postfix(reward=f"{rows[-1]['reward']:.3f}", loss=f"{rows[-1]['loss']:.4f}")
     except BaseException as error:
-        failed_step = len(rows) + 1
+        failed_step = plan.first_step + len(rows)
         summary.update(
-            status="failed", error=f"step {failed_step}: {type(error).__name__}: {error}", steps_completed=len(rows)
+            status="failed",
+            error=f"step {failed_step}: {type(error).__name__}: {error}",
+            failed_step=failed_step,
+            steps_completed=failed_step - 1,
+            initial_eval_accuracy=initial_accuracy,
         )
         finish_run(config, plan, summary)
         raise
     final_accuracy = evaluate_heldout(config, plan)
-    recent = rows[-5:]
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    recent = [storage.read_step_metrics(s) for s in range(max(1, plan.total_steps - 4), plan.total_steps + 1)]
     summary.update(
         status="completed",
-        steps_completed=len(rows),
+        steps_completed=plan.total_steps,
+        resumed_from_step=plan.first_step - 1 if plan.resumes else None,
         initial_eval_accuracy=initial_accuracy,
         final_eval_accuracy=final_accuracy,
         eval_accuracy_gain=final_accuracy - initial_accuracy,
         final_reward=sum(r["reward"] for r in recent) / len(recent),
         wall_seconds=time.perf_counter() - started,
-        median_step_seconds=statistics.median(step_walls),
+        median_step_seconds=statistics.median(step_walls) if step_walls else None,
         storage=str(plan.storage_root),
     )
     return finish_run(config, plan, summary)

@@ -29,7 +29,8 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 NON_TRAINING_FIELDS = frozenset(
     {"run_id", "storage_root", "max_steps", "save_steps", "report_to", "wandb_project", "backend", "actor_gpu",
      "actor_gpu_count", "rollout_gpu", "weight_sync_method", "gpu_memory_utilization", "modal_volume",
-     "modal_secrets", "detach"}
+     "modal_secrets", "detach", "save_total_limit", "keep_checkpoint_every", "generate_retries", "score_retries",
+     "actor_retries", "retry_delay_seconds", "eval_prompts"}
 )
 
 
@@ -59,9 +60,10 @@ class GRPOFlowConfig(BaseModel):
         min_length=1,
         description="Hugging Face model id or local path; `tiny` is the project's own offline model.",
     )
-    dataset: Literal["last_digit", "gsm8k"] = Field(
+    dataset: Literal["last_digit", "gsm8k", "math", "math500", "mbpp"] = Field(
         default="last_digit",
-        description="Task: `last_digit` (synthetic, offline) or `gsm8k` (openai/gsm8k from the hub).",
+        description="Task: `last_digit` (synthetic, offline), or from the Hugging Face hub `gsm8k` (openai/gsm8k), "
+        "`math` (MATH), `math500` (MATH train, MATH-500 held out), `mbpp` (MBPP, code with tests).",
     )
     reward_funcs: list[str] = Field(
         default_factory=list,
@@ -131,6 +133,20 @@ class GRPOFlowConfig(BaseModel):
         default=1, ge=1, description="Publish the actor's weights to the rollout workers every N steps."
     )
     save_steps: int = Field(default=50, ge=1, description="Write a checkpoint every N steps (and at the last step).")
+    save_total_limit: int | None = Field(
+        default=None, ge=1, description="Keep only the newest N checkpoints (TRL's name); None keeps all."
+    )
+    keep_checkpoint_every: int | None = Field(
+        default=None, ge=1, description="With save_total_limit, also keep every checkpoint whose step is a multiple of M."
+    )
+
+    # Retries of transient failures (per task run; a failure that persists fails the step)
+    generate_retries: int = Field(default=2, ge=0, description="Retries of a rollout shard's generation.")
+    score_retries: int = Field(default=2, ge=0, description="Retries of a rollout shard's reward scoring.")
+    actor_retries: int = Field(
+        default=1, ge=0, description="Retries of the actor step (safe: the actor checks the policy version it holds)."
+    )
+    retry_delay_seconds: float = Field(default=1.0, ge=0, description="Delay between retries.")
 
     # Modal backend (the seeds' option names); ignored by the local backend
     actor_gpu: str = Field(default="A100", description=f"Modal GPU type of the actor: one of {', '.join(MODAL_GPU_TYPES)}.")

@@ -164,6 +164,16 @@ class RunPlan:
     reward_names: tuple[str, ...]
     extra_columns: tuple[str, ...]
     num_train_prompts: int
+    run_uid: str = ""  # written once when the run is created; part of every cache key
+    # Resuming: restore this checkpoint (None: the initial model), then replay these logged steps.
+    resume_checkpoint: int | None = None
+    replay_steps: tuple[int, ...] = ()
+    first_step: int = 1
+    resumes: int = 0  # how many times the run was resumed, this time included
+
+    @property
+    def cache_scope(self) -> str:
+        return f"{self.run_uid}-r{self.resumes}"
 
 
 @dataclass(frozen=True)

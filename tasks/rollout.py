@@ -1,5 +1,9 @@
 """Rollout tasks of one step: sample prompts, generate (per shard), score (per shard),
-advantages (whole batch), write the Parquet log (per shard)."""
+advantages (whole batch), write the Parquet log (per shard, then committed as one step).
+
+Retry counts come from the config (`generate_retries`, ...), applied with `with_options` by
+the step flow; the defaults here are the config's defaults.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,10 @@ from prefect.cache_policies import NO_CACHE
 
 from schemas.config import GRPOFlowConfig
 from schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
+from tasks.caching import STEP_STAGE
 from workers import local
 from workers.advantages import group_advantages
+from workers.faults import maybe_fail
 from workers.data import load_task
 from workers.rewards import resolve_reward_funcs, score_batch
 from workers.rollout import SamplingParams
@@ -46,9 +52,13 @@ def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int) -> list[Promp
 
 
 @task(name="generate", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def generate(config: GRPOFlowConfig, plan: RunPlan, shard: PromptShard) -> RolloutBatch:
-    """num_generations completions per prompt on rollout worker `shard.shard`."""
-    engine = local.local_workers(config, plan.model_path).rollout[shard.shard]
+def generate(
+    config: GRPOFlowConfig, plan: RunPlan, shard: PromptShard, policy_version: int, fail_at: str | None = None
+) -> RolloutBatch:
+    """num_generations completions per prompt on rollout worker `shard.shard`, which must hold `policy_version`."""
+    maybe_fail("generate", shard.step, fail_at)
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    engine = local.local_workers(config, plan.model_path).ensure_rollout_version(shard.shard, policy_version, storage)
     params = SamplingParams(
         n=config.num_generations,
         max_tokens=config.max_completion_length,
@@ -80,8 +90,9 @@ def generate(config: GRPOFlowConfig, plan: RunPlan, shard: PromptShard) -> Rollo
 
 
 @task(name="score", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch) -> RolloutBatch:
+def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, fail_at: str | None = None) -> RolloutBatch:
     """Every reward function on every completion of the shard, and the weighted total."""
+    maybe_fail("score", batch.step, fail_at)
     funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names))
     return score_batch(batch, funcs, config.reward_weights)
 
@@ -95,25 +106,55 @@ def compute_advantages(config: GRPOFlowConfig, batches: list[RolloutBatch]) -> t
     for batch in batches:
         out.append(batch.replace(advantage=advantages[offset : offset + len(batch)].tolist()))
         offset += len(batch)
+    reward_columns = {name: [s for b in batches for s in b.rewards[name]] for name in batches[0].rewards}
     lengths = [len(ids) for b in batches for ids in b.completion_token_ids]
-    truncated = [reason == "length" for b in batches for reason in b.finish_reason]
+    finish_reasons = [reason for b in batches for reason in b.finish_reason]
+    return out, reward_stats(rewards, std_is_zero, reward_columns, lengths, finish_reasons)
+
+
+def reward_stats(
+    rewards: torch.Tensor,
+    std_is_zero: torch.Tensor,
+    reward_columns: dict[str, list[float | None]],
+    lengths: list[int],
+    finish_reasons: list[str],
+) -> dict[str, float]:
+    """A step's reward and completion statistics, under TRL's metric names."""
     stats = {
         "reward": float(torch.nanmean(rewards)),
         "reward_std": float(rewards[~rewards.isnan()].std()) if rewards.numel() > 1 else 0.0,
         "frac_reward_zero_std": float(std_is_zero.float().mean()),
         "completions/mean_length": float(np.mean(lengths)),
         "completions/max_length": float(np.max(lengths)),
-        "completions/clipped_ratio": float(np.mean(truncated)),
+        "completions/clipped_ratio": float(np.mean([reason == "length" for reason in finish_reasons])),
     }
-    for name in batches[0].rewards:
-        scores = torch.tensor([np.nan if s is None else s for b in batches for s in b.rewards[name]], dtype=torch.float64)
+    for name, column in reward_columns.items():
+        scores = torch.tensor([np.nan if s is None else s for s in column], dtype=torch.float64)
         stats[f"rewards/{name}/mean"] = float(torch.nanmean(scores))
-    return out, stats
+    return stats
+
+
+@task(name="read-logged-rollouts", cache_policy=NO_CACHE)
+def logged_reward_stats(config: GRPOFlowConfig, plan: RunPlan, step: int) -> tuple[int, dict[str, float]]:
+    """A replayed step's completion count and reward statistics, from its logged rollouts."""
+    table = RunStorage(plan.storage_root, plan.run_id).read_rollouts(step)
+    rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
+    _, std_is_zero = group_advantages(rewards, config.num_generations, config.scale_rewards)
+    columns = {name: table.column("reward_" + name).to_pylist() for name in plan.reward_names}
+    lengths = table.column("completion_tokens").to_pylist()
+    return table.num_rows, reward_stats(rewards, std_is_zero, columns, lengths, table.column("finish_reason").to_pylist())
 
 
 @task(name="write-rollouts", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def write_rollouts(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, shard: int) -> str:
-    """One Parquet file per shard, written atomically; the Arrow schema is enforced."""
+    """One Parquet file per shard, staged atomically; the Arrow schema is enforced."""
     extra_types = {c: pa.array(batch.extra_columns[c]).type for c in plan.extra_columns}
     table = batch.to_table(rollout_schema(list(plan.reward_names), extra_types))
     return str(RunStorage(plan.storage_root, plan.run_id).write_rollouts(batch.step, shard, table))
+
+
+@task(name="commit-rollouts", retries=2, retry_delay_seconds=1, cache_policy=STEP_STAGE, persist_result=True)
+def commit_rollouts(config: GRPOFlowConfig, plan: RunPlan, step: int) -> str:
+    """Publish the step's staged shards as one logged step. Cached per (run, step, stage, config hash):
+    a retried flow run that reaches a committed step gets its path back without touching the files."""
+    return str(RunStorage(plan.storage_root, plan.run_id).commit_rollouts(step, config.num_rollout_workers))

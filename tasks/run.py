@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
@@ -14,32 +14,50 @@ from schemas.records import RunPlan
 from workers import local
 from workers.data import load_task
 from workers.evaluation import heldout_accuracy
+from workers.resume import check_config_change, find_resume_point, record_resume
 from workers.rewards import resolve_reward_funcs
 from workers.storage import RunStorage
 from workers.tiny_model import read_build_info, resolve_model_path
 from workers.tracking import wandb_finish
 
 
-def check_new_run(config: GRPOFlowConfig) -> RunStorage:
+def check_run_start(config: GRPOFlowConfig, allow_config_change: bool = False) -> RunStorage:
+    """A new run, or an existing one that may be resumed with this config; raises ResumeError naming the problem.
+
+    Reads only: safe to call from the command line before the flow starts.
+    """
     storage = RunStorage(config.storage_root, config.run_id or "")
     if storage.exists():
-        raise FileExistsError(
-            f"run_id: run {config.run_id!r} already exists in {storage.run_dir}; "
-            "resuming runs is not supported in this release, choose another --run-id"
-        )
+        check_config_change(storage, config, allow_config_change)
     return storage
 
 
 @task(name="prepare-run", cache_policy=NO_CACHE)
-def prepare_run(config: GRPOFlowConfig) -> RunPlan:
-    """Validate rewards, data and model before writing anything; then freeze config.json."""
-    storage = check_new_run(config)
+def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False) -> RunPlan:
+    """Validate rewards, data and model before writing anything; then create the run, or find where it stands."""
+    storage = check_run_start(config, allow_config_change)
     task_data = load_task(config.dataset)
     funcs = resolve_reward_funcs(config.reward_funcs or task_data.default_rewards)
     if config.reward_weights is not None and len(config.reward_weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(config.reward_weights)} values for {len(funcs)} reward functions")
     model_path = resolve_model_path(config.model, config.storage_root)
-    storage.write_config(config.model_dump(mode="json"))
+    if storage.exists():
+        changes = check_config_change(storage, config, allow_config_change)
+        point = find_resume_point(storage)
+        record_resume(storage, config, point, changes)
+        resume = {
+            "resume_checkpoint": point.checkpoint_step,
+            "replay_steps": point.replay_steps,
+            "first_step": point.first_step,
+            "resumes": storage.resume_count(),
+        }
+        get_run_logger().info(
+            "resuming run %s: checkpoint %s, replaying logged steps %s, then from step %d",
+            storage.run_id, point.checkpoint_step, list(point.replay_steps), point.first_step + len(point.replay_steps),
+        )
+    else:
+        storage.write_config(config.model_dump(mode="json"))
+        resume = {}
     return RunPlan(
         run_id=storage.run_id,
         storage_root=config.storage_root,
@@ -48,18 +66,32 @@ def prepare_run(config: GRPOFlowConfig) -> RunPlan:
         reward_names=tuple(funcs),
         extra_columns=tuple(task_data.extra_columns),
         num_train_prompts=len(task_data.train),
+        run_uid=storage.run_uid(),
+        **resume,
     )
 
 
 @task(name="evaluate-heldout", cache_policy=NO_CACHE)
-def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan) -> float:
-    """Greedy held-out accuracy of the policy the rollout workers hold now."""
-    if config.eval_prompts == 0:
+def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = False) -> float:
+    """Greedy held-out accuracy of the policy the rollout workers hold now.
+
+    The initial figure is recorded once (eval/initial.json); a resumed run reads it back
+    rather than measuring a policy that has already trained.
+    """
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    if initial and (recorded := storage.read_initial_eval()) is not None:
+        return recorded
+    trained = plan.resume_checkpoint is not None or bool(plan.replay_steps)
+    if config.eval_prompts == 0 or (initial and trained):  # the initial policy is gone
+        return float("nan")
         return float("nan")
     engine = local.local_workers(config, plan.model_path).rollout[0]
-    return heldout_accuracy(
+    accuracy = heldout_accuracy(
         engine, load_task(config.dataset), config.eval_prompts, config.max_completion_length, config.max_prompt_length
     )
+    if initial:
+        storage.write_initial_eval(accuracy)
+    return accuracy
 
 
 @task(name="finish-run", cache_policy=NO_CACHE)

@@ -10,20 +10,36 @@ from prefect.cache_policies import NO_CACHE
 
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan, metrics_table
+from tasks.caching import STEP_STAGE
 from workers import local
+from workers.faults import maybe_fail
 from workers.storage import RunStorage
 
 
-@task(name="actor-step", cache_policy=NO_CACHE)
-def actor_step(config: GRPOFlowConfig, plan: RunPlan, step: int, expected_version: int) -> dict[str, float]:
+@task(name="restore-workers", cache_policy=NO_CACHE)
+def restore_workers(config: GRPOFlowConfig, plan: RunPlan) -> int:
+    """Actor and rollout workers at the resume checkpoint (or the initial model); returns the rollout version."""
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    return local.local_workers(config, plan.model_path).restore(storage, plan.resume_checkpoint)
+
+
+@task(name="actor-step", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def actor_step(
+    config: GRPOFlowConfig, plan: RunPlan, step: int, expected_version: int, fail_at: str | None = None
+) -> dict[str, float]:
     """TRL's GRPO objective on the step's rollouts as logged (the Parquet files are the truth).
 
-    No automatic retries: an optimizer step is not idempotent, and the actor refuses a call
-    whose expected policy version it does not hold.
+    Safe to retry: an actor behind `expected_version` restores and replays first, and a retry
+    of a step that already applied returns that step's metrics without a second update.
     """
-    rollouts = RunStorage(plan.storage_root, plan.run_id).read_rollouts(step)
+    maybe_fail("actor", step, fail_at)
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    workers = local.local_workers(config, plan.model_path)
+    if workers.actor.policy_version not in (expected_version, expected_version + 1):
+        workers.ensure_actor_version(expected_version, storage)
+    rollouts = storage.read_rollouts(step)
     started = time.perf_counter()
-    metrics = local.local_workers(config, plan.model_path).actor.step(expected_version, rollouts)
+    metrics = workers.actor.step(expected_version, rollouts)
     return {**metrics, "time/actor_s": time.perf_counter() - started}
 
 
@@ -35,21 +51,41 @@ def sync_weights(config: GRPOFlowConfig, plan: RunPlan) -> dict[str, float]:
     return {"synced_version": version, "time/sync_s": time.perf_counter() - started}
 
 
-@task(name="save-checkpoint", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int) -> dict[str, float]:
-    """Weights, optimizer, scheduler and RNG states; the manifest is written last, then the folder is renamed."""
+@task(name="save-checkpoint", retries=1, retry_delay_seconds=1, cache_policy=STEP_STAGE, persist_result=True)
+def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int, fail_at: str | None = None) -> dict[str, float]:
+    """Weights, optimizer, scheduler and RNG states (and the rollout workers' weights when they lag);
+    the manifest is written last, then the folder is renamed; old checkpoints are pruned."""
     started = time.perf_counter()
     storage = RunStorage(plan.storage_root, plan.run_id)
+    if storage.checkpoint_dir(step).exists():  # a retry after the commit: the checkpoint is done
+        storage.verify_checkpoint(step)
+        return {"time/checkpoint_s": time.perf_counter() - started}
+    workers = local.local_workers(config, plan.model_path)
     staging = storage.staging_checkpoint_dir(step)
-    state = local.local_workers(config, plan.model_path).actor.save_checkpoint(staging)
-    storage.commit_checkpoint(step, staging, {**state, "config_hash": config.training_hash()})
-    return {"time/checkpoint_s": time.perf_counter() - started}
+    state = workers.actor.save_checkpoint(staging)
+    if state["policy_version"] != step:
+        raise RuntimeError(f"checkpoint of step {step}: the actor holds policy version {state['policy_version']}")
+    rollout_state = workers.save_rollout_weights(staging)
+    maybe_fail("checkpoint", step, fail_at)
+    seconds = time.perf_counter() - started
+    storage.commit_checkpoint(
+        step, staging, {**state, **rollout_state, "config_hash": config.training_hash(), "write_seconds": seconds}
+    )
+    maybe_fail("checkpointed", step, fail_at)
+    pruned = storage.prune_checkpoints(config.save_total_limit, config.keep_checkpoint_every)
+    return {"time/checkpoint_s": time.perf_counter() - started, "checkpoints_pruned": len(pruned)}
 
 
 @task(name="log-metrics", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def log_metrics(config: GRPOFlowConfig, plan: RunPlan, step: int, row: dict[str, Any]) -> str:
-    """One Parquet row per step, and wandb when configured."""
-    path = RunStorage(plan.storage_root, plan.run_id).write_metrics(step, metrics_table(row))
+def log_metrics(
+    config: GRPOFlowConfig, plan: RunPlan, step: int, row: dict[str, Any], fail_at: str | None = None
+) -> str:
+    """One Parquet row per step, and wandb when configured. A replayed step's row stays as first logged."""
+    maybe_fail("metrics", step, fail_at)
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    if storage.metrics_path(step).exists():
+        return str(storage.metrics_path(step))
+    path = storage.write_metrics(step, metrics_table(row))
     if config.report_to == "wandb":
         from workers.tracking import wandb_log
 

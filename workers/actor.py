@@ -1,9 +1,9 @@
 """The actor: the policy being trained, its optimizer and TRL's GRPO objective.
 
 A plain class (no Prefect): `load()`, `step(expected_version, rollouts)`,
-`policy_state_dict()`, `save_checkpoint(folder)`. `policy_version` counts the optimizer
-steps applied; every call says which version it expects, so a caller notices an actor that
-was replaced or restarted.
+`policy_state_dict()`, `save_checkpoint(folder)`, `restore(folder)`. `policy_version`
+counts the optimizer steps applied (after step N it is N); every call says which version it
+expects, so a caller notices an actor that was replaced or restarted.
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ class Actor:
         self.model: Any = None
         self.tokenizer: Any = None
         self.objective: Any = None
+        self._last_step: tuple[int, dict[str, float]] | None = None  # (version it produced, its metrics)
+
+    @property
+    def loaded(self) -> bool:
+        return self.model is not None
 
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,6 +84,9 @@ class Actor:
 
     def step(self, expected_version: int, rollouts: pa.Table) -> dict[str, float]:
         """One optimizer step of TRL's GRPO objective on a step's logged rollouts."""
+        if self._last_step and self._last_step[0] == expected_version + 1 == self.policy_version:
+            # A retry of a step that did finish (the failure came after it): the same answer, no second update.
+            return self._last_step[1]
         if expected_version != self.policy_version:
             raise StaleActorError(f"actor holds policy version {self.policy_version}, caller expects {expected_version}")
         started = time.perf_counter()
@@ -96,13 +104,15 @@ class Actor:
         self.policy_version += 1
         tokens = int(inputs["completion_mask"].sum()) + int(inputs["prompt_mask"].sum())
         seconds = time.perf_counter() - started
-        return {
+        result = {
             "loss": float(loss.detach()),
             "grad_norm": float(grad_norm),
             "learning_rate": float(learning_rate),
             "actor/tokens_per_second": tokens / seconds,
             **metrics,
         }
+        self._last_step = (self.policy_version, result)
+        return result
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -118,3 +128,30 @@ class Actor:
         state = {"policy_version": self.policy_version, "trl_version": trl_objective.TRL_VERSION}
         (folder / "actor_state.json").write_text(json.dumps(state))
         return state
+
+    def restore(self, folder: Path) -> None:
+        """Back to a checkpoint's state: weights, optimizer, scheduler, RNG states and policy version.
+
+        Parameters are updated in place, so the optimizer keeps pointing at them.
+        """
+        from transformers import AutoModelForCausalLM
+
+        if not self.loaded:
+            self.load()
+        saved = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+        self.model.load_state_dict(saved.state_dict())
+        self.objective.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        self.objective.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        rng = torch.load(folder / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        self.policy_version = json.loads((folder / "actor_state.json").read_text())["policy_version"]
+        self._last_step = None
+        self.model.eval()
+
+    def reset(self) -> None:
+        """Back to the initial model (a run that has no checkpoint yet)."""
+        self.load()
+        self.policy_version = 0
+        self._last_step = None

@@ -16,6 +16,8 @@ def heldout_accuracy(
     batch_size: int = 64,
 ) -> float:
     """Fraction of the first `limit` held-out prompts whose greedy completion scores 1.0."""
+    if task.accuracy_reward is None:  # a custom data set given no 0/1 reward: nothing to measure
+        return float("nan")
     rows = task.heldout.select(range(min(limit, len(task.heldout))))
     reward = BUILTIN_REWARDS[task.accuracy_reward]
     correct = 0

@@ -1,17 +1,28 @@
 """The embedded backend: the actor and the rollout engines live in this process.
 
 Workers are caches of the run's state, keyed by run id; `release` drops them at the end.
-The Modal backend (a later release) provides the same methods on remote classes.
+They heal themselves: an actor asked for a policy version it does not hold restores the
+newest checkpoint before it and replays the logged rollouts since; a rollout engine asked
+for a version it does not hold loads it. So a replaced or restarted worker costs time, never
+correctness. The Modal backend provides the same methods on remote classes.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
 
 from schemas.config import GRPOFlowConfig
 from workers.actor import Actor
 from workers.rollout import TransformersRolloutEngine
+from workers.storage import RunStorage
+
+ROLLOUT_WEIGHTS = "rollout_model.safetensors"  # in a checkpoint, when the rollout workers lag the actor
+logger = logging.getLogger("grpo_flow.workers")
 
 _LOCK = threading.Lock()
 _WORKERS: dict[str, LocalWorkers] = {}
@@ -19,10 +30,15 @@ _WORKERS: dict[str, LocalWorkers] = {}
 
 class LocalWorkers:
     def __init__(self, config: GRPOFlowConfig, model_path: str | Path):
+        self.config = config
+        self.model_path = str(model_path)
         self.actor = Actor(config, model_path)
         self.rollout = [
             TransformersRolloutEngine(model_path, worker_id=f"rollout-{i}") for i in range(config.num_rollout_workers)
         ]
+        # The weights last published to the rollout workers, so a replaced worker can take them.
+        self.published: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._heal_lock = threading.Lock()  # shards heal on worker threads; one at a time
         self.actor.load()
         for engine in self.rollout:
             engine.load()
@@ -30,9 +46,74 @@ class LocalWorkers:
     def sync_weights(self) -> int:
         """Copy the actor's weights into every rollout engine (in memory); returns the version synced."""
         weights = self.actor.policy_state_dict()
+        self.published = (self.actor.policy_version, weights)
         for engine in self.rollout:
             engine.load_state_dict(weights, self.actor.policy_version)
         return self.actor.policy_version
+
+    # -- resume and self-healing ---------------------------------------------------------------
+    def restore(self, storage: RunStorage, checkpoint_step: int | None) -> int:
+        """Actor and rollout engines as they were at a checkpoint (or the start); returns the rollout version."""
+        if checkpoint_step is None:
+            self.actor.reset()
+            self.published = None
+            for engine in self.rollout:
+                engine.load()
+            return 0
+        folder = storage.checkpoint_dir(checkpoint_step)
+        manifest = storage.verify_checkpoint(checkpoint_step)
+        self.actor.restore(folder)
+        rollout_version = manifest.get("rollout_policy_version", self.actor.policy_version)
+        if rollout_version == self.actor.policy_version:
+            weights = self.actor.policy_state_dict()
+        else:
+            weights = load_file(folder / ROLLOUT_WEIGHTS)
+        self.published = (rollout_version, weights)
+        for engine in self.rollout:
+            engine.load_state_dict(weights, rollout_version)
+        return rollout_version
+
+    def save_rollout_weights(self, folder: Path) -> dict[str, int]:
+        """What a checkpoint needs to restore the rollout workers when they lag the actor."""
+        version = self.published[0] if self.published else 0
+        if version != self.actor.policy_version:
+            if self.published is None:
+                raise RuntimeError("rollout workers hold the initial model; restore it from model_path instead")
+            save_file({k: v.contiguous() for k, v in self.published[1].items()}, folder / ROLLOUT_WEIGHTS)
+        return {"rollout_policy_version": version}
+
+    def ensure_actor_version(self, version: int, storage: RunStorage) -> None:
+        """Bring the actor to `version`: restore the newest checkpoint at or before it, replay the logged steps."""
+        with self._heal_lock:
+            if self.actor.loaded and self.actor.policy_version == version:
+                return
+            logger.warning("actor holds version %s, expected %d: restoring and replaying", self.actor.policy_version, version)
+            checkpoint = storage.latest_valid_checkpoint(at_most=version)
+            if checkpoint is None:
+                self.actor.reset()
+            else:
+                self.actor.restore(storage.checkpoint_dir(checkpoint))
+            for step in range(self.actor.policy_version + 1, version + 1):
+                self.actor.step(step - 1, storage.read_rollouts(step))
+
+    def ensure_rollout_version(self, index: int, version: int, storage: RunStorage) -> TransformersRolloutEngine:
+        """Rollout engine `index`, holding policy `version` (loaded from what was published if not)."""
+        engine = self.rollout[index]
+        if engine.model is not None and engine.policy_version == version:
+            return engine
+        with self._heal_lock:
+            logger.warning("rollout worker %d holds version %s, expected %d: loading it", index, engine.policy_version, version)
+            if engine.model is None:
+                engine.load()
+            if version == 0 and self.published is None:
+                return engine  # a freshly loaded engine holds the initial model
+            if self.published and self.published[0] == version:
+                engine.load_state_dict(self.published[1], version)
+                return engine
+        self.ensure_actor_version(version, storage)
+        with self._heal_lock:
+            engine.load_state_dict(self.actor.policy_state_dict(), version)
+        return engine
 
 
 def local_workers(config: GRPOFlowConfig, model_path: str | Path) -> LocalWorkers:

@@ -38,7 +38,29 @@ def gsm8k_accuracy(completions: list, answer: list[str], **kwargs: Any) -> list[
     return scores
 
 
-BUILTIN_REWARDS: dict[str, RewardFunc] = {"last_digit": last_digit, "gsm8k_accuracy": gsm8k_accuracy}
+def _environment_rewards() -> dict[str, RewardFunc]:
+    from workers.environments import (
+        CodeTestsEnvironment,
+        MathAnswerEnvironment,
+        answer_tag_format,
+        as_reward_function,
+        think_answer_format,
+    )
+
+    return {
+        "math_accuracy": as_reward_function(MathAnswerEnvironment(), "math_accuracy"),
+        "mbpp_tests": as_reward_function(CodeTestsEnvironment(), "mbpp_tests"),
+        "mbpp_tests_partial": as_reward_function(CodeTestsEnvironment(partial_credit=True), "mbpp_tests_partial"),
+        "think_answer_format": think_answer_format,
+        "answer_tag_format": answer_tag_format,
+    }
+
+
+BUILTIN_REWARDS: dict[str, RewardFunc] = {
+    "last_digit": last_digit,
+    "gsm8k_accuracy": gsm8k_accuracy,
+    **_environment_rewards(),
+}
 
 
 def resolve_reward_funcs(names: Sequence[str]) -> dict[str, RewardFunc]:

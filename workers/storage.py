@@ -1,14 +1,19 @@
 """The storage root: everything a run knows, as plain files (pyarrow only, no torch).
 
     <root>/runs/<run_id>/config.json                     frozen config of the run
+    <root>/runs/<run_id>/resumes/resume-001.json         each resume: config in force, step, changes
     <root>/runs/<run_id>/rollouts/step-000042/shard-00.parquet
     <root>/runs/<run_id>/metrics/step-000042.parquet
     <root>/runs/<run_id>/checkpoints/step-000040/        manifest.json written last = complete
+    <root>/runs/<run_id>/eval/initial.json               held-out accuracy before RL
+    <root>/runs/<run_id>/quarantine/                     damaged files moved aside, never deleted
     <root>/runs/<run_id>/summary.json
     <root>/models/<name>/                                models the project builds itself
 
 Every file is written to a temporary name in its own folder and renamed into place, so a
-reader never sees a partial file. Logged rollouts and metrics are never overwritten.
+reader never sees a partial file. A step's rollout shards are written into a hidden staging
+folder and the folder is renamed into place once every shard is there, so a step's rollouts
+are all logged or not at all. Logged rollouts and metrics are never overwritten.
 
 Step folders are named `step-000042`, not hive-style `step=000042`: every row already
 carries its `step` column, and a hive folder of the same name makes pandas and pyarrow
@@ -17,11 +22,14 @@ refuse to read the run as one data set (the folder's key and the column clash in
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +39,21 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 MANIFEST = "manifest.json"
+logger = logging.getLogger("grpo_flow.storage")
+
+
+class StorageFullError(OSError):
+    """The disk filled up during a write; the partial file was removed, nothing else changed."""
+
+
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint's manifest is missing, or its files do not match the manifest."""
+
+
+def _explain_write_error(path: Path, error: OSError) -> OSError:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFullError(error.errno, f"no space left on the device while writing {path}; nothing was logged")
+    return error
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -42,6 +65,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as error:
+        Path(tmp).unlink(missing_ok=True)
+        raise _explain_write_error(path, error) from error
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -58,6 +84,9 @@ def atomic_write_parquet(path: Path, table: pa.Table) -> None:
     try:
         pq.write_table(table, tmp)
         os.replace(tmp, path)
+    except OSError as error:
+        Path(tmp).unlink(missing_ok=True)
+        raise _explain_write_error(path, error) from error
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -113,9 +142,17 @@ class RunStorage:
 
     # -- config and summary --------------------------------------------------------------------
     def write_config(self, config: dict[str, Any]) -> None:
+        """Create the run: its identity (run.json, a fresh uid) and its frozen config."""
         if self.config_path.exists():
             raise FileExistsError(f"run {self.run_id!r} already has a config at {self.config_path}")
+        atomic_write_json(self.run_dir / "run.json", {"run_id": self.run_id, "uid": uuid.uuid4().hex})
         atomic_write_json(self.config_path, config)
+
+    def run_uid(self) -> str:
+        return json.loads((self.run_dir / "run.json").read_text())["uid"]
+
+    def resume_count(self) -> int:
+        return len(list((self.run_dir / "resumes").glob("resume-*.json")))
 
     def read_config(self) -> dict[str, Any]:
         return json.loads(self.config_path.read_text())
@@ -127,12 +164,63 @@ class RunStorage:
         return json.loads(self.summary_path.read_text()) if self.summary_path.exists() else None
 
     # -- rollouts and metrics: append-only -------------------------------------------------------
+    def staging_rollout_dir(self, step: int) -> Path:
+        # Hidden (leading dot): pyarrow's dataset discovery skips it, so readers never see a partial step.
+        return self.run_dir / "rollouts" / f".step-{step:06d}.staging"
+
     def write_rollouts(self, step: int, shard: int, table: pa.Table) -> Path:
-        path = self.rollout_path(step, shard)
-        if path.exists():
-            raise FileExistsError(f"rollouts of step {step} shard {shard} are already logged at {path}")
-        atomic_write_parquet(path, table)
+        """Stage one shard of a step; `commit_rollouts` publishes the step once every shard is staged."""
+        if self.rollout_dir(step).exists():
+            raise FileExistsError(f"rollouts of step {step} are already logged at {self.rollout_dir(step)}")
+        path = self.staging_rollout_dir(step) / f"shard-{shard:02d}.parquet"
+        atomic_write_parquet(path, table)  # a retried shard replaces its own staged file
         return path
+
+    def commit_rollouts(self, step: int, num_shards: int) -> Path:
+        """Rename the step's staging folder into place: the step is logged whole, or not at all."""
+        staging, final = self.staging_rollout_dir(step), self.rollout_dir(step)
+        if final.exists():
+            raise FileExistsError(f"rollouts of step {step} are already logged at {final}")
+        missing = [s for s in range(num_shards) if not (staging / f"shard-{s:02d}.parquet").exists()]
+        if missing:
+            raise FileNotFoundError(f"rollouts of step {step}: shards {missing} were never written")
+        os.replace(staging, final)
+        return final
+
+    def rollout_steps(self) -> list[int]:
+        """Steps whose rollouts are logged (committed)."""
+        return sorted(int(p.name.split("-")[1]) for p in (self.run_dir / "rollouts").glob("step-*") if p.is_dir())
+
+    def check_rollouts(self, step: int) -> None:
+        """Raise if a logged shard of the step cannot be read (a truncated or corrupt Parquet file)."""
+        shards = sorted(self.rollout_dir(step).glob("shard-*.parquet"))
+        if not shards:
+            raise ValueError(f"rollouts of step {step} have no shard files")
+        for shard in shards:
+            try:
+                pq.ParquetFile(shard).read()
+            except Exception as error:  # pyarrow raises several types for damaged files
+                raise ValueError(f"{shard} is damaged: {error}") from error
+
+    def quarantine(self, path: Path, reason: str) -> Path:
+        """Move a damaged file or folder aside (never delete what was logged) and say so."""
+        target = self.run_dir / "quarantine" / f"{path.parent.name}-{path.name}"
+        counter = 1
+        while target.exists():
+            counter += 1
+            target = target.with_name(f"{path.parent.name}-{path.name}.{counter}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+        logger.warning("%s: %s; moved to %s", path, reason, target)
+        return target
+
+    def discard_staging(self) -> list[Path]:
+        """Remove staging folders a killed process left behind (never logged, so nothing is lost)."""
+        leftovers = list((self.run_dir / "rollouts").glob(".step-*.staging"))
+        leftovers += list((self.run_dir / "checkpoints").glob(".step-*.tmp"))
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+        return leftovers
 
     def read_rollouts(self, step: int | None = None, columns: list[str] | None = None) -> pa.Table:
         """Rollouts of one step (or of the whole run), ordered by step, group and sample."""
@@ -162,6 +250,37 @@ class RunStorage:
     def logged_steps(self) -> list[int]:
         return sorted(int(p.stem.split("-")[1]) for p in (self.run_dir / "metrics").glob("step-*.parquet"))
 
+    def read_step_metrics(self, step: int) -> dict[str, Any]:
+        return pq.read_table(self.metrics_path(step)).to_pylist()[0]
+
+    # -- resumes and evaluation ---------------------------------------------------------------
+    def write_resume(self, record: dict[str, Any]) -> Path:
+        """A new numbered resume record; earlier ones and config.json stay as they were."""
+        existing = sorted((self.run_dir / "resumes").glob("resume-*.json"))
+        path = self.run_dir / "resumes" / f"resume-{len(existing) + 1:03d}.json"
+        atomic_write_json(path, record)
+        return path
+
+    def effective_config(self) -> dict[str, Any]:
+        """The config in force: the newest resume's, else the one the run started with."""
+        resumes = sorted((self.run_dir / "resumes").glob("resume-*.json"))
+        if resumes:
+            return json.loads(resumes[-1].read_text())["config"]
+        return self.read_config()
+
+    @property
+    def initial_eval_path(self) -> Path:
+        return self.run_dir / "eval" / "initial.json"
+
+    def write_initial_eval(self, accuracy: float) -> None:
+        if not self.initial_eval_path.exists():
+            atomic_write_json(self.initial_eval_path, {"accuracy": accuracy})
+
+    def read_initial_eval(self) -> float | None:
+        if not self.initial_eval_path.exists():
+            return None
+        return json.loads(self.initial_eval_path.read_text())["accuracy"]
+
     # -- checkpoints ----------------------------------------------------------------------------
     def staging_checkpoint_dir(self, step: int) -> Path:
         """An empty hidden folder to write a checkpoint into before `commit_checkpoint`."""
@@ -187,6 +306,50 @@ class RunStorage:
     def complete_checkpoints(self) -> list[int]:
         parent = self.run_dir / "checkpoints"
         return sorted(int(p.name.split("-")[1]) for p in parent.glob("step-*") if (p / MANIFEST).exists())
+
+    def checkpoint_steps(self) -> list[int]:
+        """Every checkpoint folder in place, complete or not."""
+        return sorted(int(p.name.split("-")[1]) for p in (self.run_dir / "checkpoints").glob("step-*") if p.is_dir())
+
+    def verify_checkpoint(self, step: int) -> dict[str, Any]:
+        """The manifest, after checking every file it lists (size and sha256); raises DamagedCheckpointError."""
+        folder = self.checkpoint_dir(step)
+        if not (folder / MANIFEST).exists():
+            raise DamagedCheckpointError(f"checkpoint {folder} has no {MANIFEST}")
+        manifest = json.loads((folder / MANIFEST).read_text())
+        for name, expected in manifest["files"].items():
+            path = folder / name
+            if not path.exists():
+                raise DamagedCheckpointError(f"checkpoint {folder}: {name} is missing")
+            if path.stat().st_size != expected["bytes"] or file_sha256(path) != expected["sha256"]:
+                raise DamagedCheckpointError(f"checkpoint {folder}: {name} does not match its checksum")
+        return manifest
+
+    def latest_valid_checkpoint(self, at_most: int | None = None) -> int | None:
+        """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
+        for step in reversed(self.checkpoint_steps()):
+            if at_most is not None and step > at_most:
+                continue
+            try:
+                self.verify_checkpoint(step)
+                return step
+            except DamagedCheckpointError as error:
+                logger.warning("skipping checkpoint of step %d: %s", step, error)
+        return None
+
+    def prune_checkpoints(self, keep_last: int | None, keep_every: int | None) -> list[int]:
+        """Delete complete checkpoints beyond the newest `keep_last`, except every `keep_every`-th step."""
+        if keep_last is None:
+            return []
+        steps = self.complete_checkpoints()
+        newest = set(steps[-keep_last:])
+        removed = []
+        for step in steps:
+            if step in newest or (keep_every and step % keep_every == 0):
+                continue
+            shutil.rmtree(self.checkpoint_dir(step))
+            removed.append(step)
+        return removed
 
 
 def list_runs(root: str | os.PathLike) -> list[RunInfo]:

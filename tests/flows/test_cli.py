@@ -64,6 +64,21 @@ def test_storage_root_that_cannot_be_a_folder_is_refused(tmp_path, capsys):
     assert blocker.read_text() == "not a folder"
 
 
+def test_resume_refuses_an_unknown_run_and_a_changed_model_before_writing(tmp_path, capsys):
+    from workers.storage import RunStorage
+
+    assert main(["train", "--resume", "--run-id", "nope", "--storage-root", str(tmp_path)]) == 2
+    assert "--resume: no run 'nope'" in capsys.readouterr().err
+    storage = RunStorage(tmp_path, "mine")
+    storage.write_config(build_config("tiny", {"run_id": "mine", "storage_root": str(tmp_path)}).model_dump(mode="json"))
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["train", "--run-id", "mine", "--model", "other/model", "--storage-root", str(tmp_path)]) == 2
+    assert "run 'mine' belongs to model 'tiny', not 'other/model'" in capsys.readouterr().err
+    assert main(["train", "--run-id", "mine", "--fail-at", "nowhere@1", "--storage-root", str(tmp_path)]) == 2
+    assert "--fail_at: 'nowhere@1'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
 def test_unknown_run_and_step_are_refused(tmp_path, capsys):
     assert main(["rollouts", "nope", "--storage-root", str(tmp_path)]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
@@ -93,7 +108,7 @@ def test_train_then_list_then_read_rollouts(tmp_path):
     rows = [json.loads(l) for l in shown.stdout.splitlines()[1:]]
     assert len(rows) == 3 and all("completion" in r and "reward" in r for r in rows)
 
-    again = run_cli("train", "--run-id", "cli-run", "--storage-root", str(root), env_extra=env)
-    assert again.returncode == 2 and "already exists" in again.stderr
+    again = run_cli("train", "--run-id", "cli-run", "--storage-root", str(root), "--learning-rate", "0.5", env_extra=env)
+    assert again.returncode == 2 and "learning_rate: 0.005 -> 0.5" in again.stderr
     missing_step = run_cli("rollouts", "cli-run", "--step", "9", "--storage-root", str(root))
     assert missing_step.returncode == 2 and "--step" in missing_step.stderr

@@ -97,11 +97,11 @@ def test_config_and_summary_are_written(three_step_run):
         assert isinstance(on_disk[key], float)
 
 
-def test_an_existing_run_id_is_refused_and_left_untouched(three_step_run):
+def test_an_existing_run_id_with_other_training_fields_is_refused_and_left_untouched(three_step_run):
     config, _, storage = three_step_run
     before = sorted(p.stat().st_mtime_ns for p in storage.run_dir.rglob("*") if p.is_file())
-    with pytest.raises(FileExistsError, match="run_id"):
-        grpo(config)
+    with pytest.raises(ValueError, match=r"seed: 42 -> 7"):
+        grpo(config.model_copy(update={"seed": 7}))
     after = sorted(p.stat().st_mtime_ns for p in storage.run_dir.rglob("*") if p.is_file())
     assert before == after
 

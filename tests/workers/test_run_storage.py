@@ -9,15 +9,91 @@ from schemas.records import metrics_table
 from workers.storage import RunStorage, list_runs
 
 
-def test_rollouts_are_never_overwritten_and_read_back_in_order(tmp_path):
+def rows(step, groups, values):
+    return pa.table({"step": pa.array([step] * len(groups), pa.int32()), "group_index": groups,
+                     "sample_index": [0] * len(groups), "v": values})
+
+
+def test_a_step_is_logged_whole_never_overwritten_and_read_back_in_order(tmp_path):
     storage = RunStorage(tmp_path, "r")
-    first = pa.table({"step": pa.array([2, 2], pa.int32()), "group_index": [1, 0], "sample_index": [0, 0], "v": ["b", "a"]})
+    first = rows(2, [1, 0], ["b", "a"])
     storage.write_rollouts(2, 0, first)
-    storage.write_rollouts(2, 1, pa.table({"step": pa.array([2], pa.int32()), "group_index": [2], "sample_index": [0], "v": ["c"]}))
+    with pytest.raises(FileNotFoundError, match=r"shards \[1\]"):
+        storage.commit_rollouts(2, num_shards=2)  # shard 1 is not written yet
+    assert storage.rollout_steps() == [] and storage.read_rollouts().num_rows == 0 if storage.rollout_dir(2).exists() else True
+    storage.write_rollouts(2, 1, rows(2, [2], ["c"]))
+    storage.commit_rollouts(2, num_shards=2)
+    assert storage.rollout_steps() == [2]
     with pytest.raises(FileExistsError):
         storage.write_rollouts(2, 0, first.slice(0, 1))
+    with pytest.raises(FileExistsError):
+        storage.commit_rollouts(2, num_shards=2)
     assert storage.read_rollouts(2).column("v").to_pylist() == ["a", "b", "c"]
     assert not list(storage.rollout_dir(2).glob(".*"))  # no temporary files left behind
+
+
+def test_readers_never_see_a_staged_step(tmp_path):
+    storage = RunStorage(tmp_path, "r")
+    storage.write_rollouts(1, 0, rows(1, [0], ["done"]))
+    storage.commit_rollouts(1, num_shards=1)
+    storage.write_rollouts(2, 0, rows(2, [0], ["staged"]))
+    assert storage.read_rollouts().column("v").to_pylist() == ["done"]
+    assert storage.discard_staging() and storage.read_rollouts().column("v").to_pylist() == ["done"]
+
+
+def test_a_truncated_shard_is_detected_and_quarantined_not_deleted(tmp_path):
+    storage = RunStorage(tmp_path, "r")
+    storage.write_rollouts(1, 0, rows(1, [0, 1], ["a", "b"]))
+    storage.commit_rollouts(1, num_shards=1)
+    shard = storage.rollout_dir(1) / "shard-00.parquet"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="damaged"):
+        storage.check_rollouts(1)
+    moved = storage.quarantine(storage.rollout_dir(1), "truncated")
+    assert (moved / "shard-00.parquet").read_bytes() == data[: len(data) // 2]
+    assert storage.rollout_steps() == []
+
+
+def test_a_full_disk_leaves_no_partial_file_and_says_so(tmp_path, monkeypatch):
+    import errno
+
+    import pyarrow.parquet as pq
+
+    from workers.storage import StorageFullError
+
+    def full_disk(table, where, **kwargs):
+        with open(where, "wb") as handle:
+            handle.write(b"PAR1 partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    storage = RunStorage(tmp_path, "r")
+    monkeypatch.setattr(pq, "write_table", full_disk)
+    with pytest.raises(StorageFullError, match="no space left on the device while writing .*shard-00.parquet"):
+        storage.write_rollouts(1, 0, rows(1, [0], ["a"]))
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_damaged_checkpoints_are_skipped_for_the_one_before(tmp_path, caplog):
+    storage = RunStorage(tmp_path, "r")
+    for step in (3, 6, 9):
+        staging = storage.staging_checkpoint_dir(step)
+        (staging / "weights.bin").write_bytes(b"w" * step)
+        storage.commit_checkpoint(step, staging, {"policy_version": step})
+    (storage.checkpoint_dir(9) / "manifest.json").unlink()  # died between files and manifest
+    (storage.checkpoint_dir(6) / "weights.bin").write_bytes(b"x" * 6)  # same size, other bytes
+    assert storage.latest_valid_checkpoint() == 3
+    assert "no manifest.json" in caplog.text and "does not match its checksum" in caplog.text
+
+
+def test_retention_keeps_the_last_n_and_every_mth(tmp_path):
+    storage = RunStorage(tmp_path, "r")
+    for step in range(1, 11):
+        staging = storage.staging_checkpoint_dir(step)
+        (staging / "w").write_bytes(b"w")
+        storage.commit_checkpoint(step, staging, {})
+        storage.prune_checkpoints(keep_last=2, keep_every=4)
+    assert storage.complete_checkpoints() == [4, 8, 9, 10]
 
 
 def test_metrics_with_different_columns_per_step(tmp_path):

@@ -1,0 +1,28 @@
+"""Prefect cache keys for the stages whose result is a reference to something on disk.
+
+A key is (run uid, resume count, step, stage, shard, training-config hash) plus the task's
+source, so a task that is run again for a stage already done gets its small result (a path)
+back instead of doing it again. The run uid is written when the run is created, so a deleted
+and recreated run of the same name never hits the old run's cache. The resume count is in
+the key because across resumes the files decide, not the cache: a cache cannot see that a
+damaged file was moved to quarantine and must be written again (workers/resume.py).
+Stages that return tensors or whole batches are not cached: results are cloudpickled, and
+what they produce is on disk anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
+from prefect.context import TaskRunContext
+
+
+def step_stage_key(context: TaskRunContext, inputs: dict[str, Any]) -> str:
+    config, plan = inputs["config"], inputs["plan"]
+    stage = context.task.name
+    shard = inputs.get("shard", "")
+    return f"{plan.cache_scope}-step{inputs['step']}-{stage}{shard}-{config.training_hash()}"
+
+
+STEP_STAGE = CacheKeyFnPolicy(cache_key_fn=step_stage_key) + TASK_SOURCE
