@@ -13,7 +13,7 @@ import json
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # Every loss TRL 1.16's GRPOTrainer implements; the actor delegates the objective to TRL.
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
@@ -23,6 +23,7 @@ WeightSyncMethod = Literal["reload", "volume", "direct", "checkpoint", "lora"]
 # GPU types Modal accepts in `gpu=` (https://modal.com/docs/guide/gpu); a count is given separately.
 MODAL_GPU_TYPES = ("T4", "L4", "A10G", "A10", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
 
+TASK_NAMES = ("last_digit", "gsm8k", "math", "math500", "mbpp")  # workers/data.py builds each
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 # Fields that do not change what a run computes; everything else is part of the config hash.
@@ -30,7 +31,7 @@ NON_TRAINING_FIELDS = frozenset(
     {"run_id", "storage_root", "max_steps", "save_steps", "report_to", "wandb_project", "backend", "actor_gpu",
      "actor_gpu_count", "rollout_gpu", "weight_sync_method", "gpu_memory_utilization", "modal_volume",
      "modal_secrets", "detach", "save_total_limit", "keep_checkpoint_every", "generate_retries", "score_retries",
-     "actor_retries", "retry_delay_seconds", "eval_prompts"}
+     "actor_retries", "retry_delay_seconds", "eval_prompts", "reward_concurrency"}
 )
 
 
@@ -60,10 +61,12 @@ class GRPOFlowConfig(BaseModel):
         min_length=1,
         description="Hugging Face model id or local path; `tiny` is the project's own offline model.",
     )
-    dataset: Literal["last_digit", "gsm8k", "math", "math500", "mbpp"] = Field(
+    dataset: str = Field(
         default="last_digit",
         description="Task: `last_digit` (synthetic, offline), or from the Hugging Face hub `gsm8k` (openai/gsm8k), "
-        "`math` (MATH), `math500` (MATH train, MATH-500 held out), `mbpp` (MBPP, code with tests).",
+        "`math` (MATH), `math500` (MATH train, MATH-500 held out), `mbpp` (MBPP, code with tests); or "
+        "`hf:<hub id or local path>`, any data set with a `prompt` column. (The Python API registers its "
+        "Dataset objects as `registered:<fingerprint>`.)",
     )
     reward_funcs: list[str] = Field(
         default_factory=list,
@@ -129,6 +132,9 @@ class GRPOFlowConfig(BaseModel):
     num_rollout_workers: int = Field(
         default=1, ge=1, description="Rollout workers; each step's groups are split evenly across them."
     )
+    reward_concurrency: int = Field(
+        default=4, ge=1, description="Most rollout shards scored at once (the reward map's concurrency bound)."
+    )
     sync_weights_every: int = Field(
         default=1, ge=1, description="Publish the actor's weights to the rollout workers every N steps."
     )
@@ -172,6 +178,13 @@ class GRPOFlowConfig(BaseModel):
     )
     report_to: Literal["none", "wandb"] = Field(default="none", description="Where metrics go besides Parquet.")
     wandb_project: str = Field(default="grpo-flow", description="wandb project when `report_to='wandb'`.")
+
+    @field_validator("dataset")
+    @classmethod
+    def _check_dataset(cls, value: str) -> str:
+        if value in TASK_NAMES or (value.startswith(("hf:", "registered:")) and len(value.split(":", 1)[1]) > 0):
+            return value
+        raise ValueError(f"unknown task {value!r}; known: {', '.join(TASK_NAMES)}, or hf:<hub id or path>")
 
     @model_validator(mode="after")
     def _check_cross_field_rules(self) -> GRPOFlowConfig:

@@ -80,6 +80,11 @@ class RolloutBatch:
     advantage: list[float] = field(default_factory=list)
     generate_s: float = 0.0
     score_s: float = 0.0
+    # In memory only: the prompts as the data set has them (conversational ones as messages),
+    # each reward function's seconds, and what reward functions logged through log_metric.
+    raw_prompt: list[Any] = field(default_factory=list)
+    reward_seconds: dict[str, float] = field(default_factory=dict)
+    logged_metrics: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.completion)

@@ -7,6 +7,8 @@ the step flow; the defaults here are the config's defaults.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -20,7 +22,7 @@ from workers import local
 from workers.advantages import group_advantages
 from workers.faults import maybe_fail
 from workers.data import load_task
-from workers.rewards import resolve_reward_funcs, score_batch
+from workers.rewards import RewardTrainerState, resolve_reward_funcs, score_batch
 from workers.rollout import SamplingParams
 from workers.storage import RunStorage
 
@@ -86,6 +88,7 @@ def generate(
         finish_reason=result.finish_reasons,
         extra_columns={c: repeat([row[c] for row in shard.rows]) for c in plan.extra_columns},
         generate_s=result.seconds,
+        raw_prompt=repeat([row["prompt"] for row in shard.rows]),
     )
 
 
@@ -93,8 +96,25 @@ def generate(
 def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, fail_at: str | None = None) -> RolloutBatch:
     """Every reward function on every completion of the shard, and the weighted total."""
     maybe_fail("score", batch.step, fail_at)
-    funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names))
-    return score_batch(batch, funcs, config.reward_weights)
+    funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names), plan.run_id)
+    state = RewardTrainerState(
+        global_step=batch.step - 1,
+        max_steps=plan.total_steps,
+        epoch=(batch.step - 1) * config.prompts_per_step / plan.num_train_prompts,
+    )
+    with reward_slots(plan.run_id, config.reward_concurrency):
+        return score_batch(batch, funcs, config.reward_weights, state)
+
+
+_REWARD_SLOTS: dict[str, threading.BoundedSemaphore] = {}
+_REWARD_SLOTS_LOCK = threading.Lock()
+
+
+def reward_slots(run_id: str, limit: int) -> threading.BoundedSemaphore:
+    """The bound on shards scored at once in this process: Prefect maps every shard at once, and
+    reward code (sandboxes, judges) is often the scarce resource."""
+    with _REWARD_SLOTS_LOCK:
+        return _REWARD_SLOTS.setdefault(f"{run_id}/{limit}", threading.BoundedSemaphore(limit))
 
 
 @task(name="compute-advantages", cache_policy=NO_CACHE)
@@ -109,7 +129,13 @@ def compute_advantages(config: GRPOFlowConfig, batches: list[RolloutBatch]) -> t
     reward_columns = {name: [s for b in batches for s in b.rewards[name]] for name in batches[0].rewards}
     lengths = [len(ids) for b in batches for ids in b.completion_token_ids]
     finish_reasons = [reason for b in batches for reason in b.finish_reason]
-    return out, reward_stats(rewards, std_is_zero, reward_columns, lengths, finish_reasons)
+    stats = reward_stats(rewards, std_is_zero, reward_columns, lengths, finish_reasons)
+    for name in batches[0].reward_seconds:  # functions run per shard: their time summed over shards
+        stats[f"time/reward/{name}_s"] = sum(b.reward_seconds.get(name, 0.0) for b in batches)
+    for batch in batches:
+        for name, value in batch.logged_metrics.items():  # what reward functions logged with log_metric
+            stats[name] = value
+    return out, stats
 
 
 def reward_stats(
@@ -130,7 +156,9 @@ def reward_stats(
     }
     for name, column in reward_columns.items():
         scores = torch.tensor([np.nan if s is None else s for s in column], dtype=torch.float64)
+        applied = scores[~scores.isnan()]
         stats[f"rewards/{name}/mean"] = float(torch.nanmean(scores))
+        stats[f"rewards/{name}/std"] = float(applied.std()) if applied.numel() > 1 else 0.0
     return stats
 
 

@@ -37,7 +37,9 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False) -> Ru
     """Validate rewards, data and model before writing anything; then create the run, or find where it stands."""
     storage = check_run_start(config, allow_config_change)
     task_data = load_task(config.dataset)
-    funcs = resolve_reward_funcs(config.reward_funcs or task_data.default_rewards)
+    funcs = resolve_reward_funcs(config.reward_funcs or task_data.default_rewards, config.run_id)
+    if not funcs:
+        raise ValueError(f"reward_funcs: data set {config.dataset!r} has no default rewards; give reward_funcs")
     if config.reward_weights is not None and len(config.reward_weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(config.reward_weights)} values for {len(funcs)} reward functions")
     model_path = resolve_model_path(config.model, config.storage_root)

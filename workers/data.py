@@ -528,11 +528,41 @@ _BUILDERS: dict[str, Callable[[], TaskData]] = {
 KNOWN_TASKS: tuple[str, ...] = tuple(_BUILDERS)
 
 
-@lru_cache(maxsize=4)
+# Tasks built from Dataset objects by the Python API (GRPOFlowTrainer), by key, in this process.
+_REGISTERED_TASKS: dict[str, TaskData] = {}
+
+
+def register_task(key: str, task: TaskData) -> str:
+    """Make a task available as `dataset="registered:<key>"` in this process; returns that name."""
+    _REGISTERED_TASKS[key] = task
+    return f"registered:{key}"
+
+
 def load_task(name: str) -> TaskData:
-    """The task's data, built or loaded once per process."""
+    """The task's data: a known task (built or loaded once per process), `registered:<key>` from the
+    Python API, or `hf:<hub id or local path>`, any data set with a `prompt` column."""
+    if name.startswith("registered:"):
+        key = name.removeprefix("registered:")
+        if key not in _REGISTERED_TASKS:
+            raise ValueError(
+                f"dataset: {name!r} was registered by the Python API in another process; "
+                "pass the data set to GRPOFlowTrainer again, or use dataset='hf:<hub id or path>'"
+            )
+        return _REGISTERED_TASKS[key]
+    return _load_named_task(name)
+
+
+def clear_task_cache() -> None:
+    """Forget tasks built so far (tests build tasks from local fixtures)."""
+    _load_named_task.cache_clear()
+
+
+@lru_cache(maxsize=8)
+def _load_named_task(name: str) -> TaskData:
+    if name.startswith("hf:"):
+        return load_custom_task(name.removeprefix("hf:"))
     if name not in _BUILDERS:
-        raise ValueError(f"dataset: unknown task {name!r}; known: {', '.join(KNOWN_TASKS)}")
+        raise ValueError(f"dataset: unknown task {name!r}; known: {', '.join(KNOWN_TASKS)}, hf:<id>, registered:<key>")
     return _BUILDERS[name]()
 
 

@@ -22,6 +22,7 @@ from fixtures_hub import (
 
 import workers.data as data
 from workers.data import (
+    clear_task_cache,
     GSM8K_INSTRUCTION,
     KNOWN_TASKS,
     MATH_INSTRUCTION,
@@ -190,11 +191,11 @@ def test_mbpp_from_hub_fixture():
 def test_load_task_builds_each_hub_task_through_datasets_load_dataset(name, monkeypatch):
     hub = FixtureHub()
     monkeypatch.setattr(data, "load_dataset", hub)
-    load_task.cache_clear()
+    clear_task_cache()
     try:
         task = load_task(name)
     finally:
-        load_task.cache_clear()  # keep fixture-built tasks out of other tests' cache
+        clear_task_cache()  # keep fixture-built tasks out of other tests' cache
     assert task.name == name and hub.calls
     check_task_shape(task)
 

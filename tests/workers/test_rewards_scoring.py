@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from schemas.records import RolloutBatch
-from workers.data import extract_final_number, gsm8k_answer, gsm8k_rows, load_task
+from workers.data import clear_task_cache, extract_final_number, gsm8k_answer, gsm8k_rows, load_task
 from workers.rewards import check_scores, gsm8k_accuracy, last_digit, resolve_reward_funcs, score_batch
 
 
@@ -73,7 +73,7 @@ def test_bad_scores_name_the_function_and_sample(scores, message):
 @pytest.mark.parametrize(
     "name, message",
     [("nonsense", r"reward_funcs\[0\]: 'nonsense' is neither"), ("no_module_here:f", r"reward_funcs\[0\]: cannot import"),
-     ("math:pi", r"reward_funcs\[0\]: 'math:pi' is not callable")],
+     ("math:pi", r"reward_funcs\[0\]: 'math:pi' is neither callable")],
 )
 def test_unknown_reward_names_are_errors(name, message):
     with pytest.raises(ValueError, match=message):
@@ -85,7 +85,7 @@ def test_last_digit_task_is_fixed_and_its_splits_disjoint():
     assert set(task.train["prompt"]).isdisjoint(task.heldout["prompt"])
     for prompt, answer in zip(task.heldout["prompt"][:50], task.heldout["answer"][:50]):
         assert prompt.endswith("=") and prompt[-2] == answer
-    load_task.cache_clear()
+    clear_task_cache()
     assert load_task("last_digit").train["prompt"][:20] == task.train["prompt"][:20]
 
 
@@ -103,3 +103,65 @@ def test_gsm8k_rows_from_hub_format():
         gsm8k_answer("no marker here")
     assert extract_final_number("first 3, then 4.5 and finally 1,000.") == "1000"
     assert extract_final_number("#### -7") == "-7" and extract_final_number("none") is None
+
+
+def test_conversational_prompts_and_completions_reach_rewards_as_messages():
+    from workers.rewards import reward_inputs
+
+    seen = {}
+
+    def capture(prompts, completions, **kwargs):
+        seen.update(prompts=prompts, completions=completions, state=kwargs["trainer_state"])
+        return [1.0] * len(completions)
+
+    conversational = [{"role": "user", "content": "2+2?"}]
+    b = batch(["4", "5"], ["4", "4"]).replace(raw_prompt=[conversational, conversational])
+    from workers.rewards import RewardTrainerState
+
+    score_batch(b, {"capture": capture}, None, RewardTrainerState(global_step=3, max_steps=10, epoch=0.5))
+    assert seen["prompts"] == [conversational, conversational]
+    assert seen["completions"] == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
+    assert seen["state"].global_step == 3
+    assert reward_inputs(batch(["x"], ["0"]))[1] == ["x"]  # plain data: strings
+
+
+def test_async_rewards_numpy_scores_log_metric_and_per_function_time():
+    import numpy as np
+
+    async def later(completions, log_metric, **kwargs):
+        log_metric("judge/calls", len(completions))
+        return [None, np.float32(0.5)]
+
+    scored = score_batch(batch(["a", "b"], ["0", "0"]), {"later": later}, None)
+    assert scored.rewards["later"] == [None, 0.5] and math.isnan(scored.reward[0])
+    assert scored.logged_metrics == {"judge/calls": 2.0} and scored.reward_seconds["later"] >= 0
+
+
+def test_a_raising_reward_names_the_function_the_sample_and_the_traceback():
+    from workers.rewards import RewardFunctionError
+
+    def picky(completions, **kwargs):
+        return [1.0 / (c != "boom") for c in completions]
+
+    b = batch(["ok", "ok", "boom"], ["0"] * 3).replace(prompt_id=["p0", "p1", "p2"])
+    with pytest.raises(RewardFunctionError) as raised:
+        score_batch(b, {"picky": picky}, None)
+    message = str(raised.value)
+    assert "reward function 'picky' raised on sample 2 (prompt_id 'p2') of step 1: ZeroDivisionError" in message
+    assert "Traceback" in message and "1.0 / (c != \"boom\")" in message
+
+
+def test_reward_environment_objects_resolve_from_module_paths(tmp_path, monkeypatch):
+    (tmp_path / "my_envs.py").write_text(textwrap.dedent("""
+        from workers.environments import RewardEnvironment
+        class Echo(RewardEnvironment):
+            async def score(self, completion, prompt, answer, **columns):
+                return 1.0 if completion == answer else 0.0
+        echo = Echo()
+        not_a_reward = 42
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    funcs = resolve_reward_funcs(["my_envs:echo"])
+    assert score_batch(batch(["0", "1"], ["0", "0"]), funcs, None).rewards["echo"] == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"reward_funcs\[0\]: 'my_envs:not_a_reward' is neither callable"):
+        resolve_reward_funcs(["my_envs:not_a_reward"])
