@@ -107,6 +107,12 @@ def command_train(args: argparse.Namespace) -> int:
 
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
+    from workers.backends import check_backend_ready
+
+    try:
+        check_backend_ready(config)
+    except Exception as error:  # missing Modal credentials or secret: say which, start nothing
+        raise UsageError(f"--backend modal: {error}") from error
     if args.fail_at:
         from workers.faults import parse_fail_at
 

@@ -209,8 +209,6 @@ class GRPOFlowConfig(BaseModel):
                 raise ValueError(
                     f"{name}: unknown Modal GPU type {getattr(self, name)!r}; known: {', '.join(MODAL_GPU_TYPES)}"
                 )
-        if self.backend == "modal":
-            raise ValueError("backend 'modal' is not available in this release; use backend='local'")
         return self
 
     @property

@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from schemas.config import GRPOFlowConfig
 from schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
 from tasks.caching import STEP_STAGE
-from workers import local
+from workers import backends
 from workers.advantages import group_advantages
 from workers.faults import maybe_fail
 from workers.data import load_task
@@ -60,7 +60,7 @@ def generate(
     """num_generations completions per prompt on rollout worker `shard.shard`, which must hold `policy_version`."""
     maybe_fail("generate", shard.step, fail_at)
     storage = RunStorage(plan.storage_root, plan.run_id)
-    engine = local.local_workers(config, plan.model_path).ensure_rollout_version(shard.shard, policy_version, storage)
+    engine = backends.run_workers(config, plan.model_path).ensure_rollout_version(shard.shard, policy_version, storage)
     params = SamplingParams(
         n=config.num_generations,
         max_tokens=config.max_completion_length,
@@ -71,7 +71,8 @@ def generate(
     result = engine.generate([row["prompt"] for row in shard.rows], params, config.max_prompt_length)
     g = config.num_generations
     repeat = lambda values: [v for v in values for _ in range(g)]  # noqa: E731 - prompt-major order
-    prompt_texts = engine.tokenizer.batch_decode(result.prompt_token_ids)
+    # Remote engines send the decoded prompts along, so no tokenizer is needed here.
+    prompt_texts = result.extra.get("prompt_texts") or engine.tokenizer.batch_decode(result.prompt_token_ids)
     return RolloutBatch(
         run_id=plan.run_id,
         step=shard.step,

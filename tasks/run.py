@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
-from workers import local
+from workers import backends
 from workers.data import load_task
 from workers.evaluation import heldout_accuracy
 from workers.resume import check_config_change, find_resume_point, record_resume
@@ -36,6 +36,7 @@ def check_run_start(config: GRPOFlowConfig, allow_config_change: bool = False) -
 def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False) -> RunPlan:
     """Validate rewards, data and model before writing anything; then create the run, or find where it stands."""
     storage = check_run_start(config, allow_config_change)
+    backends.check_backend_ready(config)
     task_data = load_task(config.dataset)
     funcs = resolve_reward_funcs(config.reward_funcs or task_data.default_rewards, config.run_id)
     if not funcs:
@@ -87,7 +88,7 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
     if config.eval_prompts == 0 or (initial and trained):  # the initial policy is gone
         return float("nan")
         return float("nan")
-    engine = local.local_workers(config, plan.model_path).rollout[0]
+    engine = backends.run_workers(config, plan.model_path).rollout[0]
     accuracy = heldout_accuracy(
         engine, load_task(config.dataset), config.eval_prompts, config.max_completion_length, config.max_prompt_length
     )
@@ -107,5 +108,5 @@ def finish_run(config: GRPOFlowConfig, plan: RunPlan, summary: dict[str, Any]) -
         description=f"Outcome of run {plan.run_id}",
     )
     wandb_finish(plan.run_id)
-    local.release(plan.run_id)
+    backends.release(config, plan.run_id)
     return summary

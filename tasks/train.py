@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan, metrics_table
 from tasks.caching import STEP_STAGE
-from workers import local
+from workers import backends
 from workers.faults import maybe_fail
 from workers.storage import RunStorage
 
@@ -20,7 +20,7 @@ from workers.storage import RunStorage
 def restore_workers(config: GRPOFlowConfig, plan: RunPlan) -> int:
     """Actor and rollout workers at the resume checkpoint (or the initial model); returns the rollout version."""
     storage = RunStorage(plan.storage_root, plan.run_id)
-    return local.local_workers(config, plan.model_path).restore(storage, plan.resume_checkpoint)
+    return backends.run_workers(config, plan.model_path).restore(storage, plan.resume_checkpoint)
 
 
 @task(name="actor-step", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
@@ -34,7 +34,7 @@ def actor_step(
     """
     maybe_fail("actor", step, fail_at)
     storage = RunStorage(plan.storage_root, plan.run_id)
-    workers = local.local_workers(config, plan.model_path)
+    workers = backends.run_workers(config, plan.model_path)
     if workers.actor.policy_version not in (expected_version, expected_version + 1):
         workers.ensure_actor_version(expected_version, storage)
     rollouts = storage.read_rollouts(step)
@@ -47,8 +47,11 @@ def actor_step(
 def sync_weights(config: GRPOFlowConfig, plan: RunPlan) -> dict[str, float]:
     """Publish the actor's weights to every rollout worker; returns the version they now hold."""
     started = time.perf_counter()
-    version = local.local_workers(config, plan.model_path).sync_weights()
-    return {"synced_version": version, "time/sync_s": time.perf_counter() - started}
+    workers = backends.run_workers(config, plan.model_path)
+    version = workers.sync_weights()
+    report = getattr(workers, "last_sync", {})  # the Modal backend says what it moved, and how
+    moved = {"sync/bytes": float(report["bytes"])} if "bytes" in report else {}
+    return {"synced_version": version, "time/sync_s": time.perf_counter() - started, **moved}
 
 
 @task(name="save-checkpoint", retries=1, retry_delay_seconds=1, cache_policy=STEP_STAGE, persist_result=True)
@@ -60,7 +63,7 @@ def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int, fail_at: s
     if storage.checkpoint_dir(step).exists():  # a retry after the commit: the checkpoint is done
         storage.verify_checkpoint(step)
         return {"time/checkpoint_s": time.perf_counter() - started}
-    workers = local.local_workers(config, plan.model_path)
+    workers = backends.run_workers(config, plan.model_path)
     staging = storage.staging_checkpoint_dir(step)
     state = workers.actor.save_checkpoint(staging)
     if state["policy_version"] != step:

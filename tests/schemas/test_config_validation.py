@@ -31,7 +31,7 @@ def problems(**fields) -> str:
         ({"max_steps": 0}, "max_steps (0) must be a positive number of steps, or -1"),
         ({"reward_funcs": ["last_digit"], "reward_weights": [1.0, 2.0]},
          "reward_weights has 2 values but reward_funcs has 1 functions"),
-        ({"backend": "modal"}, "backend 'modal' is not available in this release"),
+        ({"backend": "modal", "rollout_gpu": "Z80"}, "rollout_gpu: unknown Modal GPU type 'Z80'"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(fields, expected):
