@@ -45,6 +45,48 @@ PRESETS: dict[str, dict[str, Any]] = {
         "save_steps": 50,
         "eval_prompts": 200,
     },
+    # MATH (DigitalLearningGmbH/MATH-lighteval; answers in \boxed{}, compared as math by
+    # math-verify). Worked solutions are long, hence 1024 completion tokens; the 1.5B instruct
+    # model is the smallest Qwen2.5 that solves enough MATH problems for groups to carry signal.
+    "math": {
+        "model": "Qwen/Qwen2.5-1.5B-Instruct",
+        "dataset": "math",
+        "reward_funcs": ["math_accuracy"],
+        "learning_rate": 1e-6,
+        "lr_scheduler_type": "constant",
+        "num_generations": 8,
+        "prompts_per_step": 16,
+        "max_steps": 500,
+        "max_completion_length": 1024,
+        "max_prompt_length": 512,
+        "temperature": 1.0,
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "num_rollout_workers": 2,
+        "save_steps": 50,
+        "eval_prompts": 200,
+    },
+    # MBPP (google-research-datasets/mbpp): completions are Python, scored by running the task's
+    # tests in a sandbox. 464 training tasks, so 300 steps of 16 are about ten epochs; a coder
+    # model, since a general 0.5B model rarely passes a test and groups would carry no signal.
+    "mbpp": {
+        "model": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        "dataset": "mbpp",
+        "reward_funcs": ["mbpp_tests"],
+        "learning_rate": 1e-6,
+        "lr_scheduler_type": "constant",
+        "num_generations": 8,
+        "prompts_per_step": 16,
+        "max_steps": 300,
+        "max_completion_length": 512,
+        "max_prompt_length": 512,
+        "temperature": 1.0,
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "num_rollout_workers": 2,
+        "save_steps": 50,
+        "eval_prompts": 200,
+    },
 }
 
 
