@@ -12,14 +12,17 @@ So against the `grpo` flow itself, `--param max_steps=3` is refused and
 - `preset`: the starting point (each deployment sets its own: `tiny`, `gsm8k`, `math`, `mbpp`);
 - every GRPOFlowConfig field as a parameter of its own, default None = "the preset's value",
   so `--param max_steps=3 --param run_id=my-run` works, and the UI draws a form field for each;
-- `config`: a JSON object of config fields merged over the preset (a partial config, or a
-  whole one: `--params '{"config": {...}}'`); fields given one by one win over it. It is
-  also the way to set an optional field to None (`--param config='{"epsilon_high": null}'`);
+- `config`: a JSON object of config fields merged over the preset and the single fields (a
+  partial config, or a whole one: `--params '{"config": {...}}'`). It is also the way to set an
+  optional field to None (`--param config='{"epsilon_high": null}'`);
 - `allow_config_change`, `fail_at`: as the `grpo` flow's.
 
-Precedence: preset < `config` < single fields. A run id that already exists under the storage
-root is resumed from its own config (config.json and resumes), with only the fields given
-applied, exactly like `grpo train --run-id ID`; the preset is then ignored.
+Precedence: preset < single fields < `config`. The deployment itself sets one single field,
+`storage_root` (deployments/serve.py), and an explicit `config` object must be able to win
+over it. With no storage root anywhere, $GRPO_FLOW_STORAGE applies, as for `grpo train`.
+A run id that already exists under the storage root is resumed from its own config
+(config.json and resumes) with only the fields given applied, exactly like
+`grpo train --run-id ID`; the preset is then ignored.
 
 The body is the `grpo` flow's own function (`grpo.fn`), run inside this flow run, so a
 deployment run records the same tasks, step subflows and artifacts as `grpo train`, under a
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import typing
 from typing import Any, Literal, Optional
 
@@ -65,7 +69,10 @@ def resolve_config(preset: str, overrides: dict[str, Any], allow_config_change: 
     unknown = sorted(set(overrides) - set(GRPOFlowConfig.model_fields))
     if unknown:
         raise DeploymentConfigError(f"config: unknown fields {unknown}")
-    storage_root = overrides.get("storage_root") or PRESETS[preset].get("storage_root") or GRPOFlowConfig().storage_root
+    storage_root = (
+        overrides.get("storage_root") or PRESETS[preset].get("storage_root")
+        or GRPOFlowConfig.model_fields["storage_root"].default
+    )
     run_id = overrides.get("run_id")
     try:
         if run_id and RunStorage(storage_root, run_id).exists():
@@ -89,7 +96,10 @@ def split_parameters(parameters: dict[str, Any]) -> tuple[str, dict[str, Any], b
     preset = parameters.get("preset") or "tiny"
     partial = dict(parameters.get("config") or {})
     fields = {name: value for name, value in parameters.items() if name not in OWN_PARAMETERS and value is not None}
-    return preset, {**partial, **fields}, bool(parameters.get("allow_config_change")), parameters.get("fail_at")
+    overrides = {**fields, **partial}
+    if "storage_root" not in overrides and os.environ.get("GRPO_FLOW_STORAGE"):
+        overrides["storage_root"] = os.environ["GRPO_FLOW_STORAGE"]
+    return preset, overrides, bool(parameters.get("allow_config_change")), parameters.get("fail_at")
 
 
 def deployment_run_name() -> str:
@@ -154,8 +164,8 @@ def deployment_signature() -> inspect.Signature:
         ),
         inspect.Parameter(
             "config", keyword, annotation=Optional[dict[str, Any]],  # noqa: UP045
-            default=Field(None, description="Config fields as one JSON object, merged over the preset; "
-                                            "single fields given as parameters win over it."),
+            default=Field(None, description="Config fields as one JSON object, merged over the preset and "
+                                            "over the single fields below."),
         ),
     ]
     for name, field in GRPOFlowConfig.model_fields.items():

@@ -1,9 +1,12 @@
-"""`grpo`: train a run, list runs, read a run's rollouts.
+"""`grpo`: train a run, list runs, read a run's rollouts; serve the deployments, evaluate, plot.
 
     grpo train --preset tiny [--max-steps 3 --loss-type grpo --storage-root DIR --run-id ID ...]
     grpo train --run-id ID [--resume] [--max-steps 80] [--allow-config-change]   (resume a run)
     grpo runs [--storage-root DIR]
     grpo rollouts RUN_ID [--step N] [--limit K] [--storage-root DIR]
+    grpo serve [--storage-root DIR] [--timezone TZ] [--nightly-cron CRON]   (needs PREFECT_API_URL)
+    grpo eval RUN [--checkpoint STEP] [--k K] [--prompts N] [--storage-root DIR]
+    grpo report RUN [--out FILE.png] [--storage-root DIR]
 
 Every config field is an option spelled `--field-name`. Bad input (an unknown preset, a bad
 value, an unknown run) exits with status 2 and a message naming what is wrong, before
@@ -219,6 +222,100 @@ def command_rollouts(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve, eval, report ---------------------------------------------------------------------------
+def command_serve(args: argparse.Namespace) -> int:
+    """Register grpo/<preset> and evaluate/nightly with the server in PREFECT_API_URL and run them."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before Prefect reads its settings
+    from prefect.settings import PREFECT_API_URL
+
+    from deployments.serve import GRPO_PRESETS, DeploymentSettingsError, nightly_schedule, serve_deployments
+
+    api_url = PREFECT_API_URL.value()
+    if not api_url:
+        # Prefect's ephemeral server has no scheduler, and nothing else could reach it to start a run.
+        raise UsageError(
+            "needs a Prefect server: start one (`prefect server start`) and set PREFECT_API_URL "
+            "(e.g. http://127.0.0.1:4200/api), or log in to Prefect Cloud (`prefect cloud login`)"
+        )
+    check_storage_root(args.storage_root)
+    if args.eval_k is not None and args.eval_k < 1:
+        raise UsageError(f"--eval-k: must be at least 1, got {args.eval_k}")
+    if args.eval_prompts is not None and args.eval_prompts < 1:
+        raise UsageError(f"--eval-prompts: must be at least 1, got {args.eval_prompts}")
+    try:
+        cron, timezone = nightly_schedule(args.nightly_cron, args.timezone)
+    except DeploymentSettingsError as error:
+        raise UsageError(f"--{error}") from error
+    names = ", ".join([f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"])
+    print(f"grpo serve: {names} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
+          f"storage root {os.path.abspath(args.storage_root)}", flush=True)
+    serve_deployments(args.storage_root, cron, timezone, args.eval_k, args.eval_prompts, args.limit)
+    return 0
+
+
+def command_eval(args: argparse.Namespace) -> int:
+    """Evaluate a run's newest (or a named) checkpoint: pass@1 and pass@k on held-out prompts."""
+    quiet_prefect(args.verbose)
+    from flows.evaluate import EvaluationError, resolve_checkpoint
+    from workers.storage import RunStorage
+
+    if args.k < 1:
+        raise UsageError(f"--k: must be at least 1, got {args.k}")
+    if args.prompts is not None and args.prompts < 1:
+        raise UsageError(f"--prompts: must be at least 1, got {args.prompts}")
+    storage = RunStorage(args.storage_root, args.run_id)
+    if not storage.exists():
+        raise UsageError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    try:
+        step = resolve_checkpoint(storage, args.checkpoint)
+    except EvaluationError as error:
+        raise UsageError(f"{'--checkpoint' if args.checkpoint is not None else 'RUN'}: {error}") from error
+    from flows.evaluate import evaluate
+
+    print(f"grpo-flow: evaluating run {args.run_id}, checkpoint {step} (k={args.k})", flush=True)
+    try:
+        summary = evaluate(
+            run_id=args.run_id, storage_root=args.storage_root, checkpoint=step, k=args.k, prompts=args.prompts,
+            temperature=args.temperature, seed=args.seed, greedy=not args.no_greedy,
+        )
+    except Exception as error:  # the flow run recorded it; one line unless asked for more
+        if args.verbose:
+            raise
+        print(f"grpo eval: run {args.run_id} failed: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    print_eval_summary(summary)
+    return 0
+
+
+def print_eval_summary(summary: dict[str, Any]) -> None:
+    from flows.evaluate import metric_names
+
+    rows = [
+        ("run", summary["run_id"]),
+        ("checkpoint", str(summary["checkpoint_step"])),
+        ("held-out prompts x samples", f"{summary['num_prompts']} x {summary['samples_per_prompt']}"),
+    ]
+    rows += [(name.replace("_", " "), f"{summary[name]:.4f}") for name in metric_names(summary)]
+    rows.append(("results", summary["path"] + ("  (already evaluated; read back)" if summary.get("already_evaluated") else "")))
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+
+
+def command_report(args: argparse.Namespace) -> int:
+    """A PNG of reward, loss, KL and completion length per step (and evaluations, when there are any)."""
+    from flows.report import ReportError, write_report
+
+    try:
+        report = write_report(args.storage_root, args.run_id, args.out)
+    except ReportError as error:
+        raise UsageError(f"RUN: {error}") from error
+    except ImportError as error:
+        print(f"grpo report: needs matplotlib ({error}); install it with: pip install matplotlib", file=sys.stderr)
+        return 1
+    print(f"wrote {report.path}: {', '.join(report.panels)} over {report.steps} steps")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO as a Prefect workflow around GPU workers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -245,6 +342,40 @@ def make_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("--limit", type=int, default=8, help="completions to show (default: 8)")
     rollouts.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     rollouts.set_defaults(handler=command_rollouts)
+
+    serve = commands.add_parser(
+        "serve", help="register grpo/<preset> and evaluate/nightly with the Prefect server and run them"
+    )
+    serve.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT, help="storage root of every deployment")
+    serve.add_argument("--timezone", default=None,
+                       help="IANA time zone of the nightly cron (default: $GRPO_FLOW_NIGHTLY_TZ, else UTC)")
+    serve.add_argument("--nightly-cron", default=None,
+                       help="cron of evaluate/nightly (default: $GRPO_FLOW_NIGHTLY_CRON, else '0 2 * * *')")
+    serve.add_argument("--eval-k", type=int, default=None, help="nightly: completions per prompt (default: 8)")
+    serve.add_argument("--eval-prompts", type=int, default=None,
+                       help="nightly: held-out prompts per run (default: each run's eval_prompts)")
+    serve.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: no limit)")
+    serve.set_defaults(handler=command_serve)
+
+    evaluate = commands.add_parser("eval", help="pass@1 and pass@k of a run's checkpoint on held-out prompts")
+    evaluate.add_argument("run_id", metavar="RUN")
+    evaluate.add_argument("--checkpoint", type=int, default=None, metavar="STEP",
+                          help="checkpoint step (default: the newest valid one)")
+    evaluate.add_argument("--k", type=int, default=8, help="completions sampled per prompt (default: 8)")
+    evaluate.add_argument("--prompts", type=int, default=None, metavar="N",
+                          help="held-out prompts, the first N (default: the run's eval_prompts, or 100)")
+    evaluate.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    evaluate.add_argument("--no-greedy", action="store_true", help="skip the greedy-accuracy pass")
+    evaluate.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
+    evaluate.add_argument("--verbose", action="store_true", help="show Prefect's task logs and tracebacks")
+    evaluate.set_defaults(handler=command_eval)
+
+    report = commands.add_parser("report", help="PNG of reward, loss, KL and completion length per step")
+    report.add_argument("run_id", metavar="RUN")
+    report.add_argument("--out", default=None, metavar="FILE.png", help="output file (default: <run>/report.png)")
+    report.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
+    report.set_defaults(handler=command_report)
     return parser
 
 

@@ -19,6 +19,7 @@ and the loss is TRL's `loss_type` (dapo by default), not the paper's per-sequenc
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 import uuid
@@ -48,8 +49,11 @@ from workers.storage import RunStorage
 
 
 def new_run_id(config: GRPOFlowConfig) -> str:
+    """`<data set>-<UTC time>-<4 hex>`, e.g. `last-digit-20261122-152852-ecfc`."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return f"{config.dataset.replace('_', '-')}-{stamp}-{uuid.uuid4().hex[:4]}"
+    name = "api" if config.dataset.startswith("registered:") else config.dataset.removeprefix("hf:")
+    name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[-40:].lstrip("-") or "run"
+    return f"{name}-{stamp}-{uuid.uuid4().hex[:4]}"
 
 
 def grpo_run_name() -> str:

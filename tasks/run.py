@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -103,7 +104,7 @@ def finish_run(config: GRPOFlowConfig, plan: RunPlan, summary: dict[str, Any]) -
     summary = {**summary, **{f"model_{k}": v for k, v in read_build_info(plan.model_path).items()}}
     RunStorage(plan.storage_root, plan.run_id).write_summary(summary)
     create_markdown_artifact(
-        key=f"grpo-summary-{plan.run_id}".lower().replace("_", "-").replace(".", "-"),
+        key=re.sub(r"[^a-z0-9-]", "-", f"grpo-summary-{plan.run_id}".lower()),
         markdown="## grpo-flow run `" + plan.run_id + "`\n\n```json\n" + json.dumps(summary, indent=2) + "\n```",
         description=f"Outcome of run {plan.run_id}",
     )

@@ -97,3 +97,15 @@ def test_a_reward_that_keeps_failing_fails_the_step_naming_it_and_keeps_the_log(
     storage = RunStorage(storage_root, "api-fails")
     assert storage.logged_steps() == [1] and storage.read_rollouts(1).num_rows == 160
     assert "step 2" in storage.read_summary()["error"]
+
+
+@pytest.mark.parametrize("dataset", ["registered:9f3a-77", "hf:openai/gsm8k", "hf:./my data/train.jsonl", "last_digit"])
+def test_generated_run_ids_are_valid_for_every_kind_of_data_set(dataset):
+    import re
+
+    from flows.grpo import new_run_id
+    from schemas.config import RUN_ID_PATTERN, GRPOFlowConfig
+
+    run_id = new_run_id(GRPOFlowConfig(dataset=dataset))
+    assert re.match(RUN_ID_PATTERN, run_id), run_id
+    assert GRPOFlowConfig(dataset=dataset, run_id=run_id).run_id == run_id

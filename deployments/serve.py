@@ -1,0 +1,122 @@
+"""The deployments, built once for `grpo serve` and for the work-pool helper.
+
+    grpo/tiny  grpo/gsm8k  grpo/math  grpo/mbpp    a run from the preset (deployments/grpo.py)
+    evaluate/nightly                                flows/evaluate.py's sweep, cron 02:00
+
+Each deployment's parameters are visible defaults (`prefect deployment inspect grpo/tiny`):
+`preset` and `storage_root` for the grpo ones; `storage_root`, `k` and `prompts` for the
+nightly evaluation. `storage_root` is made absolute here, because a flow run may start in
+another working directory (a process worker's).
+
+The nightly schedule: cron `0 2 * * *` in UTC unless told otherwise, by option or by the
+environment (GRPO_FLOW_NIGHTLY_CRON, GRPO_FLOW_NIGHTLY_TZ, an IANA name such as
+Europe/Berlin); Prefect's scheduler evaluates the cron in that time zone, daylight saving
+included.
+
+Entrypoints are module paths (`deployments.grpo.grpo_preset`, `flows.evaluate.evaluate`),
+not file paths relative to where `grpo serve` was started, so a flow run finds its code from
+any working directory where grpo-flow is installed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from prefect.deployments.runner import RunnerDeployment
+from prefect.schedules import Cron
+from prefect.types.entrypoint import EntrypointType
+
+from schemas.presets import PRESETS
+
+NIGHTLY_CRON = "0 2 * * *"
+NIGHTLY_TIMEZONE = "UTC"
+CRON_ENV = "GRPO_FLOW_NIGHTLY_CRON"
+TIMEZONE_ENV = "GRPO_FLOW_NIGHTLY_TZ"
+GRPO_PRESETS = ("tiny", "gsm8k", "math", "mbpp")  # the deployments `grpo/<preset>`
+
+
+class DeploymentSettingsError(ValueError):
+    """A bad time zone or cron string, named before anything is registered."""
+
+
+def nightly_schedule(cron: str | None = None, timezone: str | None = None) -> tuple[str, str]:
+    """(cron, time zone) from the arguments, else the environment, else 02:00 UTC; both checked."""
+    cron = cron or os.environ.get(CRON_ENV) or NIGHTLY_CRON
+    timezone = timezone or os.environ.get(TIMEZONE_ENV) or NIGHTLY_TIMEZONE
+    try:
+        ZoneInfo(timezone)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise DeploymentSettingsError(f"timezone: {timezone!r} is not an IANA time zone (e.g. UTC, Europe/Berlin)") from None
+    try:
+        Cron(cron, timezone=timezone)
+    except ValueError as error:
+        raise DeploymentSettingsError(f"nightly cron: {cron!r} is not a valid cron string: {error}") from None
+    return cron, timezone
+
+
+def grpo_deployments(storage_root: str | os.PathLike) -> list[RunnerDeployment]:
+    """`grpo/<preset>` for each preset in GRPO_PRESETS (that exists in schemas/presets.py)."""
+    from deployments.grpo import grpo_preset
+
+    root = str(Path(storage_root).absolute())
+    deployments = []
+    for preset in GRPO_PRESETS:
+        if preset not in PRESETS:
+            continue
+        values = PRESETS[preset]
+        deployments.append(
+            grpo_preset.to_deployment(
+                name=preset,
+                parameters={"preset": preset, "storage_root": root},
+                description=f"GRPO run from the `{preset}` preset ({values['model']} on {values['dataset']}). "
+                "Override any config field: `prefect deployment run grpo/" + preset + " --param max_steps=3`.",
+                tags=["grpo", preset],
+                entrypoint_type=EntrypointType.MODULE_PATH,
+            )
+        )
+    return deployments
+
+
+def nightly_deployment(
+    storage_root: str | os.PathLike, cron: str | None = None, timezone: str | None = None,
+    k: int | None = None, prompts: int | None = None,
+) -> RunnerDeployment:
+    """`evaluate/nightly`: the `evaluate` flow with no run id, on a cron schedule in a time zone."""
+    from flows.evaluate import DEFAULT_K, evaluate
+
+    cron, timezone = nightly_schedule(cron, timezone)
+    parameters: dict[str, object] = {"storage_root": str(Path(storage_root).absolute()), "k": k or DEFAULT_K}
+    if prompts is not None:
+        parameters["prompts"] = prompts
+    return evaluate.to_deployment(
+        name="nightly",
+        schedules=[Cron(cron, timezone=timezone)],
+        parameters=parameters,
+        description=f"pass@k of every run whose newest checkpoint is newer than its last evaluation "
+        f"(cron {cron!r}, {timezone}).",
+        tags=["evaluate", "nightly"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+
+
+def build_deployments(
+    storage_root: str | os.PathLike, cron: str | None = None, timezone: str | None = None,
+    k: int | None = None, prompts: int | None = None,
+) -> list[RunnerDeployment]:
+    """Every deployment of the project, for one storage root."""
+    nightly = nightly_deployment(storage_root, cron, timezone, k, prompts)  # checks cron and zone first
+    return [*grpo_deployments(storage_root), nightly]
+
+
+def serve_deployments(
+    storage_root: str | os.PathLike, cron: str | None = None, timezone: str | None = None,
+    k: int | None = None, prompts: int | None = None, limit: int | None = None,
+) -> None:
+    """Register every deployment with the server in PREFECT_API_URL and run their flow runs in
+    subprocesses of this one until interrupted (Prefect's `serve`). On shutdown Prefect pauses
+    the nightly schedule, so no run is scheduled that nothing would pick up."""
+    from prefect import serve
+
+    serve(*build_deployments(storage_root, cron, timezone, k, prompts), limit=limit)
