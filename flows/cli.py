@@ -123,6 +123,10 @@ def command_train(args: argparse.Namespace) -> int:
             parse_fail_at(args.fail_at)
         except ValueError as error:
             raise UsageError(f"--{error}") from error
+    if args.simple_mode:
+        if existing:
+            raise UsageError(f"--simple-mode: run {config.run_id!r} exists; simple mode does not resume")
+        return run_simple_mode(config, args)
     from flows.grpo import grpo
 
     what = "resuming run" if existing else "run"
@@ -140,6 +144,24 @@ def command_train(args: argparse.Namespace) -> int:
               "add --verbose for the traceback)", file=sys.stderr)
         return 1
     print_summary(summary)
+    return 0
+
+
+def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
+    """TRL's own GRPOTrainer loop in the `grpo-simple` flow, writing to the same storage layout."""
+    from flows.simple import grpo_simple
+
+    print(f"grpo-flow: run {config.run_id} in simple mode (TRL's GRPOTrainer loop)", flush=True)
+    try:
+        summary = grpo_simple(config)
+    except Exception as error:
+        if args.verbose:
+            raise
+        print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    print(f"run {summary['run_id']}: {summary['status']}, {summary['steps_completed']} steps, "
+          f"mean reward over the last 5 steps {summary['final_reward']:.3f}; "
+          f"storage {os.path.join(summary['storage'], 'runs', summary['run_id'])}")
     return 0
 
 
@@ -325,6 +347,10 @@ def make_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="require --run-id to name an existing run, and resume it")
     train.add_argument(
         "--allow-config-change", action="store_true", help="resume even if a field that alters training changed"
+    )
+    train.add_argument(
+        "--simple-mode", action="store_true",
+        help="run TRL's own GRPOTrainer loop (same config, data, rewards and storage layout; no resume)",
     )
     train.add_argument("--fail-at", default=None, metavar="STAGE@STEP[:kill]", help="testing aid: fail on purpose")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -1,0 +1,64 @@
+"""`grpo-simple`: TRL's own GRPOTrainer loop inside a Prefect flow (`grpo train --simple-mode`).
+
+    prepare_run → trl_train (TRL's loop: generate, score, optimise; metrics and checkpoints
+    written to the run's folder as it goes) → finish_run
+
+One task, because TRL's loop is one call; what Prefect adds is the run's record, its
+artifact, and the same storage layout as the `grpo` flow. It does not resume: use the
+`grpo` flow for runs that must survive a crash.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.grpo import grpo_run_name, new_run_id
+from schemas.config import GRPOFlowConfig
+from schemas.records import RunPlan
+from tasks.run import finish_run, prepare_run
+from workers.data import load_task
+from workers.rewards import resolve_reward_funcs
+from workers.storage import RunStorage
+
+
+@task(name="trl-train", cache_policy=NO_CACHE)
+def trl_train(config: GRPOFlowConfig, plan: RunPlan) -> dict[str, Any]:
+    """GRPOTrainer.train() on the run's data and rewards. No retries: TRL's loop is not resumable here."""
+    from workers.simple_mode import train_with_trl
+
+    funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names), plan.run_id)
+    return train_with_trl(config, plan, list(funcs.values()), load_task(config.dataset).train)
+
+
+@flow(name="grpo-simple", flow_run_name=grpo_run_name, validate_parameters=True)
+def grpo_simple(config: GRPOFlowConfig) -> dict[str, Any]:
+    """A run driven by TRL's GRPOTrainer; returns the run's summary (also in summary.json)."""
+    started = time.perf_counter()
+    if config.run_id is None:
+        config = config.model_copy(update={"run_id": new_run_id(config)})
+    if RunStorage(config.storage_root, config.run_id).exists():
+        raise ValueError(f"run_id: run {config.run_id!r} exists; simple mode does not resume, choose a new run id")
+    plan = prepare_run(config)
+    summary: dict[str, Any] = {"run_id": plan.run_id, "total_steps": plan.total_steps, "mode": "simple"}
+    try:
+        output = trl_train(config, plan)
+    except BaseException as error:
+        summary.update(status="failed", error=f"{type(error).__name__}: {error}", steps_completed=0)
+        finish_run(config, plan, summary)
+        raise
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    rows = storage.read_metrics().to_pylist()
+    recent = rows[-5:]
+    summary.update(
+        status="completed",
+        steps_completed=len(rows),
+        final_reward=sum(r["reward"] for r in recent) / len(recent) if recent else float("nan"),
+        trl_output=output,
+        wall_seconds=time.perf_counter() - started,
+        storage=str(plan.storage_root),
+    )
+    return finish_run(config, plan, summary)
