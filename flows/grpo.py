@@ -37,6 +37,7 @@ from tasks.rollout import (
     commit_rollouts,
     compute_advantages,
     generate,
+    keep_informative_groups,
     logged_reward_stats,
     sample_batch,
     score,
@@ -61,6 +62,32 @@ def grpo_run_name() -> str:
     config = flow_run.parameters.get("config")
     run_id = config.get("run_id") if isinstance(config, dict) else getattr(config, "run_id", None)
     return run_id or "grpo-new-run"
+
+
+def refill_with_informative_groups(
+    config: GRPOFlowConfig, plan: RunPlan, step: int, rollout_version: int, scored: list, fail_at: str | None
+) -> tuple[list, dict[str, float]]:
+    """DAPO's dynamic sampling: drop groups whose rewards tie, refill from further prompts for up
+    to dynamic_sampling_max_rounds extra rounds. If no group carries signal, the step keeps its
+    own batch (its advantages are zero: the actor step changes nothing but the optimizer state)."""
+    kept, dropped = keep_informative_groups(config, [None] * len(scored), scored)
+    rounds = 0
+    target = config.prompts_per_step * config.num_generations
+    while sum(len(b) for b in kept) < target and rounds < config.dynamic_sampling_max_rounds:
+        rounds += 1
+        shards = sample_batch(config, plan, step, refill_round=rounds)
+        generated = generate.map(unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at))
+        rescored = score.map(unmapped(config), unmapped(plan), generated.result(), unmapped(fail_at)).result()
+        kept, more = keep_informative_groups(config, kept, rescored)
+        dropped += more
+    if not any(len(b) for b in kept):
+        kept = scored
+    stats = {
+        "dynamic_sampling/filtered_groups": float(dropped),
+        "dynamic_sampling/rounds": float(rounds),
+        "dynamic_sampling/kept_groups": float(sum(len(b) for b in kept) // config.num_generations),
+    }
+    return kept, stats
 
 
 # persist_result=False: a retried parent flow run must run a step again, never reuse an old
@@ -90,12 +117,13 @@ def grpo_step(
             .map(unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at))
             .result()
         )
-        scored = (
-            score.with_options(retries=config.score_retries, **retry)
-            .map(unmapped(config), unmapped(plan), generated, unmapped(fail_at))
-            .result()
-        )
+        score_shards = score.with_options(retries=config.score_retries, **retry)
+        scored = score_shards.map(unmapped(config), unmapped(plan), generated, unmapped(fail_at)).result()
+        if config.dynamic_sampling:
+            scored, sampling_stats = refill_with_informative_groups(config, plan, step, rollout_version, scored, fail_at)
         batches, reward_stats = compute_advantages(config, scored)
+        if config.dynamic_sampling:
+            reward_stats = {**reward_stats, **sampling_stats}
         write_rollouts.map(unmapped(config), unmapped(plan), batches, range(len(batches))).result()
         commit_rollouts(config, plan, step)
         num_completions = sum(len(b) for b in batches)

@@ -132,6 +132,14 @@ class GRPOFlowConfig(BaseModel):
     num_rollout_workers: int = Field(
         default=1, ge=1, description="Rollout workers; each step's groups are split evenly across them."
     )
+    dynamic_sampling: bool = Field(
+        default=False,
+        description="Drop groups whose rewards all tie (zero advantage, no learning signal) and refill the step "
+        "from further prompts, as DAPO's dynamic sampling.",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        default=2, ge=1, description="Extra generation rounds dynamic sampling may spend refilling a step."
+    )
     reward_concurrency: int = Field(
         default=4, ge=1, description="Most rollout shards scored at once (the reward map's concurrency bound)."
     )

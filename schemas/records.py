@@ -92,6 +92,28 @@ class RolloutBatch:
     def replace(self, **changes: Any) -> RolloutBatch:
         return dataclasses.replace(self, **changes)
 
+    def take(self, rows: list[int]) -> RolloutBatch:
+        """The batch restricted to `rows`, in that order (per-row lists and dicts of lists are sliced)."""
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list) and len(value) == len(self):
+                changes[f.name] = [value[i] for i in rows]
+            elif f.name in ("extra_columns", "rewards"):
+                changes[f.name] = {k: [v[i] for i in rows] for k, v in value.items()}
+        return self.replace(**changes)
+
+    def extend(self, other: RolloutBatch) -> RolloutBatch:
+        """This batch followed by `other` (same worker and columns); timings add up."""
+        changes: dict[str, Any] = {"generate_s": self.generate_s + other.generate_s, "score_s": self.score_s + other.score_s}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list) and len(value) == len(self):
+                changes[f.name] = value + getattr(other, f.name)
+            elif f.name in ("extra_columns", "rewards"):
+                changes[f.name] = {k: v + getattr(other, f.name)[k] for k, v in value.items()}
+        return self.replace(**changes)
+
     def to_table(self, schema: pa.Schema) -> pa.Table:
         """The batch as an Arrow table that conforms to `schema` (raises naming a missing column)."""
         n = len(self)
@@ -189,3 +211,4 @@ class PromptShard:
     shard: int
     group_offset: int
     rows: tuple[dict[str, Any], ...]
+    refill_round: int = 0  # dynamic sampling: 0 is the step's own prompts, 1.. are refills

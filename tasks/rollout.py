@@ -27,9 +27,10 @@ from workers.rollout import SamplingParams
 from workers.storage import RunStorage
 
 
-def step_seed(seed: int, step: int, shard: int = 0) -> int:
-    """A distinct, reproducible seed for every (run seed, step, shard)."""
-    return int(np.random.SeedSequence([seed, step, shard]).generate_state(1)[0])
+def step_seed(seed: int, step: int, shard: int = 0, refill_round: int = 0) -> int:
+    """A distinct, reproducible seed for every (run seed, step, shard[, dynamic-sampling round])."""
+    entropy = [seed, step, shard] + ([refill_round] if refill_round else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 def epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
@@ -38,17 +39,28 @@ def epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
 
 
 @task(name="sample-batch", cache_policy=NO_CACHE)
-def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int) -> list[PromptShard]:
-    """The step's prompts, a deterministic function of (seed, step): epoch-wise permutations."""
+def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int, refill_round: int = 0) -> list[PromptShard]:
+    """The step's prompts, a deterministic function of (seed, step): epoch-wise permutations.
+
+    Refill rounds of dynamic sampling draw from their own stream, a function of (seed, step,
+    round), so the data order of later steps does not depend on how many refills happened.
+    """
     train = load_task(config.dataset).train
-    start = (step - 1) * config.prompts_per_step
-    positions = range(start, start + config.prompts_per_step)
-    orders = {epoch: epoch_order(config.seed, epoch, len(train)) for epoch in {p // len(train) for p in positions}}
-    indices = [int(orders[p // len(train)][p % len(train)]) for p in positions]
-    rows = train.select(indices).to_list()
+    if refill_round:
+        rng = np.random.default_rng([config.seed, step, refill_round, 0xD5])
+        indices = rng.choice(len(train), size=config.prompts_per_step, replace=len(train) < config.prompts_per_step)
+    else:
+        start = (step - 1) * config.prompts_per_step
+        positions = range(start, start + config.prompts_per_step)
+        orders = {e: epoch_order(config.seed, e, len(train)) for e in {p // len(train) for p in positions}}
+        indices = [int(orders[p // len(train)][p % len(train)]) for p in positions]
+    rows = train.select([int(i) for i in indices]).to_list()
     per_shard = config.prompts_per_step // config.num_rollout_workers
     return [
-        PromptShard(step=step, shard=s, group_offset=s * per_shard, rows=tuple(rows[s * per_shard : (s + 1) * per_shard]))
+        PromptShard(
+            step=step, shard=s, group_offset=s * per_shard, rows=tuple(rows[s * per_shard : (s + 1) * per_shard]),
+            refill_round=refill_round,
+        )
         for s in range(config.num_rollout_workers)
     ]
 
@@ -66,7 +78,7 @@ def generate(
         max_tokens=config.max_completion_length,
         temperature=config.temperature,
         top_p=config.top_p,
-        seed=step_seed(config.seed, shard.step, shard.shard),
+        seed=step_seed(config.seed, shard.step, shard.shard, shard.refill_round),
     )
     result = engine.generate([row["prompt"] for row in shard.rows], params, config.max_prompt_length)
     g = config.num_generations
@@ -116,6 +128,38 @@ def reward_slots(run_id: str, limit: int) -> threading.BoundedSemaphore:
     reward code (sandboxes, judges) is often the scarce resource."""
     with _REWARD_SLOTS_LOCK:
         return _REWARD_SLOTS.setdefault(f"{run_id}/{limit}", threading.BoundedSemaphore(limit))
+
+
+def informative_groups(batch: RolloutBatch, group_size: int) -> list[list[int]]:
+    """Row indices of each group whose rewards do not all tie (a tie has zero advantage: no signal)."""
+    groups = []
+    for start in range(0, len(batch), group_size):
+        rows = list(range(start, start + group_size))
+        rewards = [batch.reward[i] for i in rows if not np.isnan(batch.reward[i])]
+        if len(rewards) > 1 and max(rewards) > min(rewards):
+            groups.append(rows)
+    return groups
+
+
+@task(name="keep-informative-groups", cache_policy=NO_CACHE)
+def keep_informative_groups(
+    config: GRPOFlowConfig, kept: list[RolloutBatch | None], new: list[RolloutBatch]
+) -> tuple[list[RolloutBatch | None], int]:
+    """Dynamic sampling: add each shard's groups with a reward spread from a new round, up to the
+    shard's quota; returns the shards so far and how many groups were dropped."""
+    quota = config.prompts_per_step // config.num_rollout_workers
+    g = config.num_generations
+    out, dropped = [], 0
+    for shard, (have, batch) in enumerate(zip(kept, new)):
+        groups = informative_groups(batch, g)
+        dropped += len(batch) // g - len(groups)
+        room = quota - (len(have) // g if have is not None else 0)
+        take = [row for rows in groups[:room] for row in rows]
+        chosen = batch.take(take)
+        merged = chosen if have is None else have.extend(chosen)
+        offset = shard * quota
+        out.append(merged.replace(group_index=[offset + i // g for i in range(len(merged))]))
+    return out, dropped
 
 
 @task(name="compute-advantages", cache_policy=NO_CACHE)
@@ -177,7 +221,9 @@ def logged_reward_stats(config: GRPOFlowConfig, plan: RunPlan, step: int) -> tup
 @task(name="write-rollouts", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def write_rollouts(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, shard: int) -> str:
     """One Parquet file per shard, staged atomically; the Arrow schema is enforced."""
-    extra_types = {c: pa.array(batch.extra_columns[c]).type for c in plan.extra_columns}
+    # Types from the data set, not the values: a shard that dynamic sampling emptied has none.
+    features = load_task(config.dataset).train.features.arrow_schema
+    extra_types = {c: features.field(c).type for c in plan.extra_columns}
     table = batch.to_table(rollout_schema(list(plan.reward_names), extra_types))
     return str(RunStorage(plan.storage_root, plan.run_id).write_rollouts(batch.step, shard, table))
 
