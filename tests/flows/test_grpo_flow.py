@@ -135,7 +135,10 @@ def test_a_failing_step_fails_the_run_and_keeps_what_was_logged(prefect_server, 
     storage = RunStorage(storage_root, config.run_id)
     summary = storage.read_summary()
     assert summary["status"] == "failed" and summary["steps_completed"] == 1
-    assert summary["error"] == "step 2: RuntimeError: reward service down"
+    assert summary["error"].startswith(
+        "step 2: RewardFunctionError: reward function 'breaks_at_step_2' raised on sample 0"
+    ), summary["error"]
+    assert "RuntimeError: reward service down" in summary["error"]
     assert storage.logged_steps() == [1]
     assert storage.read_rollouts(step=1).column("reward_breaks_at_step_2").to_pylist() == [0.5] * 4
     assert not storage.rollout_dir(2).exists()
