@@ -18,11 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # Every loss TRL 1.16's GRPOTrainer implements; the actor delegates the objective to TRL.
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 ScaleRewards = Literal["group", "batch", "none"]
+ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 Backend = Literal["local", "modal"]
 WeightSyncMethod = Literal["reload", "volume", "direct", "checkpoint", "lora"]
 # GPU types Modal accepts in `gpu=` (https://modal.com/docs/guide/gpu); a count is given separately.
 MODAL_GPU_TYPES = ("T4", "L4", "A10G", "A10", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
 
+LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_publish")
 TASK_NAMES = ("last_digit", "gsm8k", "math", "math500", "mbpp")  # workers/data.py builds each
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -31,7 +33,8 @@ NON_TRAINING_FIELDS = frozenset(
     {"run_id", "storage_root", "max_steps", "save_steps", "report_to", "wandb_project", "backend", "actor_gpu",
      "actor_gpu_count", "rollout_gpu", "weight_sync_method", "gpu_memory_utilization", "modal_volume",
      "modal_secrets", "detach", "save_total_limit", "keep_checkpoint_every", "generate_retries", "score_retries",
-     "actor_retries", "retry_delay_seconds", "eval_prompts", "reward_concurrency"}
+     "actor_retries", "retry_delay_seconds", "eval_prompts", "reward_concurrency", "gradient_checkpointing",
+     "max_tokens_per_microbatch"}
 )
 
 
@@ -87,6 +90,27 @@ class GRPOFlowConfig(BaseModel):
     warmup_steps: int = Field(default=0, ge=0, description="Linear warmup over this many optimizer steps.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Maximum gradient norm (for gradient clipping).")
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations in the backward pass: less memory, more compute."
+    )
+    max_tokens_per_microbatch: int | None = Field(
+        default=None,
+        ge=1,
+        description="Gradient accumulation: split each optimizer step into micro-batches of at most this many "
+        "padded prompt+completion tokens (at least one completion each). The update equals the whole batch's. "
+        "None: one micro-batch.",
+    )
+    use_lora: bool = Field(default=False, description="Train LoRA adapters (peft) instead of every weight.")
+    lora_r: int | None = Field(default=None, ge=1, description="LoRA rank (default 16 with use_lora).")
+    lora_alpha: int | None = Field(default=None, ge=1, description="LoRA alpha (default 32 with use_lora).")
+    lora_dropout: float | None = Field(default=None, ge=0, lt=1, description="LoRA dropout (default 0.0).")
+    lora_target_modules: list[str] | None = Field(
+        default=None, description="Modules that get adapters (default: every linear layer, peft's `all-linear`)."
+    )
+    lora_publish: Literal["merged", "adapter"] | None = Field(
+        default=None,
+        description="What rollout workers get with use_lora: `merged` weights (default) or the `adapter` alone.",
+    )
     bf16: bool | None = Field(
         default=None,
         description="bf16 mixed precision (autocast) for the actor, TRL's option. None: on with a CUDA GPU, off on "
@@ -118,6 +142,42 @@ class GRPOFlowConfig(BaseModel):
     )
     scale_rewards: ScaleRewards = Field(
         default="group", description="Reward scaling for advantages: `group`, `batch` or `none` (as TRL)."
+    )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        default="sum_then_normalize",
+        description="How several reward functions combine into one advantage, as TRL: weighted sum then group "
+        "normalisation, or each function normalised within its group, then the weighted sum normalised over the batch.",
+    )
+    delta: float | None = Field(
+        default=None, gt=1, description="Upper clip of the importance ratio for two-sided clipping (TRL's delta)."
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        default="token", description="Importance ratio per token, or one per sequence (GSPO), as TRL."
+    )
+    num_iterations: int = Field(
+        default=1, ge=1, description="Optimizer steps on each generated batch (GRPO's mu), against its old log-probs."
+    )
+    mask_truncated_completions: bool = Field(
+        default=False, description="Leave completions cut off at max_completion_length out of the loss (TRL's option)."
+    )
+    top_entropy_quantile: float = Field(
+        default=1.0, gt=0, le=1, description="Train only on the tokens in this top entropy quantile (1.0: all tokens)."
+    )
+    vllm_importance_sampling_correction: bool = Field(
+        default=True,
+        description="Correct for the rollout engine's sampling log-probs differing from the actor's (a separate "
+        "engine such as vLLM, or stale weights), with TRL's truncated/masked importance sampling. Applied whenever "
+        "the two can differ; the local transformers engine at the actor's own version is exact, so it is skipped "
+        "there.",
+    )
+    vllm_importance_sampling_mode: ImportanceSamplingMode = Field(
+        default="sequence_mask", description="TRL's IS correction mode: ratios per token or sequence, truncated or masked."
+    )
+    vllm_importance_sampling_clip_min: float | None = Field(
+        default=None, ge=0, description="Lower bound of the IS correction ratio (None: no lower bound)."
+    )
+    vllm_importance_sampling_clip_max: float | None = Field(
+        default=3.0, gt=0, description="Upper bound of the IS correction ratio."
     )
 
     # Generation (TRL names)
@@ -212,6 +272,19 @@ class GRPOFlowConfig(BaseModel):
                 f"reward_weights has {len(self.reward_weights)} values but reward_funcs has "
                 f"{len(self.reward_funcs)} functions"
             )
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            raise ValueError("loss_type 'luspo' needs importance_sampling_level 'sequence' (TRL's rule)")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            raise ValueError("loss_type 'vespo' needs importance_sampling_level 'token' (TRL's rule)")
+        if (self.vllm_importance_sampling_clip_min is not None and self.vllm_importance_sampling_clip_max is not None
+                and self.vllm_importance_sampling_clip_min > self.vllm_importance_sampling_clip_max):
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({self.vllm_importance_sampling_clip_min}) must be <= "
+                f"vllm_importance_sampling_clip_max ({self.vllm_importance_sampling_clip_max})"
+            )
+        lora_options = [name for name in LORA_OPTIONS if getattr(self, name) is not None]
+        if lora_options and not self.use_lora:
+            raise ValueError(f"{', '.join(lora_options)}: LoRA options given without use_lora")
         for name in ("actor_gpu", "rollout_gpu"):
             if getattr(self, name) not in MODAL_GPU_TYPES:
                 raise ValueError(

@@ -7,6 +7,7 @@ the step flow; the defaults here are the config's defaults.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -19,7 +20,7 @@ from schemas.config import GRPOFlowConfig
 from schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
 from tasks.caching import STEP_STAGE
 from workers import backends
-from workers.advantages import group_advantages
+from workers.advantages import multi_objective_advantages
 from workers.faults import maybe_fail
 from workers.data import load_task
 from workers.rewards import RewardTrainerState, resolve_reward_funcs, score_batch
@@ -162,11 +163,24 @@ def keep_informative_groups(
     return out, dropped
 
 
+def step_advantages(config: GRPOFlowConfig, per_function: dict[str, list[float | None]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's advantages from each reward function's scores (None: not applicable), weighted and
+    aggregated by the run's reward_weights and multi_objective_aggregation."""
+    matrix = torch.tensor(
+        [[math.nan if s is None else s for s in scores] for scores in per_function.values()], dtype=torch.float32
+    ).T
+    weights = torch.tensor(config.reward_weights or [1.0] * matrix.size(1), dtype=torch.float32)
+    return multi_objective_advantages(
+        matrix, weights, config.num_generations, config.scale_rewards, config.multi_objective_aggregation
+    )
+
+
 @task(name="compute-advantages", cache_policy=NO_CACHE)
 def compute_advantages(config: GRPOFlowConfig, batches: list[RolloutBatch]) -> tuple[list[RolloutBatch], dict]:
     """Group-relative advantages over the whole step (batch scaling needs every shard), plus reward stats."""
     rewards = torch.tensor([r for b in batches for r in b.reward], dtype=torch.float32)
-    advantages, std_is_zero = group_advantages(rewards, config.num_generations, config.scale_rewards)
+    per_function = {name: [s for b in batches for s in b.rewards[name]] for name in batches[0].rewards}
+    advantages, std_is_zero = step_advantages(config, per_function)
     out, offset = [], 0
     for batch in batches:
         out.append(batch.replace(advantage=advantages[offset : offset + len(batch)].tolist()))
@@ -212,8 +226,8 @@ def logged_reward_stats(config: GRPOFlowConfig, plan: RunPlan, step: int) -> tup
     """A replayed step's completion count and reward statistics, from its logged rollouts."""
     table = RunStorage(plan.storage_root, plan.run_id).read_rollouts(step)
     rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
-    _, std_is_zero = group_advantages(rewards, config.num_generations, config.scale_rewards)
     columns = {name: table.column("reward_" + name).to_pylist() for name in plan.reward_names}
+    _, std_is_zero = step_advantages(config, columns)
     lengths = table.column("completion_tokens").to_pylist()
     return table.num_rows, reward_stats(rewards, std_is_zero, columns, lengths, table.column("finish_reason").to_pylist())
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from schemas.config import GRPOFlowConfig
+from workers import trl_objective
 from workers.actor import Actor
 from workers.rollout import TransformersRolloutEngine
 from workers.storage import RunStorage
@@ -40,15 +41,26 @@ class LocalWorkers:
         self.published: tuple[int, dict[str, torch.Tensor]] | None = None
         self._heal_lock = threading.Lock()  # shards heal on worker threads; one at a time
         self.actor.load()
+        # The fp32 transformers engine computes the actor's own log-probs; bf16 autocast does not.
+        self.actor.sampling_matches_actor = not self.actor.objective.args.bf16
         for engine in self.rollout:
             engine.load()
+        # With use_lora and lora_publish='adapter', engines take the adapter alone over their base model.
+        self.adapter_config = (
+            trl_objective.lora_config(config) if config.use_lora and config.lora_publish == "adapter" else None
+        )
+        self.last_sync: dict[str, float] = {}
+
+    def _load(self, engine: TransformersRolloutEngine, weights: dict[str, torch.Tensor], version: int) -> None:
+        engine.load_state_dict(weights, version, self.adapter_config)
 
     def sync_weights(self) -> int:
-        """Copy the actor's weights into every rollout engine (in memory); returns the version synced."""
-        weights = self.actor.policy_state_dict()
+        """Copy the actor's weights (or adapter) into every rollout engine (in memory); returns the version."""
+        weights = self.actor.published_weights()
         self.published = (self.actor.policy_version, weights)
         for engine in self.rollout:
-            engine.load_state_dict(weights, self.actor.policy_version)
+            self._load(engine, weights, self.actor.policy_version)
+        self.last_sync = {"bytes": sum(t.numel() * t.element_size() for t in weights.values())}
         return self.actor.policy_version
 
     # -- resume and self-healing ---------------------------------------------------------------
@@ -65,12 +77,12 @@ class LocalWorkers:
         self.actor.restore(folder)
         rollout_version = manifest.get("rollout_policy_version", self.actor.policy_version)
         if rollout_version == self.actor.policy_version:
-            weights = self.actor.policy_state_dict()
+            weights = self.actor.published_weights()
         else:
             weights = load_file(folder / ROLLOUT_WEIGHTS)
         self.published = (rollout_version, weights)
         for engine in self.rollout:
-            engine.load_state_dict(weights, rollout_version)
+            self._load(engine, weights, rollout_version)
         return rollout_version
 
     def save_rollout_weights(self, folder: Path) -> dict[str, int]:
@@ -108,11 +120,11 @@ class LocalWorkers:
             if version == 0 and self.published is None:
                 return engine  # a freshly loaded engine holds the initial model
             if self.published and self.published[0] == version:
-                engine.load_state_dict(self.published[1], version)
+                self._load(engine, self.published[1], version)
                 return engine
         self.ensure_actor_version(version, storage)
         with self._heal_lock:
-            engine.load_state_dict(self.actor.policy_state_dict(), version)
+            self._load(engine, self.actor.published_weights(), version)
         return engine
 
 

@@ -76,9 +76,20 @@ class TransformersRolloutEngine:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         self.model.eval()
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Take the actor's weights in memory (the local backend's weight sync)."""
-        self.model.load_state_dict(state_dict, strict=True)
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int, adapter_config: Any = None) -> None:
+        """Take the actor's weights in memory (the local backend's weight sync): full weights, or with
+        `adapter_config` (a peft LoraConfig) a LoRA adapter over the base model this engine loaded."""
+        if adapter_config is None:
+            self.model.load_state_dict(state_dict, strict=True)
+        else:
+            from peft import get_peft_model, set_peft_model_state_dict
+
+            if not hasattr(self.model, "peft_config"):
+                self.model = get_peft_model(self.model, adapter_config)
+                self.model.eval()
+            result = set_peft_model_state_dict(self.model, state_dict)
+            if result.unexpected_keys:
+                raise ValueError(f"adapter weights this engine has no place for: {result.unexpected_keys[:3]}")
         self.policy_version = version
 
     @torch.no_grad()

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from schemas.presets import preset_config
-from workers import trl_objective
 from workers.actor import Actor, loss_inputs
 from workers.data import load_task
 from workers.rollout import SamplingParams, TransformersRolloutEngine
@@ -159,15 +158,10 @@ def test_unknown_method_is_refused(trained_actor, tmp_path):
 
 
 def lora_actor(model_path):
-    """The actor with a peft LoRA adapter on its attention projections (the Actor has no use_lora option yet)."""
-    from peft import LoraConfig, get_peft_model
-
-    actor = Actor(preset_config("tiny", run_id="lora", learning_rate=5e-2), model_path)
+    """The actor training a peft LoRA adapter on its attention projections."""
+    actor = Actor(preset_config("tiny", run_id="lora", learning_rate=5e-2, use_lora=True, lora_r=4, lora_alpha=8,
+                                lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]), model_path)
     actor.load()
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    actor.model = get_peft_model(actor.model, lora)
-    actor.objective = trl_objective.make_objective(actor.model, actor.tokenizer, actor.config)
-    actor.objective.create_optimizer_and_scheduler(num_training_steps=actor.total_steps)
     return actor
 
 
