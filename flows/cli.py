@@ -402,6 +402,10 @@ def make_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, metavar="FILE.png", help="output file (default: <run>/report.png)")
     report.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     report.set_defaults(handler=command_report)
+
+    from flows.components import add_component_commands
+
+    add_component_commands(commands, DEFAULT_STORAGE_ROOT)
     return parser
 
 

@@ -195,6 +195,16 @@ class ActorWorker:
         return {"state": state, "files": _file_manifest(folder), "folder": str(folder)}
 
     @modal.method()
+    def restore(self, relative_folder: str | None) -> dict[str, int]:
+        """Back to a checkpoint under the storage root (the Volume), or to the initial model (None)."""
+        if relative_folder is None:
+            self.actor.reset()
+        else:
+            self.volume.reload()  # the checkpoint may have been written by an earlier container
+            self.actor.restore(Path(self.storage_root) / relative_folder)
+        return {"policy_version": self.actor.policy_version}
+
+    @modal.method()
     def publish_weights(self, method: str) -> Any:
         """The actor's half of a weight sync (workers.weight_sync.export_weights); commits what it wrote."""
         from workers.weight_sync import export_weights
@@ -247,6 +257,13 @@ class RolloutWorker:
 
     @modal.method()
     def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @modal.method()
+    def reset(self) -> int:
+        """A fresh engine on the initial model (a resumed run that has no checkpoint yet)."""
+        self.engine = make_rollout_engine(self.config, self.model_path, self.worker_index, self.backend)
+        self.engine.load()
         return self.engine.policy_version
 
     @modal.method()

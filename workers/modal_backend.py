@@ -22,6 +22,7 @@ Modal. The sandbox executor is tested with a fake `Sandbox.create`; the rest off
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -42,6 +43,7 @@ from workers.weight_sync import WeightPayload, check_weight_sync_config
 Mode = Literal["remote", "local"]
 REMOTE_MODELS_DIR = "models"  # local model folders are uploaded to <volume>/models/<name>
 VOLUME_CHECKPOINT_POINTER = "volume_checkpoint.json"
+logger = logging.getLogger("grpo_flow.workers")
 
 
 # -- readiness ---------------------------------------------------------------------------------------
@@ -172,6 +174,12 @@ class RemoteActor:
     def publish_weights(self, method: str) -> WeightPayload:
         return self._call("publish_weights", method)
 
+    def restore(self, folder: Path | None) -> int:
+        """Back to the checkpoint in `folder` (read from the Volume remotely), or the initial model."""
+        relative = None if folder is None else self._workers.relative_to_storage_root(Path(folder))
+        self.policy_version = self._call("restore", relative)["policy_version"]
+        return self.policy_version
+
 
 class RemoteRollout:
     """A rollout engine's surface (generate, policy_version, worker_id, tokenizer) over `RolloutWorker` i."""
@@ -212,6 +220,10 @@ class RemoteRollout:
         report = self._call("sync_weights", payload.method, payload.version, payload.path, payload.data, payload.nbytes)
         self.policy_version = payload.version
         return report
+
+    def reset(self) -> int:
+        self.policy_version = self._call("reset")
+        return self.policy_version
 
 
 class ModalWorkers:
@@ -327,22 +339,48 @@ class ModalWorkers:
         }
         return payload.version
 
-    # -- LocalWorkers' resume and self-healing surface, as far as the Modal backend has it --------------
+    # -- LocalWorkers' resume and self-healing surface ----------------------------------------------------
     def restore(self, storage: Any, checkpoint_step: int | None) -> int:
-        """A fresh run starts from the model as is; resuming from a checkpoint is not built for Modal yet."""
+        """Actor and rollout workers as they were at a checkpoint (or the start); returns the rollout version.
+
+        The actor worker restores the checkpoint from the Volume. Rollout workers get the actor's
+        weights by the run's sync method, or, when the checkpoint was written while they lagged
+        (sync_weights_every > 1), the versioned weights the checkpoint names.
+        """
         if checkpoint_step is None:
+            self.actor.restore(None)
+            self.parallel([engine.reset for engine in self.rollout if engine.policy_version != 0])
+            self.last_payload = None
             return 0
-        raise NotImplementedError(
-            "resuming a run on the Modal backend is not built yet (the actor would restore the checkpoint from "
-            "the Volume); resume it with backend='local'"
-        )
+        manifest = storage.verify_checkpoint(checkpoint_step)
+        self.actor.restore(storage.checkpoint_dir(checkpoint_step))
+        rollout_version = manifest.get("rollout_policy_version", self.actor.policy_version)
+        if rollout_version == self.actor.policy_version:
+            return self.sync_weights()
+        path = manifest.get("rollout_weights")
+        method = self.config.weight_sync_method
+        if path is None or method in ("reload", "direct"):
+            raise RuntimeError(
+                f"checkpoint {checkpoint_step} was written while the rollout workers held policy version "
+                f"{rollout_version} and the actor {self.actor.policy_version}; with weight_sync_method {method!r} "
+                "those weights were not kept (their file is overwritten or never written), so this resume would "
+                "not be exact. Resume from an earlier checkpoint, or use 'volume', 'checkpoint' or 'lora'."
+            )
+        payload = WeightPayload(method, rollout_version, path=path)
+        self.parallel([lambda engine=engine: engine.sync_weights(payload) for engine in self.rollout])
+        self.last_payload = payload
+        return rollout_version
 
     def ensure_actor_version(self, version: int, storage: Any) -> None:
-        if self.actor.policy_version != version:
-            raise NotImplementedError(
-                f"the Modal actor holds policy version {self.actor.policy_version}, the step expects {version}; "
-                "restoring and replaying on Modal is not built yet"
-            )
+        """Bring the remote actor to `version`: restore the newest checkpoint at or before it, replay the
+        logged steps since (each step call carries the version it expects, as locally)."""
+        if self.actor.policy_version == version:
+            return
+        logger.warning("Modal actor holds version %s, expected %d: restoring and replaying", self.actor.policy_version, version)
+        checkpoint = storage.latest_valid_checkpoint(at_most=version)
+        self.actor.restore(None if checkpoint is None else storage.checkpoint_dir(checkpoint))
+        for step in range(self.actor.policy_version + 1, version + 1):
+            self.actor.step(step - 1, storage.read_rollouts(step))
 
     def ensure_rollout_version(self, index: int, version: int, storage: Any) -> RemoteRollout:
         """Rollout worker `index`, holding `version` (synced from the actor when it holds that version)."""

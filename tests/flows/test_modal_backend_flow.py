@@ -41,3 +41,36 @@ def test_missing_modal_credentials_stop_the_cli_before_anything_starts(tmp_path,
     err = capsys.readouterr().err
     assert "--backend modal" in err and "credentials" in err.lower()
     assert not (tmp_path / "store").exists()
+
+
+def test_a_failed_modal_run_resumes_from_its_checkpoint_and_ends_where_an_unbroken_run_ends(
+    prefect_server, storage_root, monkeypatch
+):
+    """Through the Modal wrappers: the actor worker restores the checkpoint, the rollout workers get its
+    weights, the logged step after it is replayed, and the final weights equal an unbroken run's."""
+    import torch
+    from safetensors.torch import load_file
+
+    from workers import modal_backend
+
+    monkeypatch.setenv("GRPO_FLOW_MODAL_MODE", "local")
+    warnings.filterwarnings("ignore", message=".*executing locally and will not have access to the mounted Volume")
+    fields = dict(storage_root=str(storage_root), backend="modal", weight_sync_method="volume", max_steps=4,
+                  save_steps=2, prompts_per_step=2, num_generations=4, eval_prompts=0)
+    unbroken = preset_config("tiny", run_id="modal-unbroken", **fields)
+    assert grpo(unbroken)["status"] == "completed"
+
+    broken = preset_config("tiny", run_id="modal-resumed", **fields)
+    with pytest.raises(Exception, match="injected failure at stage 'actor' of step 4"):
+        grpo(broken, fail_at="actor@4")
+    modal_backend.release(broken.run_id)  # as a new process would: fresh Modal containers
+    summary = grpo(broken)
+    assert summary["status"] == "completed" and summary["steps_completed"] == 4
+
+    storage = RunStorage(storage_root, broken.run_id)
+    assert storage.logged_steps() == [1, 2, 3, 4]
+    assert [r["step"] for r in storage.read_metrics().to_pylist()] == [1, 2, 3, 4]
+    ours = load_file(storage.checkpoint_dir(4) / "model" / "model.safetensors")
+    reference = load_file(RunStorage(storage_root, unbroken.run_id).checkpoint_dir(4) / "model" / "model.safetensors")
+    for name in reference:
+        torch.testing.assert_close(ours[name], reference[name], atol=1e-6, rtol=0)

@@ -1,0 +1,261 @@
+"""Component commands: check one part of a run without starting a run.
+
+    grpo test-rollout   one rollout worker (local, or on Modal with --backend modal) generates
+    grpo test-reward    one reward function scores a completion, called exactly as a run calls it
+    grpo checkpoints    a run's checkpoints, each verified against its manifest
+    grpo clear-cache    delete a cached model (the tiny model, or a hub model's download)
+
+They are the seeds' `test_rollout_fn`, `test_reward_fn`, `list_checkpoints_fn` and `clear_cache`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PROMPT = "What is 12 + 7? Answer with the number."
+
+
+from flows.cli import UsageError as ComponentError  # bad input; `grpo` prints it and exits 2
+
+
+# -- test-rollout ----------------------------------------------------------------------------------------
+def command_test_rollout(args: argparse.Namespace) -> int:
+    from flows.cli import quiet_prefect
+
+    quiet_prefect(verbose=False)  # no download/loading progress bars around the answer
+    from pydantic import ValidationError
+
+    from schemas.config import describe_validation_error
+    from schemas.presets import preset_config
+    from workers.rollout import SamplingParams
+
+    overrides = {"backend": args.backend, "storage_root": args.storage_root, "run_id": "component-test-rollout"}
+    if args.model:
+        overrides["model"] = args.model
+    try:
+        config = preset_config(args.preset, **overrides)
+    except KeyError as error:
+        raise ComponentError(f"--preset: {error.args[0]}") from None
+    except ValidationError as error:
+        raise ComponentError(describe_validation_error(error)) from None
+    if args.n < 1 or args.max_tokens < 1:
+        raise ComponentError("--n and --max-tokens must be at least 1")
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    prompts = args.prompt or [DEFAULT_PROMPT]
+    started = time.perf_counter()
+    result, worker = generate_once(config, prompts, params)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(ids) for ids in result.completion_token_ids)
+    print(f"rollout worker: {worker}; model {config.model}; {len(prompts)} prompt(s) x {args.n}; "
+          f"{tokens} tokens in {seconds:.2f} s including start-up (generation {result.seconds:.2f} s)")
+    for i, text in enumerate(result.texts):
+        logprobs = result.sampling_logprobs[i]
+        mean = sum(logprobs) / len(logprobs) if logprobs else float("nan")
+        print(json.dumps({"prompt": i // args.n, "finish_reason": result.finish_reasons[i],
+                          "tokens": len(result.completion_token_ids[i]), "mean_logprob": round(mean, 4),
+                          "completion": text}, ensure_ascii=False))
+    return 0
+
+
+def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, str]:
+    """One rollout worker's answer: the local transformers engine, or the Modal RolloutWorker (vLLM on
+    its GPU; `.local()` on the CPU engine when GRPO_FLOW_MODAL_MODE=local)."""
+    from workers.tiny_model import resolve_model_path
+
+    model_path = resolve_model_path(config.model, config.storage_root)
+    if config.backend == "local":
+        from workers.rollout import TransformersRolloutEngine
+
+        engine = TransformersRolloutEngine(model_path)
+        engine.load()
+        return engine.generate(prompts, params, config.max_prompt_length), "local transformers engine"
+    from workers.backends import check_backend_ready
+    from workers.modal_app import VOLUME_PATH, build_worker_app, worker_config_json
+
+    check_backend_ready(config)
+    local = os.environ.get("GRPO_FLOW_MODAL_MODE") == "local"
+    app = build_worker_app(config)
+    worker = app.rollout_cls(config_json=worker_config_json(config), model_path=model_path, worker_index=0,
+                             backend="cpu" if local else "vllm", storage_root=config.storage_root if local else VOLUME_PATH)
+    if local:
+        return worker.generate.local(prompts, params, config.max_prompt_length), "Modal RolloutWorker (.local(), CPU)"
+    with app.app.run():
+        return worker.generate.remote(prompts, params, config.max_prompt_length), f"Modal RolloutWorker ({config.rollout_gpu})"
+
+
+# -- test-reward ---------------------------------------------------------------------------------------
+def parse_columns(pairs: list[str]) -> dict[str, Any]:
+    """`name=value` pairs; a value that parses as JSON is taken as JSON (numbers, lists), else as text."""
+    columns: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ComponentError(f"--column: {pair!r} is not name=value")
+        try:
+            columns[name] = json.loads(value)
+        except json.JSONDecodeError:
+            columns[name] = value
+    return columns
+
+
+def command_test_reward(args: argparse.Namespace) -> int:
+    from schemas.records import RolloutBatch
+    from workers.rewards import RewardTrainerState, resolve_reward_funcs, score_batch
+
+    try:
+        funcs = resolve_reward_funcs(args.reward_funcs)
+    except (ValueError, ImportError, AttributeError) as error:
+        raise ComponentError(f"REWARD_FUNC: {error}") from None
+    columns = parse_columns(args.column or [])
+    batch = RolloutBatch(
+        run_id="component-test-reward", step=1, policy_version=0, worker_id="test-reward",
+        prompt_id=["test-0"], group_index=[0], sample_index=[0], prompt=[args.prompt],
+        completion=[args.completion], prompt_token_ids=[[]], completion_token_ids=[[]], sampling_logprobs=[[]],
+        finish_reason=["stop"], extra_columns={name: [value] for name, value in columns.items()},
+        raw_prompt=[args.prompt],
+    )
+    state = RewardTrainerState(global_step=1, max_steps=1, epoch=0.0)
+    scored = score_batch(batch, funcs, None, state)  # a failing function raises with its traceback
+    for name, scores in scored.rewards.items():
+        shown = "None (not applicable)" if scores[0] is None else f"{scores[0]:.4f}"
+        print(f"{name}: {shown}  ({scored.reward_seconds[name] * 1000:.1f} ms)")
+    for name, value in scored.logged_metrics.items():
+        print(f"logged {name}: {value}")
+    print(f"reward (sum, weight 1 each): {scored.reward[0]:.4f}")
+    return 0
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------
+def command_checkpoints(args: argparse.Namespace) -> int:
+    from workers.storage import MANIFEST, DamagedCheckpointError, RunStorage
+
+    storage = RunStorage(args.storage_root, args.run_id)
+    if not storage.exists():
+        raise ComponentError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    steps = storage.checkpoint_steps()
+    if not steps:
+        print(f"run {args.run_id}: no checkpoints")
+        return 0
+    print(f"run {args.run_id}: {len(steps)} checkpoint(s) under {storage.run_dir / 'checkpoints'}")
+    print(f"{'step':>6}  {'status':<8}  {'size MB':>8}  {'policy':>6}  written")
+    for step in steps:
+        folder = storage.checkpoint_dir(step)
+        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
+        try:
+            manifest = storage.verify_checkpoint(step)
+            status, detail = "ok", ""
+        except DamagedCheckpointError as error:
+            manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).exists() else {}
+            status, detail = "damaged", f"  ({error})"
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(folder.stat().st_mtime))
+        version = manifest.get("policy_version", "?")
+        print(f"{step:>6}  {status:<8}  {size:>8.1f}  {version!s:>6}  {written}{detail}")
+    return 0
+
+
+# -- clear-cache -----------------------------------------------------------------------------------------
+def hub_cache_dir() -> Path:
+    """Where the Hugging Face hub caches downloads on this machine (HF_HUB_CACHE, HF_HOME, or the default)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def cache_entries(storage_root: str, model: str | None) -> list[Path]:
+    """The cached copies of `model` (all models when None): the project's models under the storage root
+    and the hub's download of a hub id."""
+    models_dir = Path(storage_root) / "models"
+    entries: list[Path] = []
+    if model is None:
+        entries += sorted(models_dir.glob("*")) if models_dir.exists() else []
+    elif model == "tiny":
+        entries += sorted(models_dir.glob("tiny*")) if models_dir.exists() else []
+    else:
+        hub_entry = hub_cache_dir() / ("models--" + model.replace("/", "--"))
+        if hub_entry.exists():
+            entries.append(hub_entry)
+    return entries
+
+
+def command_clear_cache(args: argparse.Namespace) -> int:
+    if args.backend == "modal":
+        return clear_modal_cache(args)
+    entries = cache_entries(args.storage_root, args.model)
+    if not entries:
+        print(f"nothing cached for {args.model or 'any model'} (looked in {Path(args.storage_root) / 'models'}"
+              + ("" if args.model in (None, "tiny") else f" and {hub_cache_dir()}") + ")")
+        return 0
+    for entry in entries:
+        size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file()) / 2**20
+        if args.dry_run:
+            print(f"would delete {entry} ({size:.1f} MB)")
+        else:
+            shutil.rmtree(entry)
+            print(f"deleted {entry} ({size:.1f} MB); the next run builds or downloads it again")
+    return 0
+
+
+def clear_modal_cache(args: argparse.Namespace) -> int:
+    """Delete the model's download from the hub cache on the run's Modal Volume (UNTESTED HERE: needs Modal)."""
+    import modal
+
+    from schemas.config import GRPOFlowConfig
+    from workers.modal_app import HF_HOME, VOLUME_PATH
+    from workers.modal_backend import check_modal_ready
+
+    if not args.model or args.model == "tiny":
+        raise ComponentError("--model: name the hub model whose cached download to delete from the Volume")
+    config = GRPOFlowConfig(backend="modal", modal_volume=args.modal_volume)
+    check_modal_ready(config)
+    path = f"{HF_HOME.removeprefix(VOLUME_PATH)}/hub/models--{args.model.replace('/', '--')}"
+    if args.dry_run:
+        print(f"would delete {path} from Modal Volume {args.modal_volume!r}")
+        return 0
+    modal.Volume.from_name(args.modal_volume).remove_file(path, recursive=True)
+    print(f"deleted {path} from Modal Volume {args.modal_volume!r}")
+    return 0
+
+
+# -- wiring ---------------------------------------------------------------------------------------------
+def add_component_commands(commands: Any, default_storage_root: str) -> None:
+    from schemas.presets import PRESETS
+
+    rollout = commands.add_parser("test-rollout", help="one rollout worker generates for a prompt")
+    rollout.add_argument("--preset", default="tiny", help=f"one of: {', '.join(sorted(PRESETS))} (default: tiny)")
+    rollout.add_argument("--model", default=None, help="model id or path (default: the preset's)")
+    rollout.add_argument("--backend", default="local", choices=["local", "modal"])
+    rollout.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a sum question)")
+    rollout.add_argument("--n", type=int, default=2, help="completions per prompt (default: 2)")
+    rollout.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default: 16)")
+    rollout.add_argument("--temperature", type=float, default=1.0)
+    rollout.add_argument("--seed", type=int, default=0)
+    rollout.add_argument("--storage-root", default=default_storage_root)
+    rollout.set_defaults(handler=command_test_rollout)
+
+    reward = commands.add_parser("test-reward", help="score one completion with reward functions, as a run calls them")
+    reward.add_argument("reward_funcs", nargs="+", metavar="REWARD_FUNC", help="built-in name or module:function")
+    reward.add_argument("--completion", required=True, help="the completion text to score")
+    reward.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt it answers")
+    reward.add_argument("--column", action="append", metavar="NAME=VALUE",
+                        help="a data set column passed to the function (repeatable; JSON values are parsed)")
+    reward.set_defaults(handler=command_test_reward)
+
+    checkpoints = commands.add_parser("checkpoints", help="a run's checkpoints, verified against their manifests")
+    checkpoints.add_argument("run_id", metavar="RUN")
+    checkpoints.add_argument("--storage-root", default=default_storage_root)
+    checkpoints.set_defaults(handler=command_checkpoints)
+
+    clear = commands.add_parser("clear-cache", help="delete a cached model so the next run builds or downloads it again")
+    clear.add_argument("--model", default=None, help="`tiny` or a hub id (default: every model under the storage root)")
+    clear.add_argument("--backend", default="local", choices=["local", "modal"],
+                       help="modal: the hub cache on the run's Modal Volume")
+    clear.add_argument("--modal-volume", default="grpo-flow")
+    clear.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    clear.add_argument("--storage-root", default=default_storage_root)
+    clear.set_defaults(handler=command_clear_cache)

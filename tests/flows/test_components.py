@@ -1,0 +1,111 @@
+"""The component commands (the seeds' test_rollout_fn, test_reward_fn, list_checkpoints_fn, clear_cache)."""
+
+import json
+import shutil
+import warnings
+
+import pytest
+
+from flows.cli import main
+from workers.tiny_model import ensure_tiny_model
+
+
+def json_lines(text):
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_test_rollout_generates_n_completions_per_prompt(storage_root, capsys):
+    code = main(["test-rollout", "--storage-root", str(storage_root), "--prompt", "12 + 7 =", "--prompt", "3 + 4 =",
+                 "--n", "3", "--max-tokens", "5"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = json_lines(out)
+    assert [r["prompt"] for r in rows] == [0, 0, 0, 1, 1, 1]
+    assert all(1 <= r["tokens"] <= 5 and r["finish_reason"] in ("stop", "length") for r in rows)
+    assert all(r["mean_logprob"] <= 0 for r in rows)
+    assert "local transformers engine" in out
+
+
+def test_test_rollout_through_the_modal_rollout_worker(storage_root, capsys, monkeypatch):
+    monkeypatch.setenv("GRPO_FLOW_MODAL_MODE", "local")
+    warnings.filterwarnings("ignore", message=".*executing locally and will not have access to the mounted Volume")
+    code = main(["test-rollout", "--backend", "modal", "--storage-root", str(storage_root), "--n", "2",
+                 "--max-tokens", "4"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "Modal RolloutWorker (.local(), CPU)" in out and len(json_lines(out)) == 2
+
+
+def test_test_rollout_names_a_bad_option(storage_root, capsys):
+    assert main(["test-rollout", "--preset", "huge", "--storage-root", str(storage_root)]) == 2
+    assert "--preset: unknown preset 'huge'" in capsys.readouterr().err
+
+
+def test_test_reward_calls_the_function_as_a_run_does(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_rewards.py").write_text(
+        "def mentions_answer(prompts, completions, answer, trainer_state, log_metric, **kwargs):\n"
+        "    log_metric('seen_step', trainer_state.global_step)\n"
+        "    return [1.0 if str(a) in c else 0.0 for c, a in zip(completions, answer)]\n"
+        "def not_for_me(completions, **kwargs):\n"
+        "    return [None for _ in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["test-reward", "my_rewards:mentions_answer", "my_rewards:not_for_me", "math_accuracy",
+                 "--completion", "so it is \\boxed{19}", "--column", "answer=19"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "mentions_answer: 1.0000" in out
+    assert "not_for_me: None (not applicable)" in out
+    assert "math_accuracy: 1.0000" in out
+    assert "logged seen_step: 1.0" in out
+    assert "reward (sum, weight 1 each): 2.0000" in out
+
+
+def test_test_reward_shows_the_failing_function_and_refuses_bad_names(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_rewards.py").write_text("def broken(completions, **kwargs):\n    raise KeyError('answer')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(Exception, match="reward function 'broken' raised on sample 0"):
+        main(["test-reward", "broken_rewards:broken", "--completion", "x"])
+    assert main(["test-reward", "no_such_reward", "--completion", "x"]) == 2
+    assert "neither a built-in reward" in capsys.readouterr().err
+    assert main(["test-reward", "math_accuracy", "--completion", "x", "--column", "oops"]) == 2
+    assert "--column: 'oops' is not name=value" in capsys.readouterr().err
+
+
+def test_checkpoints_lists_each_with_its_verification(prefect_server, tmp_path, capsys):
+    from flows.grpo import grpo
+    from schemas.presets import preset_config
+    from workers.storage import RunStorage
+
+    config = preset_config("tiny", run_id="listed", storage_root=str(tmp_path), max_steps=2, save_steps=1,
+                           prompts_per_step=2, num_generations=2, eval_prompts=0)
+    grpo(config)
+    storage = RunStorage(tmp_path, "listed")
+    (storage.checkpoint_dir(1) / "optimizer.pt").write_bytes(b"torn")  # damage the first
+    capsys.readouterr()
+    assert main(["checkpoints", "listed", "--storage-root", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 checkpoint(s)" in lines[0]
+    first, second = lines[2].split(), lines[3].split()
+    assert first[:2] == ["1", "damaged"] and "optimizer.pt does not match its checksum" in lines[2]
+    assert second[:2] == ["2", "ok"] and second[3] == "2"  # policy version 2
+    assert main(["checkpoints", "nobody", "--storage-root", str(tmp_path)]) == 2
+
+
+def test_clear_cache_deletes_the_cached_model_which_the_next_use_rebuilds(tmp_path, capsys, monkeypatch):
+    path = ensure_tiny_model(tmp_path)
+    assert main(["clear-cache", "--model", "tiny", "--storage-root", str(tmp_path), "--dry-run"]) == 0
+    assert "would delete" in capsys.readouterr().out and path.exists()
+    assert main(["clear-cache", "--model", "tiny", "--storage-root", str(tmp_path)]) == 0
+    assert "deleted" in capsys.readouterr().out and not path.exists()
+    assert ensure_tiny_model(tmp_path) == path and path.exists()
+
+    hub = tmp_path / "hub"
+    (hub / "models--Org--Model" / "blobs").mkdir(parents=True)
+    (hub / "models--Org--Model" / "blobs" / "x").write_bytes(b"0" * 10)
+    monkeypatch.setattr("flows.components.hub_cache_dir", lambda: hub)
+    assert main(["clear-cache", "--model", "Org/Model", "--storage-root", str(tmp_path)]) == 0
+    assert not (hub / "models--Org--Model").exists()
+    assert main(["clear-cache", "--model", "Org/Other", "--storage-root", str(tmp_path)]) == 0
+    assert "nothing cached for Org/Other" in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "models")
