@@ -5,7 +5,8 @@
         sample_batch → generate.map(shards) → score.map(shards) → compute_advantages
         → write_rollouts.map(shards) → commit_rollouts → actor_step → sync_weights (when due)
         → log_metrics → save_checkpoint (when due)
-      (a step whose rollouts are already logged skips straight to actor_step: a replay)
+      (a step whose rollouts are already logged skips straight to actor_step: a replay;
+       with max_staleness 1, step t+1's rollouts are produced alongside step t's actor_step)
     evaluate_heldout (final) → finish_run
 
 Resuming is the same flow on an existing run id: `prepare_run` finds the newest valid
@@ -13,16 +14,18 @@ checkpoint and the logged steps after it (workers/resume.py). Retrying a failed 
 Prefect does the same.
 
 Runs on Prefect's ephemeral server when PREFECT_API_URL is unset, on a real server otherwise.
-Where it departs from the GRPO paper: one optimizer step per batch (TRL's num_iterations=1),
-and the loss is TRL's `loss_type` (dapo by default), not the paper's per-sequence mean.
+Where it departs from the GRPO paper: the loss is TRL's `loss_type` (dapo by default), not the
+paper's per-sequence mean; num_iterations (GRPO's mu) defaults to 1, as TRL's.
 """
 
 from __future__ import annotations
 
+import contextvars
 import re
 import statistics
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
 
@@ -33,6 +36,7 @@ from tqdm.auto import tqdm
 
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
+from tasks.observability import create_run_progress, step_artifact, update_run_progress
 from tasks.rollout import (
     commit_rollouts,
     compute_advantages,
@@ -90,65 +94,101 @@ def refill_with_informative_groups(
     return kept, stats
 
 
+def produce_rollouts(
+    config: GRPOFlowConfig, plan: RunPlan, step: int, rollout_version: int, fail_at: str | None
+) -> dict[str, float]:
+    """sample_batch → generate.map → score.map → [dynamic sampling] → compute_advantages →
+    write_rollouts.map → commit_rollouts: the step's rows logged; returns its reward statistics.
+
+    Each mapped stage is resolved before the next, so a failure surfaces as the failing task's
+    own exception rather than as a missing input further down.
+    """
+    retry = {"retry_delay_seconds": config.retry_delay_seconds}
+    shards = sample_batch(config, plan, step)
+    generated = (
+        generate.with_options(retries=config.generate_retries, **retry)
+        .map(unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at))
+        .result()
+    )
+    score_shards = score.with_options(retries=config.score_retries, **retry)
+    scored = score_shards.map(unmapped(config), unmapped(plan), generated, unmapped(fail_at)).result()
+    if config.dynamic_sampling:
+        scored, sampling_stats = refill_with_informative_groups(config, plan, step, rollout_version, scored, fail_at)
+    batches, reward_stats = compute_advantages(config, scored)
+    if config.dynamic_sampling:
+        reward_stats = {**reward_stats, **sampling_stats}
+    write_rollouts.map(unmapped(config), unmapped(plan), batches, range(len(batches))).result()
+    commit_rollouts(config, plan, step)
+    return {
+        **reward_stats,
+        "num_completions": float(sum(len(b) for b in batches)),
+        "time/generate_s": sum(b.generate_s for b in batches),
+        "time/score_s": sum(b.score_s for b in batches),
+    }
+
+
+def in_background(function: Any, *args: Any) -> Future:
+    """Run `function` on a thread that shares this flow run's Prefect context, so the tasks it calls
+    are recorded as this flow run's task runs."""
+    context = contextvars.copy_context()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-flow-next-step")
+    future = executor.submit(context.run, function, *args)
+    executor.shutdown(wait=False)
+    return future
+
+
 # persist_result=False: a retried parent flow run must run a step again, never reuse an old
 # step's result (Prefect reuses a finished subflow run only when its result was persisted).
 @flow(name="grpo-step", flow_run_name="{plan.run_id}-step-{step}", validate_parameters=False, persist_result=False)
 def grpo_step(
     config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: int, rollout_version: int,
-    fail_at: str | None = None,
+    fail_at: str | None = None, rollout_stats: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """One training step; returns its metrics row (also logged as Parquet).
 
     `policy_version` is the actor's before the step, `rollout_version` the one the rollout
-    workers must hold; a worker holding another loads it first.
+    workers must hold; a worker holding another loads it first. With max_staleness 1 the
+    next step's rollouts are produced on another thread while the actor steps (one-step-off);
+    `rollout_stats` are then this step's, handed over from the step that produced them.
     """
     started = time.perf_counter()
     retry = {"retry_delay_seconds": config.retry_delay_seconds}
-    if RunStorage(plan.storage_root, plan.run_id).rollout_dir(step).exists():
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    if not storage.rollout_dir(step).exists():
+        rollout_stats = produce_rollouts(config, plan, step, rollout_version, fail_at)
+    elif rollout_stats is None:
         # Logged before a crash: the actor trains on the rows as logged, nothing is generated again.
-        num_completions, reward_stats = logged_reward_stats(config, plan, step)
-        timings = {"replayed": 1.0}
-    else:
-        # Each mapped stage is resolved before the next, so a failure surfaces as the failing
-        # task's own exception rather than as a missing input further down.
-        shards = sample_batch(config, plan, step)
-        generated = (
-            generate.with_options(retries=config.generate_retries, **retry)
-            .map(unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at))
-            .result()
+        num_completions, logged_stats = logged_reward_stats(config, plan, step)
+        rollout_stats = {**logged_stats, "num_completions": float(num_completions), "replayed": 1.0}
+    next_rollouts = None
+    if config.max_staleness and step < plan.total_steps and not storage.rollout_dir(step + 1).exists():
+        # Generated with the weights the rollout workers hold now, i.e. before this actor step.
+        next_rollouts = in_background(produce_rollouts, config, plan, step + 1, rollout_version, fail_at)
+    try:
+        train_metrics = actor_step.with_options(retries=config.actor_retries, **retry)(
+            config, plan, step, policy_version, fail_at
         )
-        score_shards = score.with_options(retries=config.score_retries, **retry)
-        scored = score_shards.map(unmapped(config), unmapped(plan), generated, unmapped(fail_at)).result()
-        if config.dynamic_sampling:
-            scored, sampling_stats = refill_with_informative_groups(config, plan, step, rollout_version, scored, fail_at)
-        batches, reward_stats = compute_advantages(config, scored)
-        if config.dynamic_sampling:
-            reward_stats = {**reward_stats, **sampling_stats}
-        write_rollouts.map(unmapped(config), unmapped(plan), batches, range(len(batches))).result()
-        commit_rollouts(config, plan, step)
-        num_completions = sum(len(b) for b in batches)
-        timings = {"time/generate_s": sum(b.generate_s for b in batches), "time/score_s": sum(b.score_s for b in batches)}
-    train_metrics = actor_step.with_options(retries=config.actor_retries, **retry)(
-        config, plan, step, policy_version, fail_at
-    )
+    finally:
+        # The weights change at the sync below, so the next step's generation must be over first.
+        next_stats = next_rollouts.result() if next_rollouts is not None else None
     last_step = step == plan.total_steps
     synced = sync_weights(config, plan) if step % config.sync_weights_every == 0 or last_step else {}
     row = {
         "run_id": plan.run_id,
         "step": step,
         "policy_version": policy_version + 1,
-        "num_completions": num_completions,
-        **reward_stats,
+        **rollout_stats,
+        "num_completions": int(rollout_stats["num_completions"]),
         **train_metrics,
         **synced,
-        **timings,
         "step_s": time.perf_counter() - started,
     }
     # Metrics before the checkpoint: a run resumed from checkpoint N has every row up to N.
     log_metrics(config, plan, step, row, fail_at)
+    step_artifact(plan, step, row)  # metrics + three logged completions, in the UI; never raises
     if step % config.save_steps == 0 or last_step:
         save_checkpoint(config, plan, step, fail_at)
-    return row
+    return {**row, "next_rollout_stats": next_stats}
 
 
 @flow(name="grpo", flow_run_name=grpo_run_name, validate_parameters=True)
@@ -169,9 +209,11 @@ def grpo(
     plan = prepare_run(config, allow_config_change)
     rollout_version = restore_workers(config, plan) if plan.resumes else 0
     initial_accuracy = evaluate_heldout(config, plan, initial=True)
+    progress_artifact = create_run_progress(plan, plan.total_steps, plan.first_step - 1)  # never raises
     rows: list[dict[str, Any]] = []
     step_walls: list[float] = []  # around each subflow call: step work plus Prefect's orchestration
     summary: dict[str, Any] = {"run_id": plan.run_id, "total_steps": plan.total_steps}
+    handed_over: dict[str, float] | None = None  # with max_staleness 1: the next step's rollout statistics
     try:
         # Step subflows run inside this flow's process, whose own heartbeat reports the run.
         # Prefect 3.8 joins a heartbeat thread that sleeps in 1 s slices at the end of every
@@ -187,9 +229,12 @@ def grpo(
             )
             for step in progress:
                 step_started = time.perf_counter()
-                rows.append(grpo_step(config, plan, step, step - 1, rollout_version, fail_at))
+                row = grpo_step(config, plan, step, step - 1, rollout_version, fail_at, handed_over)
+                handed_over = row.pop("next_rollout_stats")
+                rows.append(row)
                 rollout_version = int(rows[-1].get("synced_version", rollout_version))
                 step_walls.append(time.perf_counter() - step_started)
+                update_run_progress(progress_artifact, step, plan.total_steps)
                 progress.set_postfix(reward=f"{rows[-1]['reward']:.3f}", loss=f"{rows[-1]['loss']:.4f}")
     except BaseException as error:
         failed_step = plan.first_step + len(rows)

@@ -203,6 +203,14 @@ class GRPOFlowConfig(BaseModel):
     reward_concurrency: int = Field(
         default=4, ge=1, description="Most rollout shards scored at once (the reward map's concurrency bound)."
     )
+    max_staleness: int = Field(
+        default=0,
+        ge=0,
+        le=1,
+        description="0: on-policy. 1: one-step-off pipelining, generation of step t+1 (with the weights before "
+        "step t) overlaps the actor's step t; its rows get the IS correction. Local rollout workers then run in "
+        "their own processes.",
+    )
     sync_weights_every: int = Field(
         default=1, ge=1, description="Publish the actor's weights to the rollout workers every N steps."
     )

@@ -20,6 +20,8 @@ ROLLOUT_BASE_FIELDS: list[pa.Field] = [
     pa.field("run_id", pa.string(), nullable=False),
     pa.field("step", pa.int32(), nullable=False),
     pa.field("policy_version", pa.int32(), nullable=False),
+    # Steps between the weights that sampled the row and those the actor trains it with (step - 1).
+    pa.field("staleness", pa.int32(), nullable=False),
     pa.field("worker_id", pa.string(), nullable=False),
     pa.field("prompt_id", pa.string(), nullable=False),
     pa.field("group_index", pa.int32(), nullable=False),
@@ -121,6 +123,7 @@ class RolloutBatch:
             "run_id": [self.run_id] * n,
             "step": [self.step] * n,
             "policy_version": [self.policy_version] * n,
+            "staleness": [self.step - 1 - self.policy_version] * n,
             "worker_id": [self.worker_id] * n,
             "prompt_id": self.prompt_id,
             "group_index": self.group_index,

@@ -121,8 +121,9 @@ class Actor:
         self.tokenizer: Any = None
         self.objective: Any = None
         self._last_step: tuple[int, dict[str, float]] | None = None  # (version it produced, its metrics)
-        # Whether the rollout engine's log-probs equal this actor's at the same weights (the local fp32
-        # transformers engine). Otherwise (vLLM, bf16) the IS correction applies to every step.
+        # Whether the rollout engine's log-probs equal this actor's at the same weights: the local
+        # backend's fp32 transformers engine does. Otherwise (vLLM on Modal, bf16) the IS correction
+        # applies to every step; set in load().
         self.sampling_matches_actor = False
 
     @property
@@ -143,6 +144,7 @@ class Actor:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         self.objective = trl_objective.make_objective(model, self.tokenizer, self.config)
         self.model = self.objective.model  # the PeftModel with use_lora
+        self.sampling_matches_actor = self.config.backend == "local" and not self.objective.args.bf16
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The scheduler counts optimizer steps: num_iterations per step. max_steps may be -1 (epochs);

@@ -10,8 +10,10 @@ correctness. The Modal backend provides the same methods on remote classes.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from schemas.config import GRPOFlowConfig
 from workers import trl_objective
 from workers.actor import Actor
+from workers.process_engine import ProcessRolloutEngine
 from workers.rollout import TransformersRolloutEngine
 from workers.storage import RunStorage
 
@@ -34,15 +37,24 @@ class LocalWorkers:
         self.config = config
         self.model_path = str(model_path)
         self.actor = Actor(config, model_path)
-        self.rollout = [
-            TransformersRolloutEngine(model_path, worker_id=f"rollout-{i}") for i in range(config.num_rollout_workers)
-        ]
+        self.rollout: list[Any]
+        if config.max_staleness:
+            # One-step-off pipelining: each rollout engine in its own process, so generating the next
+            # step really overlaps the actor's step; the cores are shared out between them.
+            threads = max(1, (os.cpu_count() or 2) // (config.num_rollout_workers + 1))
+            torch.set_num_threads(threads)
+            self.rollout = [
+                ProcessRolloutEngine(model_path, worker_id=f"rollout-{i}", threads=threads)
+                for i in range(config.num_rollout_workers)
+            ]
+        else:
+            self.rollout = [
+                TransformersRolloutEngine(model_path, worker_id=f"rollout-{i}") for i in range(config.num_rollout_workers)
+            ]
         # The weights last published to the rollout workers, so a replaced worker can take them.
         self.published: tuple[int, dict[str, torch.Tensor]] | None = None
         self._heal_lock = threading.Lock()  # shards heal on worker threads; one at a time
         self.actor.load()
-        # The fp32 transformers engine computes the actor's own log-probs; bf16 autocast does not.
-        self.actor.sampling_matches_actor = not self.actor.objective.args.bf16
         for engine in self.rollout:
             engine.load()
         # With use_lora and lora_publish='adapter', engines take the adapter alone over their base model.
@@ -139,4 +151,7 @@ def local_workers(config: GRPOFlowConfig, model_path: str | Path) -> LocalWorker
 
 def release(run_id: str) -> None:
     with _LOCK:
-        _WORKERS.pop(run_id, None)
+        workers = _WORKERS.pop(run_id, None)
+    for engine in workers.rollout if workers else []:
+        if isinstance(engine, ProcessRolloutEngine):
+            engine.close()

@@ -75,6 +75,7 @@ class TransformersRolloutEngine:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         self.model.eval()
+        self.policy_version = 0  # the initial model, whatever this engine held before
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int, adapter_config: Any = None) -> None:
         """Take the actor's weights in memory (the local backend's weight sync): full weights, or with

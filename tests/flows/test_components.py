@@ -42,7 +42,7 @@ def test_test_rollout_names_a_bad_option(storage_root, capsys):
 
 
 def test_test_reward_calls_the_function_as_a_run_does(tmp_path, monkeypatch, capsys):
-    (tmp_path / "my_rewards.py").write_text(
+    (tmp_path / "component_rewards.py").write_text(
         "def mentions_answer(prompts, completions, answer, trainer_state, log_metric, **kwargs):\n"
         "    log_metric('seen_step', trainer_state.global_step)\n"
         "    return [1.0 if str(a) in c else 0.0 for c, a in zip(completions, answer)]\n"
@@ -50,7 +50,7 @@ def test_test_reward_calls_the_function_as_a_run_does(tmp_path, monkeypatch, cap
         "    return [None for _ in completions]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    code = main(["test-reward", "my_rewards:mentions_answer", "my_rewards:not_for_me", "math_accuracy",
+    code = main(["test-reward", "component_rewards:mentions_answer", "component_rewards:not_for_me", "math_accuracy",
                  "--completion", "so it is \\boxed{19}", "--column", "answer=19"])
     out = capsys.readouterr().out
     assert code == 0, out

@@ -41,7 +41,7 @@ def rollouts(model_path):
 def actor_for(model_path, **overrides):
     actor = Actor(preset_config("tiny", run_id="options", prompts_per_step=6, num_generations=4, **overrides), model_path)
     actor.load()
-    actor.sampling_matches_actor = True  # as the local backend's fp32 engine
+    assert actor.sampling_matches_actor  # the local backend's fp32 engine computes the actor's log-probs
     return actor
 
 

@@ -290,11 +290,6 @@ def test_modal_workers_have_the_local_workers_surface(model_path, tmp_path):
     assert workers.save_rollout_weights(tmp_path) == {"rollout_policy_version": 0}
     assert workers.ensure_rollout_version(1, 1, storage=None) is workers.rollout[1]
     assert [engine.policy_version for engine in workers.rollout] == [0, 1]
-    assert workers.restore(None, None) == 0
-    with pytest.raises(NotImplementedError, match="resuming a run on the Modal backend"):
-        workers.restore(None, 3)
-    with pytest.raises(NotImplementedError, match="holds policy version 1, the step expects 5"):
-        workers.ensure_actor_version(5, storage=None)
 
     assert workers.sync_weights() == 1
     assert [engine.policy_version for engine in workers.rollout] == [1, 1]
@@ -305,6 +300,10 @@ def test_modal_workers_have_the_local_workers_surface(model_path, tmp_path):
     assert state["policy_version"] == 1 and (staging / "optimizer.pt").exists()
     with pytest.raises(ValueError, match="is not under the run's storage_root"):
         workers.actor.save_checkpoint(tmp_path.parent / "elsewhere")
+
+    # Back to the start (a resumed run without a checkpoint): the actor and every engine hold version 0.
+    assert workers.restore(None, None) == 0
+    assert workers.actor.policy_version == 0 and [engine.policy_version for engine in workers.rollout] == [0, 0]
     workers.close()
 
 
