@@ -120,6 +120,8 @@ def per_token_logprobs(objective: Any, model: Any, inputs: dict[str, torch.Tenso
 @torch.no_grad()
 def old_logprobs(objective: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The policy's log-probs before this step's updates (num_iterations > 1 and the IS correction need them)."""
+    if not objective.args.gradient_checkpointing:
+        return per_token_logprobs(objective, objective.model, inputs)
     from trl.models.utils import disable_gradient_checkpointing
 
     with disable_gradient_checkpointing(objective.model, objective.args.gradient_checkpointing_kwargs):
