@@ -45,6 +45,8 @@ from pydantic import Field, ValidationError
 from flows.grpo import grpo, new_run_id
 from schemas.config import GRPOFlowConfig, describe_validation_error
 from schemas.presets import PRESETS
+from workers.resume import ResumeError, check_config_change, config_for_resume
+from workers.storage import RunStorage
 
 # Parameters of the wrapper that are not config fields.
 OWN_PARAMETERS = ("preset", "config", "allow_config_change", "fail_at")
@@ -61,9 +63,6 @@ def resolve_config(preset: str, overrides: dict[str, Any], allow_config_change: 
     Raises DeploymentConfigError naming the bad fields; refuses a change to a training field of
     an existing run unless `allow_config_change` (the ResumeError's message says so).
     """
-    from workers.resume import ResumeError, check_config_change, config_for_resume
-    from workers.storage import RunStorage
-
     if preset not in PRESETS:
         raise DeploymentConfigError(f"preset: unknown preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
     unknown = sorted(set(overrides) - set(GRPOFlowConfig.model_fields))
@@ -106,7 +105,8 @@ def deployment_run_name() -> str:
     """The flow run is named after the run id (as `grpo train` names it), so the UI and storage agree."""
     parameters = flow_run.parameters
     config = parameters.get("config") or {}
-    run_id = parameters.get("run_id") or (config.get("run_id") if isinstance(config, dict) else None)
+    # Same precedence as split_parameters: the `config` object wins over the single field.
+    run_id = (config.get("run_id") if isinstance(config, dict) else None) or parameters.get("run_id")
     return run_id or f"grpo-{parameters.get('preset') or 'tiny'}-new-run"
 
 
@@ -129,7 +129,8 @@ def _grpo_preset(**parameters: Any) -> dict[str, Any]:
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
         _rename_flow_run(config.run_id)
-    logger.info("run %s: preset %s, fields given: %s", config.run_id, preset, sorted(overrides) or "none")
+    origin = "its own config (resuming)" if RunStorage(config.storage_root, config.run_id).exists() else f"preset {preset}"
+    logger.info("run %s from %s; fields given: %s", config.run_id, origin, sorted(overrides) or "none")
     return grpo.fn(config, show_progress=False, allow_config_change=allow_config_change, fail_at=fail_at)
 
 

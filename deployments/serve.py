@@ -38,7 +38,12 @@ GRPO_PRESETS = ("tiny", "gsm8k", "math", "mbpp")  # the deployments `grpo/<prese
 
 
 class DeploymentSettingsError(ValueError):
-    """A bad time zone or cron string, named before anything is registered."""
+    """A bad time zone or cron string, named before anything is registered; `option` is the
+    command-line option that sets it (`--timezone`, `--nightly-cron`)."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option}: {message}")
+        self.option = option
 
 
 def nightly_schedule(cron: str | None = None, timezone: str | None = None) -> tuple[str, str]:
@@ -48,11 +53,13 @@ def nightly_schedule(cron: str | None = None, timezone: str | None = None) -> tu
     try:
         ZoneInfo(timezone)
     except (ZoneInfoNotFoundError, ValueError):
-        raise DeploymentSettingsError(f"timezone: {timezone!r} is not an IANA time zone (e.g. UTC, Europe/Berlin)") from None
+        raise DeploymentSettingsError(
+            "--timezone", f"{timezone!r} is not an IANA time zone (e.g. UTC, Europe/Berlin)"
+        ) from None
     try:
         Cron(cron, timezone=timezone)
     except ValueError as error:
-        raise DeploymentSettingsError(f"nightly cron: {cron!r} is not a valid cron string: {error}") from None
+        raise DeploymentSettingsError("--nightly-cron", f"{cron!r} is not a valid cron string: {error}") from None
     return cron, timezone
 
 

@@ -264,10 +264,12 @@ def command_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--eval-k: must be at least 1, got {args.eval_k}")
     if args.eval_prompts is not None and args.eval_prompts < 1:
         raise UsageError(f"--eval-prompts: must be at least 1, got {args.eval_prompts}")
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit: must be at least 1, got {args.limit}")
     try:
         cron, timezone = nightly_schedule(args.nightly_cron, args.timezone)
     except DeploymentSettingsError as error:
-        raise UsageError(f"--{error}") from error
+        raise UsageError(str(error)) from error
     names = ", ".join([f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"])
     print(f"grpo serve: {names} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
           f"storage root {os.path.abspath(args.storage_root)}", flush=True)

@@ -372,7 +372,13 @@ def publish_evaluation(run_id: str, storage_root: str, summary: dict[str, Any]) 
     )
     config = GRPOFlowConfig(**storage.effective_config())
     if config.report_to == "wandb":
-        wandb_log_evaluation(config, run_id, summary)
+        try:
+            wandb_log_evaluation(config, run_id, summary)
+        except Exception as error:
+            # The eval file is the record and is already stored; failing here would not bring the
+            # wandb entry back (the nightly sweep skips an evaluated checkpoint), so say it and go on.
+            get_run_logger().warning("run %s: evaluation not logged to wandb: %s: %s", run_id,
+                                     type(error).__name__, error)
 
 
 def wandb_log_evaluation(config: GRPOFlowConfig, run_id: str, summary: dict[str, Any]) -> None:

@@ -38,6 +38,8 @@ HEADLINE_METRICS = (
 SAMPLE_COUNT = 3
 MAX_PROMPT_CHARS = 300
 MAX_COMPLETION_CHARS = 600
+# Rollout columns a sample shows (besides one reward_<function> column per function).
+SHOWN_COLUMNS = ("step", "group_index", "sample_index", "prompt", "completion", "reward", "advantage")
 
 
 def artifact_key(*parts: str) -> str:
@@ -65,9 +67,15 @@ def rollout_rows(
     if rollouts is None:
         if not isinstance(plan_or_run_id, RunPlan):
             return []
+        import pyarrow.dataset as ds
+
         from workers.storage import RunStorage
 
-        rollouts = RunStorage(plan_or_run_id.storage_root, plan_or_run_id.run_id).read_rollouts(step)
+        storage = RunStorage(plan_or_run_id.storage_root, plan_or_run_id.run_id)
+        # Only what the artifact shows: token ids and logprobs are most of a step's bytes.
+        names = ds.dataset(storage.rollout_dir(step), format="parquet", exclude_invalid_files=True).schema.names
+        wanted = [n for n in names if n in SHOWN_COLUMNS or n.startswith(REWARD_PREFIX)]
+        rollouts = storage.read_rollouts(step, columns=wanted)
     if isinstance(rollouts, pa.Table):
         return rollouts.to_pylist()
     if hasattr(rollouts, "to_dict") and hasattr(rollouts, "columns"):  # a pandas DataFrame
@@ -136,7 +144,9 @@ def step_markdown(run_id: str, step: int, metrics_row: Mapping[str, Any], sample
     for number, row in enumerate(samples, start=1):
         rewards = ", ".join(
             f"{k.removeprefix(REWARD_PREFIX)} {_format_value(v)}"
-            for k, v in row.items() if k.startswith(REWARD_PREFIX) and v is not None
+            for k, v in row.items()
+            # per-function scores only (reward_error is text)
+            if k.startswith(REWARD_PREFIX) and isinstance(v, (int, float)) and not isinstance(v, bool)
         )
         advantage = row.get("advantage")
         lines += [

@@ -1,6 +1,8 @@
 """With PREFECT_API_URL set, a run is recorded by that server (a local `prefect server start`)."""
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,10 +19,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def prefect_server_process(tmp_path):
+@contextlib.contextmanager
+def running_prefect_server(home):
+    """`prefect server start` on a free local port with its own database; yields its API URL."""
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "server-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     process = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -42,21 +45,234 @@ def prefect_server_process(tmp_path):
         process.wait(timeout=30)
 
 
-def test_a_run_is_recorded_by_the_server_in_prefect_api_url(prefect_server_process, tmp_path):
-    env = {
-        **os.environ,
-        "PREFECT_API_URL": prefect_server_process,
-        "PREFECT_HOME": str(tmp_path / "client-home"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    """One `prefect server start` for this module's tests (starting one costs ~15 s)."""
+    with running_prefect_server(tmp_path_factory.mktemp("real-server-home")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tiny_model(storage_root) -> str:
+    """The session's tiny model (built once); each test's runs and storage root are its own."""
+    from workers.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(storage_root))
+
+
+def client_env(url: str, home) -> dict[str, str]:
+    return {**os.environ, "PREFECT_API_URL": url, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+
+def test_a_run_is_recorded_by_the_server_in_prefect_api_url(real_server, tiny_model, tmp_path):
+    env = client_env(real_server, tmp_path / "client-home")
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", "--max-steps", "2", "--run-id", "on-server",
+        [sys.executable, "-m", "flows.cli", "train", "--model", tiny_model, "--max-steps", "2",
+         "--prompts-per-step", "8", "--num-generations", "4", "--run-id", "on-server",
          "--eval-prompts", "8", "--storage-root", str(tmp_path / "store"), "--no-progress"],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    runs = httpx.post(f"{prefect_server_process}/flow_runs/filter", json={"limit": 20}, timeout=10).json()
+    names = ["on-server", "on-server-step-1", "on-server-step-2"]
+    runs = httpx.post(f"{real_server}/flow_runs/filter", json={"flow_runs": {"name": {"any_": names}}},
+                      timeout=10).json()
     by_name = {run["name"]: run for run in runs}
-    assert {"on-server", "on-server-step-1", "on-server-step-2"} <= set(by_name)
-    assert all(by_name[name]["state_type"] == "COMPLETED" for name in ("on-server", "on-server-step-1", "on-server-step-2"))
+    assert set(names) == set(by_name)
+    assert all(by_name[name]["state_type"] == "COMPLETED" for name in names)
     assert by_name["on-server-step-1"]["parent_task_run_id"] is not None  # a subflow of the run
+
+
+# -- deployments on a real server: `grpo serve`, `prefect deployment run`, a process work pool ---------
+GRPO_DEPLOYMENTS = {"grpo/tiny", "grpo/gsm8k", "grpo/math", "grpo/mbpp", "evaluate/nightly"}
+
+
+@contextlib.contextmanager
+def prefect_client(url: str):
+    """A client of the server at `url`, whatever Prefect settings the test session has."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        yield client
+
+
+def deployment_names(url: str) -> set[str]:
+    with prefect_client(url) as client:
+        flows = {f.id: f.name for f in client.read_flows()}
+        return {f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments()}
+
+
+def deployment_run(env: dict[str, str], name: str, *params: str) -> subprocess.CompletedProcess:
+    """`prefect deployment run NAME --param k=v ... --watch`, as a user types it: exit 0 when Completed."""
+    argv = [sys.executable, "-m", "prefect", "deployment", "run", name]
+    for param in params:
+        argv += ["--param", param]
+    return subprocess.run([*argv, "--watch", "--watch-interval", "2", "--watch-timeout", "300"], env=env,
+                          capture_output=True, text=True, timeout=400)
+
+
+def artifacts(url: str, key: str) -> list:
+    """Every version of an artifact key, oldest first."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with prefect_client(url) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found, f"no artifact {key!r} on the server"
+    return sorted(found, key=lambda a: a.created)
+
+
+def artifact(url: str, key: str):
+    """The newest version of an artifact key."""
+    return artifacts(url, key)[-1]
+
+
+def artifact_steps(url: str, key: str) -> list[int]:
+    """The step of each version of a run's step artifact (its heading: "## Run `ID`, step N")."""
+    return [int(re.search(r"^## Run `[^`]+`, step (\d+)$", a.data, re.M).group(1)) for a in artifacts(url, key)]
+
+
+def step_flow_runs(url: str, run_id: str, steps: int) -> list[tuple[str, str]]:
+    """(name, state) of the run's `grpo-step` subflow runs, in the order they started."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    names = [f"{run_id}-step-{step}" for step in range(1, steps + 1)]
+    with prefect_client(url) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))
+    return [(r.name, r.state.type.value) for r in sorted(runs, key=lambda r: r.start_time or r.created)]
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the process group (Prefect shuts the runner down on it), SIGKILL if it lingers."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+
+
+def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, tiny_model, tmp_path):
+    """`grpo serve`, then `prefect deployment run` as a user types it: a run, a run failed at step 2
+    on purpose and resumed there, the nightly evaluation by hand; checked on disk and through the API."""
+    from flows.evaluate import eval_path, read_eval_summary
+    from workers.storage import RunStorage
+
+    url, store = real_server, tmp_path / "store"
+    env = client_env(url, tmp_path / "client-home")
+    log = open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "serve", "--storage-root", str(store), "--timezone", "Europe/Berlin",
+         "--eval-k", "4"],
+        # The runner looks for scheduled work every 10 s by default; every 2 s here.
+        env={**env, "PREFECT_RUNNER_POLL_FREQUENCY": "2"}, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not GRPO_DEPLOYMENTS <= deployment_names(url):
+            assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "grpo serve registered no deployments within 120 s"
+            time.sleep(1)
+        with prefect_client(url) as client:
+            tiny = client.read_deployment_by_name("grpo/tiny")
+
+        # A run from the tiny preset, overridden field by field.
+        small = [f"model={tiny_model}", "max_steps=3", "prompts_per_step=8", "num_generations=4", "eval_prompts=0"]
+        done = deployment_run(env, "grpo/tiny", *small, "run_id=dep-run")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        storage = RunStorage(store, "dep-run")  # the storage root `grpo serve` gave its deployments
+        assert storage.read_metrics()["step"].to_pylist() == [1, 2, 3]
+        rollouts = storage.read_rollouts()
+        assert rollouts.num_rows == 3 * 8 * 4 and sorted(set(rollouts["step"].to_pylist())) == [1, 2, 3]
+        assert storage.read_config()["learning_rate"] == 5e-3  # the rest is the tiny preset's
+        summary = artifact(url, "grpo-summary-dep-run")
+        assert summary.type == "markdown" and '"status": "completed"' in summary.data
+        with prefect_client(url) as client:
+            flow_run = client.read_flow_run(summary.flow_run_id)
+        assert flow_run.name == "dep-run" and flow_run.deployment_id == tiny.id
+        assert flow_run.state.is_completed()
+        # Per step a markdown artifact with its metrics and three completions; a progress artifact.
+        steps = artifacts(url, "grpo-step-dep-run")
+        assert artifact_steps(url, "grpo-step-dep-run") == [1, 2, 3] and {a.type for a in steps} == {"markdown"}
+        assert all(a.data.count("Completion:") == 3 and "| reward |" in a.data for a in steps)
+        reward = storage.read_metrics()["reward"].to_pylist()[-1]
+        assert f"| reward | {reward:.6g} |" in steps[-1].data
+        progress = artifact(url, "grpo-progress-dep-run")
+        assert progress.type == "progress" and float(progress.data) == 100.0 and progress.description == "step 3 / 3"
+
+        # A run that fails at step 2 on purpose, then the same deployment with its run id resumes it.
+        done = deployment_run(env, "grpo/tiny", *small, "run_id=dep-resume", "save_steps=1", "score_retries=0",
+                              "fail_at=score@2")
+        assert done.returncode == 1 and "Failed" in done.stdout, done.stdout[-3000:]
+        resumed = RunStorage(store, "dep-resume")
+        assert resumed.read_summary()["status"] == "failed" and resumed.read_summary()["failed_step"] == 2
+        assert resumed.logged_steps() == [1]
+        done = deployment_run(env, "grpo/tiny", "run_id=dep-resume")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        final = resumed.read_summary()
+        assert final["status"] == "completed" and final["resumed_from_step"] == 1 and final["steps_completed"] == 3
+        assert [p.name for p in (resumed.run_dir / "resumes").iterdir()] == ["resume-001.json"]
+        assert resumed.logged_steps() == [1, 2, 3] and resumed.read_rollouts().num_rows == 3 * 8 * 4
+        # Step 1 ran once; the second flow run started at step 2.
+        assert step_flow_runs(url, "dep-resume", 3) == [
+            ("dep-resume-step-1", "COMPLETED"), ("dep-resume-step-2", "FAILED"),
+            ("dep-resume-step-2", "COMPLETED"), ("dep-resume-step-3", "COMPLETED"),
+        ]
+        assert artifact_steps(url, "grpo-step-dep-resume") == [1, 2, 3]
+        first, second = artifacts(url, "grpo-progress-dep-resume")  # one per flow run
+        assert (first.description, second.description) == ("step 1 / 3", "step 3 / 3")
+        with prefect_client(url) as client:
+            runs = [client.read_flow_run(a.flow_run_id) for a in artifacts(url, "grpo-summary-dep-resume")]
+        assert [(r.name, r.state.type.value, r.deployment_id) for r in runs] == [
+            ("dep-resume", "FAILED", tiny.id), ("dep-resume", "COMPLETED", tiny.id)]
+
+        # The nightly evaluation: registered on its cron in its time zone; run once by hand.
+        with prefect_client(url) as client:
+            nightly = client.read_deployment_by_name("evaluate/nightly")
+            (schedule,) = client.read_deployment_schedules(nightly.id)
+        assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == (
+            "0 2 * * *", "Europe/Berlin", True)
+        done = deployment_run(env, "evaluate/nightly", "prompts=16")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        for run_id in ("dep-run", "dep-resume"):
+            evaluated = read_eval_summary(eval_path(RunStorage(store, run_id), 3))
+            assert evaluated["samples_per_prompt"] == 4 and evaluated["num_prompts"] == 16
+            assert 0.0 <= evaluated["pass@1"] <= evaluated["pass@4"] <= 1.0
+            table = artifact(url, f"eval-{run_id}")
+            assert table.type == "table" and '"checkpoint_step": 3' in table.data
+        assert '"action": "evaluated"' in artifact(url, "evaluate-nightly").data
+    finally:
+        stop(serve)
+        log.close()
+    assert serve.returncode is not None  # `grpo serve` and the flow runs it started are gone
+
+
+def test_deployments_on_a_process_work_pool_run_on_a_worker(real_server, tmp_path):
+    url, store = real_server, tmp_path / "store"
+    env = client_env(url, tmp_path / "client-home")
+    done = subprocess.run(
+        [sys.executable, "-m", "deployments.work_pool", "--pool", "grpo-test-pool", "--storage-root", str(store)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with prefect_client(url) as client:
+        assert client.read_work_pool("grpo-test-pool").type == "process"
+        flows = {f.id: f.name for f in client.read_flows()}
+        pooled = {f"{flows[d.flow_id]}/{d.name}": d for d in client.read_deployments()}
+        assert GRPO_DEPLOYMENTS <= set(pooled)
+        assert all(pooled[name].work_pool_name == "grpo-test-pool" for name in GRPO_DEPLOYMENTS)
+        run = client.create_flow_run_from_deployment(pooled["evaluate/nightly"].id)
+    # A process worker picks the run up once, runs it from the module entrypoint, and exits.
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", "grpo-test-pool", "--run-once"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        output, _ = worker.communicate(timeout=300)
+    finally:
+        stop(worker)
+    with prefect_client(url) as client:
+        state = client.read_flow_run(run.id).state
+    assert state.is_completed(), output[-3000:]

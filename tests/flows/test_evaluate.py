@@ -1,0 +1,223 @@
+"""The `evaluate` flow: pass@k (Chen et al.'s estimator), eval files that are never overwritten,
+the table artifact, wandb (offline), and the nightly sweep that skips what is up to date."""
+
+import itertools
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from flows.cli import main
+from flows.evaluate import (
+    EvalSettings,
+    EvaluationError,
+    eval_path,
+    evaluate,
+    evaluated_steps,
+    pass_at_k,
+    pass_k_values,
+    read_eval_summary,
+    resolve_checkpoint,
+    summarize,
+    write_once,
+)
+from schemas.presets import preset_config
+from tasks.observability import artifact_key
+from workers.storage import RunStorage
+
+SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
+
+
+# -- pass@k ------------------------------------------------------------------------------------------
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """The definition: the share of k-subsets of the n samples holding at least one correct one."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in subset) for subset in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_is_the_unbiased_estimator(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k), abs=1e-12)
+            assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+
+
+def test_pass_at_k_edges_and_bad_input():
+    assert pass_at_k(200, 0, 10) == 0.0 and pass_at_k(200, 200, 1) == 1.0
+    assert pass_at_k(200, 3, 1) == pytest.approx(3 / 200)  # pass@1 is the plain sampled accuracy
+    assert 0.0 < pass_at_k(1000, 1, 100) < 1.0  # no overflow where C(n, k) is astronomically large
+    for n, c, k in [(4, 5, 1), (4, 1, 0), (4, 1, 5), (4, -1, 1)]:
+        with pytest.raises(ValueError):
+            pass_at_k(n, c, k)
+    assert pass_k_values(8) == [1, 2, 4, 8] and pass_k_values(6) == [1, 2, 4, 6] and pass_k_values(1) == [1]
+
+
+def test_summarize_averages_per_prompt():
+    settings = EvalSettings(k=2, prompts=2, temperature=1.0, top_p=1.0, max_tokens=2, seed=0, greedy=True)
+    rows = [
+        {"mode": "sample", "prompt_id": "a", "correct": True, "reward": 1.0, "completion_tokens": 2},
+        {"mode": "sample", "prompt_id": "a", "correct": False, "reward": 0.0, "completion_tokens": 4},
+        {"mode": "sample", "prompt_id": "b", "correct": False, "reward": 0.0, "completion_tokens": 2},
+        {"mode": "sample", "prompt_id": "b", "correct": False, "reward": None, "completion_tokens": 2},
+        {"mode": "greedy", "prompt_id": "a", "correct": True, "reward": 1.0, "completion_tokens": 9},
+        {"mode": "greedy", "prompt_id": "b", "correct": False, "reward": 0.0, "completion_tokens": 9},
+    ]
+    metrics = summarize(rows, settings)
+    assert metrics["pass@1"] == pytest.approx((0.5 + 0.0) / 2)
+    assert metrics["pass@2"] == pytest.approx((1.0 + 0.0) / 2)
+    assert metrics["greedy_accuracy"] == 0.5
+    assert metrics["mean_reward"] == pytest.approx(1 / 3)  # null rewards left out; greedy rows too
+    assert metrics["mean_completion_length"] == 2.5
+
+
+def test_an_eval_file_is_never_overwritten(tmp_path):
+    path = tmp_path / "eval" / "step-000001.parquet"
+    write_once(path, pa.table({"x": [1]}))
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        write_once(path, pa.table({"x": [2]}))
+    assert pq.read_table(path)["x"].to_pylist() == [1]
+    assert [p.name for p in path.parent.iterdir()] == ["step-000001.parquet"]  # no temporary file left
+
+
+# -- the flow on real checkpoints ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eval_root(prefect_server, storage_root, tmp_path_factory, monkeypatch_module):
+    """Its own storage root (the nightly sweep takes every run under it) holding run `evaluated`
+    (checkpoints 1 and 2, wandb offline) and run `no-checkpoint` (failed in step 1)."""
+    from flows.grpo import grpo
+    from workers.tiny_model import ensure_tiny_model
+
+    root = tmp_path_factory.mktemp("eval-root")
+    wandb_dir = tmp_path_factory.mktemp("wandb")
+    monkeypatch_module.setenv("WANDB_MODE", "offline")
+    monkeypatch_module.setenv("WANDB_DIR", str(wandb_dir))
+    monkeypatch_module.setenv("WANDB_SILENT", "true")
+    model = str(ensure_tiny_model(storage_root))  # the session's tiny model, built once
+    grpo(preset_config(
+        "tiny", model=model, run_id="evaluated", storage_root=str(root), max_steps=2, save_steps=1,
+        report_to="wandb", wandb_project="grpo-flow-tests", **SMALL,
+    ))
+    with pytest.raises(Exception, match="injected failure"):
+        grpo(preset_config("tiny", model=model, run_id="no-checkpoint", storage_root=str(root), max_steps=2,
+                           generate_retries=0, **SMALL), fail_at="generate@1")
+    return root, wandb_dir
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def read_artifacts(key: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+
+def test_the_grpo_flow_makes_a_step_artifact_per_step_and_a_progress_artifact(eval_root):
+    """The fixture's runs, as the Prefect API shows them: a markdown version per step with the
+    step's metrics and three of its logged completions; progress at 100 % when done, at 0 % for
+    the run that failed in step 1."""
+    root, _ = eval_root
+    steps = sorted(read_artifacts("grpo-step-evaluated"), key=lambda a: a.created)
+    assert [a.type for a in steps] == ["markdown", "markdown"]
+    logged = RunStorage(root, "evaluated").read_rollouts(2).to_pylist()
+    newest = steps[-1].data
+    assert "step 2" in newest and "step 1" in steps[0].data
+    reward = RunStorage(root, "evaluated").read_metrics().to_pylist()[-1]["reward"]
+    assert f"| reward | {reward:.6g} |" in newest and "| loss |" in newest
+    assert newest.count("Completion:") == 3 and "(last_digit " in newest
+    best = max(logged, key=lambda r: r["reward"])  # the first sample shown is the best by reward
+    assert f"**1. reward {best['reward']:.6g}** (last_digit {best['reward_last_digit']:.6g})" in newest
+    (progress,) = read_artifacts("grpo-progress-evaluated")
+    assert progress.type == "progress" and float(progress.data) == 100.0 and progress.description == "step 2 / 2"
+    (failed,) = read_artifacts("grpo-progress-no-checkpoint")
+    assert float(failed.data) == 0.0 and failed.description == "step 0 / 2"
+    assert not read_artifacts("grpo-step-no-checkpoint")
+
+
+def test_evaluate_a_named_checkpoint(eval_root):
+    root, wandb_dir = eval_root
+    summary = evaluate(run_id="evaluated", storage_root=str(root), checkpoint=1, k=4, prompts=8)
+    path = eval_path(RunStorage(root, "evaluated"), 1)
+    assert summary["path"] == str(path) and not summary["already_evaluated"]
+    table = pq.read_table(path)
+    assert table.num_rows == 8 * 4 + 8  # k samples per prompt, and one greedy completion each
+    rows = table.to_pylist()
+    sampled = [r for r in rows if r["mode"] == "sample"]
+    assert {r["prompt_id"] for r in sampled} == {f"last_digit-heldout-{i:05d}" for i in range(8)}
+    assert all(r["correct"] == (r["completion"].strip() == r["answer"]) for r in rows)
+    assert all(r["reward"] == r["reward_last_digit"] for r in rows)
+    assert summary["pass@1"] == pytest.approx(sum(r["correct"] for r in sampled) / len(sampled))
+    assert 0 <= summary["pass@1"] <= summary["pass@2"] <= summary["pass@4"] <= 1
+    assert summary["mean_completion_length"] == pytest.approx(sum(r["completion_tokens"] for r in sampled) / 32)
+    stored = read_eval_summary(path)
+    assert {k: v for k, v in summary.items() if k != "already_evaluated"} == stored
+    versions = read_artifacts(artifact_key("eval", "evaluated"))
+    assert versions and all(a.type == "table" for a in versions)
+    assert any('"checkpoint_step": 1' in a.data for a in versions)
+    # The run reports to wandb: the evaluation went to its wandb run (offline files hold the keys).
+    logged = b"".join(p.read_bytes() for p in wandb_dir.glob("wandb/offline-run-*-evaluated/*.wandb"))
+    assert b"eval/pass@1" in logged and b"eval/checkpoint_step" in logged
+
+
+def test_an_evaluated_checkpoint_is_read_back_not_measured_again(eval_root):
+    root, _ = eval_root
+    path = eval_path(RunStorage(root, "evaluated"), 1)
+    if not path.exists():
+        evaluate(run_id="evaluated", storage_root=str(root), checkpoint=1, k=4, prompts=8)
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+    again = evaluate(run_id="evaluated", storage_root=str(root), checkpoint=1, k=2, prompts=4)
+    assert again["already_evaluated"] and again["samples_per_prompt"] == 4  # the stored evaluation
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+
+
+def test_nightly_evaluates_runs_with_a_newer_checkpoint_and_skips_the_rest(eval_root):
+    root, _ = eval_root
+    storage = RunStorage(root, "evaluated")
+    if not evaluated_steps(storage):
+        evaluate(run_id="evaluated", storage_root=str(root), checkpoint=1, k=4, prompts=8)
+    outcome = evaluate(storage_root=str(root), k=2, prompts=4, greedy=False)  # checkpoint 2 > evaluated 1
+    assert set(outcome["evaluated"]) == {"evaluated"} and outcome["evaluated"]["evaluated"]["checkpoint_step"] == 2
+    assert outcome["skipped"] == {"no-checkpoint": "no valid checkpoint"} and outcome["failed"] == {}
+    assert evaluated_steps(storage) == [1, 2]
+    assert pq.read_table(eval_path(storage, 2)).num_rows == 4 * 2  # no greedy rows when greedy=False
+    assert math.isnan(read_eval_summary(eval_path(storage, 2))["greedy_accuracy"])
+    again = evaluate(storage_root=str(root), k=2, prompts=4)
+    assert again["evaluated"] == {} and "not newer than its last evaluation (2)" in again["skipped"]["evaluated"]
+    (sweep, *_) = read_artifacts("evaluate-nightly")
+    assert sweep.type == "table" and "skipped" in sweep.data
+
+
+def test_checkpoint_resolution_and_cli_refusals(eval_root, capsys):
+    root, _ = eval_root
+    storage = RunStorage(root, "evaluated")
+    assert resolve_checkpoint(storage, None) == 2 and resolve_checkpoint(storage, 1) == 1
+    with pytest.raises(EvaluationError, match="no checkpoint of step 9"):
+        resolve_checkpoint(storage, 9)
+    with pytest.raises(EvaluationError, match="no valid checkpoint"):
+        resolve_checkpoint(RunStorage(root, "no-checkpoint"), None)
+    with pytest.raises(EvaluationError, match="needs run_id"):
+        evaluate.fn(storage_root=str(root), checkpoint=1)
+    for argv, message in [
+        (["eval", "nope"], "RUN: no run 'nope'"),
+        (["eval", "evaluated", "--checkpoint", "9"], "--checkpoint: run 'evaluated' has no checkpoint of step 9"),
+        (["eval", "no-checkpoint"], "RUN: run 'no-checkpoint' has no valid checkpoint"),
+        (["eval", "evaluated", "--k", "0"], "--k: must be at least 1"),
+    ]:
+        assert main([*argv, "--storage-root", str(root)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_grpo_eval_prints_the_summary(eval_root, capsys):
+    root, _ = eval_root
+    assert main(["eval", "evaluated", "--checkpoint", "1", "--k", "4", "--prompts", "8",
+                 "--storage-root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "pass@4" in out and "greedy accuracy" in out and "step-000001.parquet" in out
