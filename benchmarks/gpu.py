@@ -1,0 +1,249 @@
+"""GPU figures on a randomly initialised model of Qwen2.5-0.5B's shape: the actor's step
+throughput and model FLOPs utilisation, and transformers generation throughput.
+
+    python -m benchmarks.gpu [--rows 64] [--prompt-tokens 128] [--completion-tokens 256]
+                             [--steps 5] [--json FILE]
+
+Needs a CUDA GPU: without one it says so and exits with status 2 (`--device cpu --shape tiny`
+runs the same code on the CPU with a tiny model, to check it, not to measure anything).
+
+- Matmul rate: the GPU's measured dense bf16 matmul rate (square matrices of `--matmul-size`,
+  best of several timed runs): the denominator of MFU, measured rather than taken from a data
+  sheet.
+- Actor: the project's `Actor` (TRL's loss, AdamW, bf16 autocast as TRL's default on a GPU)
+  on a step's rollouts table of `--rows` completions of `--completion-tokens` tokens after
+  prompts of `--prompt-tokens` tokens (random ids); one warm-up step, then `--steps` timed
+  steps. Tokens per second count prompt and completion tokens. Model FLOPs per step:
+  6 x parameters x tokens (forward and backward; the tied embedding is counted once, as the LM
+  head's matmul) + the attention scores' 12 x layers x hidden x sequence per token (PaLM's
+  convention). Recomputation is not counted (with `--gradient-checkpointing` that is
+  hardware, not model, FLOPs). MFU = model FLOPs per second / matmul rate.
+- Generation: the project's `TransformersRolloutEngine` (`generate` with sampling and
+  per-token log-probs) on `--gen-prompts` prompts x `--gen-n` samples of
+  `--completion-tokens` new tokens, in fp32 (as the engine loads) and in bf16; the random
+  model almost never emits its end token, so every completion runs to full length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.memory import QWEN_05B_SHAPE, rollouts_table
+
+TINY_SHAPE = {**QWEN_05B_SHAPE, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def model_flops_per_step(parameters: int, layers: int, hidden: int, rows: int, sequence: int) -> float:
+    """Forward + backward model FLOPs of one pass over `rows` sequences of `sequence` tokens."""
+    tokens = rows * sequence
+    return 6.0 * parameters * tokens + 12.0 * layers * hidden * sequence * tokens
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def matmul_rate(device: str, dtype_name: str, size: int, repeats: int = 20) -> float:
+    """Best measured FLOP/s of a square matmul on the device."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        synchronize(device)
+        best = min(best, (time.perf_counter() - started) / repeats)
+    return 2.0 * size**3 / best
+
+
+def build_model(folder: Path, shape: dict[str, Any]) -> int:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from workers.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        **shape, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def actor_throughput(
+    model_path: str, device: str, rows: int, prompt_tokens: int, completion_tokens: int, steps: int, checkpointing: bool
+) -> dict[str, Any]:
+    import torch
+
+    from schemas.presets import preset_config
+    from workers.actor import Actor
+
+    overrides: dict[str, Any] = {"model": model_path, "run_id": "gpu-bench", "learning_rate": 1e-6,
+                                 "max_completion_length": completion_tokens, "max_prompt_length": prompt_tokens}
+    if checkpointing:
+        overrides["gradient_checkpointing"] = True
+    actor = Actor(preset_config("tiny", **overrides), model_path, device=device)
+    actor.load()
+    actor.sampling_matches_actor = True  # rows at the actor's version: no importance-sampling pass
+    table = rollouts_table(rows, prompt_tokens, completion_tokens, actor.model.config.vocab_size)
+    seconds = []
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(steps + 1):  # the first is a warm-up
+        synchronize(device)
+        started = time.perf_counter()
+        actor.step(step, table)
+        synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    step_s = statistics.median(seconds[1:])
+    config = actor.model.config
+    parameters = sum(p.numel() for p in actor.model.parameters())
+    flops = model_flops_per_step(parameters, config.num_hidden_layers, config.hidden_size, rows, prompt_tokens + completion_tokens)
+    return {
+        "bf16": bool(actor.objective.args.bf16),
+        "gradient_checkpointing": checkpointing,
+        "step_s": step_s,
+        "first_step_s": seconds[0],
+        "tokens_per_step": rows * (prompt_tokens + completion_tokens),
+        "tokens_per_s": rows * (prompt_tokens + completion_tokens) / step_s,
+        "model_flops_per_step": flops,
+        "model_flops_per_s": flops / step_s,
+        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated() if device.startswith("cuda") else None,
+    }
+
+
+def generation_throughput(model_path: str, device: str, prompts: int, n: int, new_tokens: int, dtype_name: str) -> dict[str, Any]:
+    import torch
+
+    from workers.data import load_task
+    from workers.rollout import SamplingParams, TransformersRolloutEngine
+
+    engine = TransformersRolloutEngine(model_path, worker_id="gpu-bench", device=device)
+    engine.load()
+    if dtype_name != "float32":
+        engine.model.to(getattr(torch, dtype_name))
+    texts = load_task("last_digit").train.select(range(prompts))["prompt"]
+    seconds, generated = [], []
+    for seed in range(3):  # the first is a warm-up
+        synchronize(device)
+        started = time.perf_counter()
+        result = engine.generate(texts, SamplingParams(n=n, max_tokens=new_tokens, temperature=1.0, seed=seed))
+        synchronize(device)
+        seconds.append(time.perf_counter() - started)
+        generated.append(sum(len(ids) for ids in result.completion_token_ids))
+    del engine
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {
+        "dtype": dtype_name,
+        "sequences": prompts * n,
+        "new_tokens_per_call": statistics.median(generated[1:]),
+        "call_s": statistics.median(seconds[1:]),
+        "tokens_per_s": statistics.median(g / s for g, s in zip(generated[1:], seconds[1:])),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=64, help="completions in an actor step (default 64)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per row (default 128)")
+    parser.add_argument("--completion-tokens", type=int, default=256, help="completion tokens (default 256)")
+    parser.add_argument("--steps", type=int, default=5, help="timed actor steps after a warm-up (default 5)")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="actor with gradient checkpointing")
+    parser.add_argument("--gen-prompts", type=int, default=16, help="generation: prompts per call (default 16)")
+    parser.add_argument("--gen-n", type=int, default=8, help="generation: samples per prompt (default 8)")
+    parser.add_argument("--matmul-size", type=int, default=8192, help="matmul rate: square size (default 8192)")
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu with --shape tiny to check the code")
+    parser.add_argument("--shape", choices=("qwen0.5b", "tiny"), default="qwen0.5b")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(
+            "benchmarks/gpu.py needs a CUDA GPU and torch with CUDA; this machine has none "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False). Nothing was measured.",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    if args.device == "cpu" and args.shape != "tiny":
+        parser.error("--device cpu is for checking the code: use it with --shape tiny")
+
+    on_gpu = args.device.startswith("cuda")
+    gpu_name = torch.cuda.get_device_name(args.device) if on_gpu else "cpu (code check only)"
+    shape = QWEN_05B_SHAPE if args.shape == "qwen0.5b" else TINY_SHAPE
+    with tempfile.TemporaryDirectory(prefix="grpo-flow-gpu-") as tmp:
+        model_path = str(Path(tmp) / f"{args.shape}-shape")
+        parameters = build_model(Path(model_path), shape)
+        actor = actor_throughput(
+            model_path, args.device, args.rows, args.prompt_tokens, args.completion_tokens, args.steps,
+            args.gradient_checkpointing,
+        )
+        matmul_dtype = "bfloat16" if actor["bf16"] else "float32"
+        rate = matmul_rate(args.device, matmul_dtype, args.matmul_size if on_gpu else 512)
+        generation = [
+            generation_throughput(model_path, args.device, args.gen_prompts, args.gen_n, args.completion_tokens, dtype)
+            for dtype in ("float32", "bfloat16")
+        ]
+    result = {
+        "device": gpu_name,
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "parameters": parameters,
+        "matmul_dtype": matmul_dtype,
+        "matmul_flops_per_s": rate,
+        "actor_tokens_per_s": actor["tokens_per_s"],
+        "mfu": actor["model_flops_per_s"] / rate,
+        "generation_tokens_per_s": {g["dtype"]: g["tokens_per_s"] for g in generation},
+        "actor": actor,
+        "generation": generation,
+        "workload": {"rows": args.rows, "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens,
+                     "gen_prompts": args.gen_prompts, "gen_n": args.gen_n},
+    }
+    print_report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def print_report(r: dict[str, Any]) -> None:
+    a, w = r["actor"], r["workload"]
+    print(f"\n{r['device']}, torch {r['torch']}; randomly initialised {r['shape']} shape, {r['parameters'] / 1e6:.0f}M parameters\n")
+    print(f"measured {r['matmul_dtype']} matmul rate: {r['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
+    print(f"\nactor step ({w['rows']} rows x {w['prompt_tokens']}+{w['completion_tokens']} tokens, "
+          f"bf16 {'on' if a['bf16'] else 'off'}, gradient checkpointing {'on' if a['gradient_checkpointing'] else 'off'}):")
+    print(f"  {a['step_s']:.3f} s per step (median), {a['tokens_per_s']:,.0f} tokens/s, "
+          f"{a['model_flops_per_s'] / 1e12:.1f} model TFLOP/s, MFU {100 * r['mfu']:.1f} %")
+    if a["peak_gpu_memory_bytes"]:
+        print(f"  peak GPU memory {a['peak_gpu_memory_bytes'] / 1024**3:.1f} GiB")
+    print(f"\ntransformers generation ({w['gen_prompts']} prompts x {w['gen_n']} samples x {w['completion_tokens']} new tokens):")
+    for g in r["generation"]:
+        print(f"  {g['dtype']:<9} {g['tokens_per_s']:>12,.0f} tokens/s   ({g['call_s']:.2f} s per call)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Peak resident memory of the actor process for one step, CPU, with and without gradient
+checkpointing, each measurement in a fresh process.
+
+    python -m benchmarks.memory [--models tiny,qwen0.5b] [--rows 8] [--prompt-tokens 64]
+                                [--completion-tokens 32] [--json FILE]
+
+Models:
+- `tiny`: the tiny preset's model (the built one under the default storage root or
+  `--tiny-model`, else the same architecture randomly initialised) on the tiny preset's own
+  batch shape: 32 prompts x 8 generations of ~7 prompt and 2 completion tokens.
+- `qwen0.5b`: a randomly initialised model of Qwen2.5-0.5B's shape (transformers' Qwen2Config
+  with its published sizes: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
+  vocab 151936, tied embeddings; 494M parameters), saved once to a temporary folder by its own
+  process; a batch of `--rows` completions of `--completion-tokens` tokens after prompts of
+  `--prompt-tokens` tokens, random token ids.
+
+Each measurement is a fresh Python process that loads the project's `Actor` (fp32, AdamW from
+TRL's trainer, TRL's loss) from the folder, as the local backend does, and applies one step
+(`Actor.step`) to a rollouts table; it reports `ru_maxrss` before and after the step. The peak
+is the process's whole life: import, load, forward, backward and the optimizer's first step,
+which allocates AdamW's two moments: with weights and gradients that is 16 bytes a parameter
+(7.4 GiB at 0.5B), so with short completions the optimizer step sets the peak and gradient
+checkpointing (which saves activations) changes little; longer completions
+(`--completion-tokens 512`) show what it saves. Target (issue 8): the 0.5B-shape step fits in
+16 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+QWEN_05B_SHAPE = {
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+GIB = 1024**3
+LIMIT_GIB = 16
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def supports_gradient_checkpointing() -> bool:
+    from schemas.config import GRPOFlowConfig
+
+    return "gradient_checkpointing" in GRPOFlowConfig.model_fields
+
+
+# -- child processes -----------------------------------------------------------------------------
+def build_qwen_shape(folder: Path) -> dict[str, Any]:
+    """Qwen2.5-0.5B's shape, random weights, fp32, with the project's byte-level tokenizer (token ids
+    are random anyway)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from workers.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        **QWEN_05B_SHAPE,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return {"parameters": sum(p.numel() for p in model.parameters())}
+
+
+def rollouts_table(rows: int, prompt_tokens: int, completion_tokens: int, vocab: int, seed: int = 0) -> Any:
+    """A step's logged rows as the actor reads them (the columns `Actor.step` uses)."""
+    import pyarrow as pa
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    high = min(vocab, 256)  # byte tokens: valid for the tiny tokenizer and any larger vocabulary
+    prompt = torch.randint(0, high, (rows, prompt_tokens), generator=generator).tolist()
+    completion = torch.randint(0, high, (rows, completion_tokens), generator=generator).tolist()
+    return pa.table({
+        "prompt_token_ids": prompt,
+        "completion_token_ids": completion,
+        "sampling_logprobs": [[-2.0] * completion_tokens for _ in range(rows)],
+        "advantage": torch.randn(rows, generator=generator).tolist(),
+        "finish_reason": ["length"] * rows,
+        "policy_version": [0] * rows,
+    })
+
+
+def measure_step(model_path: str, rows: int, prompt_tokens: int, completion_tokens: int, checkpointing: bool) -> dict[str, Any]:
+    import torch
+
+    from schemas.presets import preset_config
+    from workers.actor import Actor
+
+    started = time.perf_counter()
+    overrides: dict[str, Any] = {
+        "model": model_path,
+        "run_id": "memory",
+        "learning_rate": 1e-6,
+        "max_completion_length": completion_tokens,
+        "max_prompt_length": prompt_tokens,
+    }
+    if supports_gradient_checkpointing():
+        overrides["gradient_checkpointing"] = checkpointing
+    elif checkpointing:
+        return {"skipped": "this grpo-flow has no gradient_checkpointing config field"}
+    actor = Actor(preset_config("tiny", **overrides), model_path)
+    actor.load()
+    actor.sampling_matches_actor = True  # as the local backend's fp32 engine: no IS correction pass
+    before_step = peak_rss_bytes()  # weights loaded (safetensors pages are mapped in as they are first read)
+    parameters = sum(p.numel() for p in actor.model.parameters())
+    table = rollouts_table(rows, prompt_tokens, completion_tokens, actor.model.config.vocab_size)
+    step_started = time.perf_counter()
+    metrics = actor.step(0, table)
+    step_s = time.perf_counter() - step_started
+    return {
+        "parameters": parameters,
+        "rows": rows,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "gradient_checkpointing": bool(checkpointing),
+        "gradient_checkpointing_on": bool(
+            getattr(actor.model, "is_activation_checkpointing", None) or getattr(actor.model, "is_gradient_checkpointing", False)
+        ),
+        "threads": torch.get_num_threads(),
+        "peak_before_step_bytes": before_step,
+        "peak_bytes": peak_rss_bytes(),
+        "step_s": step_s,
+        "process_s": time.perf_counter() - started,
+        "loss": metrics["loss"],
+    }
+
+
+def child_main(args: argparse.Namespace) -> None:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    if args.child == "build":
+        result = build_qwen_shape(Path(args.model_path))
+    else:
+        result = measure_step(args.model_path, args.rows, args.prompt_tokens, args.completion_tokens, args.checkpointing)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# -- parent -------------------------------------------------------------------------------------------
+def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", *argv], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        killed = " (killed: out of memory?)" if done.returncode in (-9, 137) else ""
+        return {"error": f"exit status {done.returncode}{killed}: {done.stderr.strip()[-2000:]}"}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def tiny_model(workdir: Path, given: str | None) -> str:
+    from benchmarks.steps import build_tiny_architecture, default_tiny_model
+
+    return given or default_tiny_model() or build_tiny_architecture(workdir / "tiny-architecture")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="tiny,qwen0.5b", help="comma-separated: tiny, qwen0.5b (default both)")
+    parser.add_argument("--rows", type=int, default=8, help="qwen0.5b: completions in the step (default 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="qwen0.5b: prompt tokens per row (default 64)")
+    parser.add_argument("--completion-tokens", type=int, default=32, help="qwen0.5b: completion tokens (default 32)")
+    parser.add_argument("--tiny-model", default=None, help="the tiny preset's built model folder")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed each child process")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    # internal: one measurement in this (fresh) process
+    parser.add_argument("--child", choices=("build", "step"), help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child_main(args)
+        return {}
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = set(models) - {"tiny", "qwen0.5b"}
+    if unknown:
+        parser.error(f"--models: unknown {sorted(unknown)}; known: tiny, qwen0.5b")
+    results: dict[str, Any] = {"gradient_checkpointing_supported": supports_gradient_checkpointing(), "models": {}}
+    with tempfile.TemporaryDirectory(prefix="grpo-flow-memory-") as tmp:
+        workdir = Path(tmp)
+        for name in models:
+            if name == "tiny":
+                path = tiny_model(workdir, args.tiny_model)
+                shape = ["--rows", "256", "--prompt-tokens", "7", "--completion-tokens", "2"]  # 32 x 8, `35060=` + 2
+                built: dict[str, Any] = {}
+            else:
+                path = str(workdir / "qwen2.5-0.5b-shape")
+                built = run_child(["--child", "build", "--model-path", path], args.timeout)
+                if "error" in built:
+                    results["models"][name] = {"error": "building the model: " + built["error"]}
+                    continue
+                shape = ["--rows", str(args.rows), "--prompt-tokens", str(args.prompt_tokens),
+                         "--completion-tokens", str(args.completion_tokens)]
+            runs = {}
+            for checkpointing in (0, 1):
+                runs["with_gc" if checkpointing else "without_gc"] = run_child(
+                    ["--child", "step", "--model-path", path, "--checkpointing", str(checkpointing), *shape], args.timeout
+                )
+            results["models"][name] = {**built, **runs}
+    qwen = results["models"].get("qwen0.5b", {})
+    peaks = [r["peak_bytes"] for k, r in qwen.items() if k.endswith("_gc") and "peak_bytes" in r]
+    results["qwen05b_fits_16gib"] = bool(peaks) and max(peaks) < LIMIT_GIB * GIB
+    for name, entry in results["models"].items():
+        for key in ("without_gc", "with_gc"):
+            if "peak_bytes" in entry.get(key, {}):
+                results[f"{name}_{key}_peak_gib"] = entry[key]["peak_bytes"] / GIB
+    print_report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def print_report(results: dict[str, Any]) -> None:
+    print("\nPeak resident memory of the actor process, one step on CPU (fp32, AdamW), a fresh process each\n")
+    print(f"{'model':<12}{'params':>9}{'batch (rows x prompt+completion)':>34}{'grad ckpt':>11}"
+          f"{'before step GiB':>16}{'peak GiB':>10}{'step s':>9}")
+    for name, entry in results["models"].items():
+        if "error" in entry:
+            print(f"{name:<12}  error: {entry['error'][:300]}")
+            continue
+        for key in ("without_gc", "with_gc"):
+            r = entry.get(key, {})
+            if "peak_bytes" not in r:
+                print(f"{name:<12}{'':>9}{'':>34}{('on' if key == 'with_gc' else 'off'):>11}  "
+                      f"{r.get('skipped') or r.get('error', '')[:300]}")
+                continue
+            batch = f"{r['rows']} x {r['prompt_tokens']}+{r['completion_tokens']}"
+            print(f"{name:<12}{r['parameters'] / 1e6:>8.1f}M{batch:>34}{('on' if r['gradient_checkpointing'] else 'off'):>11}"
+                  f"{r['peak_before_step_bytes'] / GIB:>16.2f}{r['peak_bytes'] / GIB:>10.2f}{r['step_s']:>9.1f}")
+    if "qwen0.5b" in results["models"]:
+        print(f"\nQwen2.5-0.5B-shape step within {LIMIT_GIB} GiB: {'yes' if results['qwen05b_fits_16gib'] else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Orchestration overhead: the real step DAG with workers that return instantly, against real
+steps of the tiny preset, in one invocation.
+
+    python -m benchmarks.orchestration [--steps 30] [--real-steps 5] [--tiny-model DIR] [--json FILE]
+
+Instant side: the `grpo` flow, its `grpo-step` subflows and every task in them, on the tiny
+preset's config (32 prompts x 8 generations, 2 rollout shards, completions of 2 tokens, a
+checkpoint every 20 steps), with the workers swapped for ones that answer at once
+(benchmarks/instant_workers.py). What is left is Prefect (task and subflow runs, their API
+calls, parameter and result handling), serialization (RolloutBatch records between tasks,
+Arrow tables), reward scoring (`last_digit`, cheap) and storage (Parquet rollouts and metrics,
+checkpoint manifest). Real side: the same config with the real local workers on the tiny
+preset's model (the one `grpo train --preset tiny` built, if `--tiny-model` or the default
+storage root has it; otherwise the same architecture randomly initialised, which costs the
+same per step).
+
+A step's cost is the time from the start of its `grpo-step` subflow to the start of the next
+(so the parent flow's work between steps counts); the first step of each side is a warm-up
+and is left out of the medians. The instant run is then continued for as many steps by the same
+task functions called directly, without Prefect: what serialization, scoring and storage alone
+cost (`no_prefect_ms_per_step`). Also measured, as a floor: Prefect alone, i.e. subflows that
+each run the same number of no-op tasks as a step does. JSON keys: `orchestration_ms_per_step`,
+`tiny_step_ms`, `share_of_tiny_step`, and the rest of the table. Targets (issue 8):
+orchestration <= 50 ms per step and <= 5 % of the tiny preset's step time.
+
+Most of a step's orchestration time on a busy machine is Prefect's own server digesting the step's
+task-run events (three per task run; its task-run recorder writes them to SQLite one event per
+transaction by default) while the next subflow's API calls queue behind it; the table shows the
+API requests per step and their latency. `--batched-recorder` starts the ephemeral server with the
+task-run recorder writing up to 100 events per transaction (Prefect's
+PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_* settings), to show what that setting buys.
+
+`--profile N` also runs the instant side under cProfile (main thread only; mapped tasks run
+on Prefect's worker threads) and prints the N functions with the most cumulative time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.steps import (
+    ApiCounter,
+    StepClock,
+    build_tiny_architecture,
+    default_tiny_model,
+    median_of,
+    quiet,
+    run_steps_directly,
+)
+
+quiet()
+
+BATCHED_RECORDER = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+}
+TASKS_PER_STEP = 12  # sample, 2 x generate, 2 x score, advantages, 2 x write, commit, actor, sync, metrics
+
+
+def tiny_config(model: str, storage_root: str, run_id: str, steps: int) -> Any:
+    from schemas.presets import preset_config
+
+    return preset_config("tiny", model=model, storage_root=storage_root, run_id=run_id, max_steps=steps, eval_prompts=0)
+
+
+def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
+    from flows.grpo import grpo
+    from workers.storage import RunStorage
+
+    counter = ApiCounter()
+    clock = StepClock(counter)
+    started = time.perf_counter()
+    with counter.watch(), clock.watch():
+        summary = grpo(config)
+    wall = time.perf_counter() - started
+    if summary.get("status") != "completed":
+        raise RuntimeError(f"run {config.run_id} did not complete: {summary.get('error')}")
+    metrics = RunStorage(config.storage_root, config.run_id).read_metrics().to_pylist()
+    in_subflow = {row["step"]: row["step_s"] for row in metrics}
+    per_step, subflow = clock.intervals(), clock.subflow_seconds()
+    steady = list(range(2, config.max_steps + 1)) or [1]
+    direct = {}
+    if direct_steps:  # the same run continued by the same task functions without Prefect
+        from workers.backends import release
+
+        release(config, config.run_id)
+        more = config.model_copy(update={"max_steps": config.max_steps + direct_steps})
+        direct = run_steps_directly(more, clock.plan, config.max_steps + 1, more.max_steps)
+    return {
+        "steps": config.max_steps,
+        "wall_s": wall,
+        "median_direct_step_s": statistics.median(list(direct.values())[1:]) if direct else None,
+        "median_step_s": median_of(per_step, steady),
+        "mean_step_s": statistics.mean(per_step[s] for s in steady),
+        "first_step_s": per_step[1],
+        "median_in_subflow_s": median_of(in_subflow, steady),
+        "median_subflow_call_s": median_of(subflow, steady),
+        "per_step_s": [per_step[s] for s in sorted(per_step)],
+        "api_per_step": clock.counted,
+    }
+
+
+def run_instant(workdir: Path, steps: int, profile: int) -> dict[str, Any]:
+    from benchmarks.instant_workers import instant_model_dir, instant_workers
+
+    config = tiny_config(instant_model_dir(workdir / "instant-model"), str(workdir / "storage"), "instant", steps)
+    with instant_workers():
+        if not profile:
+            return run_flow_timed(config, direct_steps=steps)
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        result = profiler.runcall(run_flow_timed, config, steps)
+        print(f"\ncProfile of the instant run (main thread), top {profile} by cumulative time:")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(profile)
+        return result
+
+
+def run_real(workdir: Path, steps: int, model: str | None) -> dict[str, Any]:
+    from workers.backends import release
+
+    if model is None:
+        model = build_tiny_architecture(workdir / "tiny-architecture")
+    config = tiny_config(model, str(workdir / "storage"), "real", steps)
+    try:
+        return {**run_flow_timed(config), "model": model}
+    finally:
+        release(config, config.run_id)
+
+
+def run_prefect_floor(steps: int, tasks_per_step: int) -> dict[str, float]:
+    """Prefect alone: a flow of `steps` subflows, each running `tasks_per_step` no-op tasks, and as
+    many empty subflows; the per-task figure is the difference over the task count."""
+    from prefect import flow, task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    @task(name="noop", cache_policy=NO_CACHE)
+    def noop(i: int) -> int:
+        return i
+
+    @flow(name="noop-step", persist_result=False, validate_parameters=False)
+    def noop_step(count: int) -> int:
+        return sum(noop(i) for i in range(count))
+
+    @flow(name="noop-run", validate_parameters=False)
+    def noop_run() -> dict[str, float]:
+        # One kind after the other, start to next start: a subflow's API calls wait for the server to
+        # record the task runs before it, so alternating kinds would bill one kind for the other.
+        medians = {}
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):  # as flows/grpo.py does
+            for kind, count in (("empty", 0), ("full", tasks_per_step)):
+                starts = []
+                for _ in range(steps + 1):
+                    starts.append(time.perf_counter())
+                    noop_step(count)
+                intervals = [b - a for a, b in zip(starts, starts[1:])]
+                medians[kind] = statistics.median(intervals[1:] or intervals)
+        empty, full = medians["empty"], medians["full"]
+        return {"subflow_s": empty, "subflow_with_tasks_s": full, "task_s": (full - empty) / tasks_per_step}
+
+    return noop_run()
+
+
+def print_report(instant: dict, real: dict, floor: dict, result: dict) -> None:
+    ms = 1000.0
+    print("\nOrchestration overhead: the tiny preset's step DAG with instant workers vs real tiny steps")
+    print(f"(instant: {instant['steps']} steps, real: {real['steps']} steps; first step of each left out)\n")
+    rows = [
+        ("instant workers: per step (start to next start)", instant["median_step_s"] * ms, "orchestration_ms_per_step"),
+        ("  of which inside the grpo-step subflow body", instant["median_in_subflow_s"] * ms, ""),
+        ("  subflow call (body + subflow run start/end)", instant["median_subflow_call_s"] * ms, ""),
+        ("  first step (warm-up, not counted)", instant["first_step_s"] * ms, ""),
+        ("same tasks' bodies called without Prefect: per step", instant["median_direct_step_s"] * ms, "no_prefect_ms_per_step"),
+        ("real tiny preset: per step", real["median_step_s"] * ms, "tiny_step_ms"),
+        ("  of which inside the grpo-step subflow body", real["median_in_subflow_s"] * ms, ""),
+        ("Prefect alone: an empty subflow", floor["subflow_s"] * ms, ""),
+        (f"Prefect alone: a subflow of {TASKS_PER_STEP} no-op tasks", floor["subflow_with_tasks_s"] * ms, ""),
+        ("Prefect alone: one no-op task run", floor["task_s"] * ms, ""),
+    ]
+    print(f"{'':<52}{'ms (median)':>12}")
+    for name, value, key in rows:
+        print(f"{name:<52}{value:>12.1f}" + (f"   [{key}]" if key else ""))
+    api = instant["api_per_step"]
+    if api:
+        print(
+            f"\nPrefect API per step (instant run): {api['requests']:.1f} HTTP requests taking {api['request_ms']:.0f} ms "
+            f"in all (waited for by the flow or not), {api['events']:.1f} events sent"
+        )
+        for endpoint, count in api["requests_by_endpoint"].items():
+            print(f"  {count:5.1f} x {endpoint:<44}{api['request_ms_by_endpoint'][endpoint]:>8.1f} ms")
+        print("  events: " + ", ".join(f"{k} {v:.1f}" for k, v in api["events_by_kind"].items()))
+    print(
+        f"\norchestration share of the tiny step: {100 * result['share_of_tiny_step']:.1f} %   "
+        f"(targets: <= 50 ms per step: {'met' if result['orchestration_ms_per_step'] <= 50 else 'NOT met'}; "
+        f"<= 5 %: {'met' if result['share_of_tiny_step'] <= 0.05 else 'NOT met'})"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="steps with instant workers (default 30)")
+    parser.add_argument("--real-steps", type=int, default=5, help="real tiny-preset steps (default 5)")
+    parser.add_argument("--floor-steps", type=int, default=10, help="subflows for the Prefect-alone floor (default 10)")
+    parser.add_argument(
+        "--tiny-model", default=None,
+        help="the tiny preset's built model folder (default: grpo-storage/models/tiny-qwen2 if built, "
+        "else the same architecture randomly initialised)",
+    )
+    parser.add_argument(
+        "--batched-recorder", action="store_true",
+        help="ephemeral server's task-run recorder writes up to 100 events per transaction (default: Prefect's 1)",
+    )
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile the instant run; print the top N")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    for name in ("steps", "real_steps", "floor_steps"):
+        if getattr(args, name) < 2:
+            parser.error(f"--{name.replace('_', '-')} must be at least 2 (the first step is a warm-up)")
+
+    if args.batched_recorder:  # read by the ephemeral server when it starts (at the first flow run)
+        os.environ.update(BATCHED_RECORDER)
+    model = args.tiny_model or default_tiny_model()
+    with tempfile.TemporaryDirectory(prefix="grpo-flow-orchestration-") as tmp:
+        workdir = Path(tmp)
+        instant = run_instant(workdir, args.steps, args.profile)
+        floor = run_prefect_floor(args.floor_steps, TASKS_PER_STEP)
+        real = run_real(workdir, args.real_steps, model)
+    result = {
+        "orchestration_ms_per_step": instant["median_step_s"] * 1000,
+        "tiny_step_ms": real["median_step_s"] * 1000,
+        "share_of_tiny_step": instant["median_step_s"] / real["median_step_s"],
+        "orchestration_mean_ms_per_step": instant["mean_step_s"] * 1000,
+        "in_subflow_ms": instant["median_in_subflow_s"] * 1000,
+        "no_prefect_ms_per_step": instant["median_direct_step_s"] * 1000,
+        "prefect_empty_subflow_ms": floor["subflow_s"] * 1000,
+        "prefect_noop_task_ms": floor["task_s"] * 1000,
+        "prefect_noop_step_ms": floor["subflow_with_tasks_s"] * 1000,
+        "batched_recorder": args.batched_recorder,
+        "targets": {"orchestration_ms_per_step": 50.0, "share_of_tiny_step": 0.05},
+        "api_requests_per_step": (instant["api_per_step"] or {}).get("requests"),
+        "api_events_per_step": (instant["api_per_step"] or {}).get("events"),
+        "instant": instant,
+        "real": real,
+    }
+    print_report(instant, real, floor, result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

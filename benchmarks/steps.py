@@ -1,0 +1,208 @@
+"""Shared helpers for the benchmarks that run the real `grpo` flow: per-step wall times taken
+around each `grpo-step` subflow call, without editing the flow."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+QUIET_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def quiet() -> None:
+    """Before Prefect is first imported: its settings are read then."""
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+class StepClock:
+    """Start and end times of every `grpo-step` subflow call made while `watch()` is active.
+
+    `intervals()` are start-to-start times: a step's subflow plus what the parent flow does
+    between two steps (the progress artifact, the progress bar), i.e. what each step costs a run.
+    """
+
+    def __init__(self, counter: ApiCounter | None = None, count_from: int = 2) -> None:
+        self.starts: dict[int, float] = {}
+        self.ends: dict[int, float] = {}
+        self.counter, self.count_from = counter, count_from  # API calls from step `count_from` on
+        self.counted: dict[str, Any] | None = None
+        self.plan: Any = None  # the RunPlan the flow passed to its first step
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[StepClock]:
+        import flows.grpo as module
+
+        original = module.grpo_step
+
+        def timed_step(config: Any, plan: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+            self.plan = self.plan or plan
+            if self.counter is not None and step == self.count_from:
+                self.counter.reset()
+            self.starts[step] = time.perf_counter()
+            try:
+                return original(config, plan, step, *args, **kwargs)
+            finally:
+                self.ends[step] = time.perf_counter()
+                if self.counter is not None and step == plan.total_steps and step >= self.count_from:
+                    self.counted = self.counter.per_step(step - self.count_from + 1)
+
+        module.grpo_step = timed_step  # `grpo` looks the subflow up in its module at each call
+        try:
+            yield self
+        finally:
+            module.grpo_step = original
+
+    def reset(self) -> None:
+        self.starts.clear()
+        self.ends.clear()
+
+    def intervals(self) -> dict[int, float]:
+        """Step -> seconds from its start to the next step's start (the last step: to its end)."""
+        steps = sorted(self.starts)
+        out = {}
+        for this, after in zip(steps, steps[1:] + [None]):
+            out[this] = (self.starts[after] if after is not None else self.ends[this]) - self.starts[this]
+        return out
+
+    def subflow_seconds(self) -> dict[int, float]:
+        return {step: self.ends[step] - self.starts[step] for step in self.starts if step in self.ends}
+
+
+_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+class ApiCounter:
+    """Requests this process makes to the Prefect API (by method and path, ids folded) and events it
+    sends: a count that does not depend on how busy the machine is."""
+
+    def __init__(self) -> None:
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.request_seconds: collections.Counter[str] = collections.Counter()
+        self.events: collections.Counter[str] = collections.Counter()
+
+    def _key(self, request: Any) -> str:
+        path = _ID.sub("{id}", request.url.path)
+        return f"{request.method} {path.split('/api', 1)[-1]}"
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[ApiCounter]:
+        from prefect.client.base import PrefectHttpxAsyncClient, PrefectHttpxSyncClient
+        from prefect.events.clients import PrefectEventsClient
+
+        sync_send, async_send, emit = PrefectHttpxSyncClient.send, PrefectHttpxAsyncClient.send, PrefectEventsClient._emit
+        counter = self
+
+        def counted_sync_send(client: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return sync_send(client, request, *args, **kwargs)
+            finally:
+                counter.requests[counter._key(request)] += 1
+                counter.request_seconds[counter._key(request)] += time.perf_counter() - started
+
+        async def counted_async_send(client: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return await async_send(client, request, *args, **kwargs)
+            finally:
+                counter.requests[counter._key(request)] += 1
+                counter.request_seconds[counter._key(request)] += time.perf_counter() - started
+
+        async def counted_emit(client: Any, event: Any) -> None:
+            counter.events[event.event] += 1
+            return await emit(client, event)
+
+        PrefectHttpxSyncClient.send, PrefectHttpxAsyncClient.send = counted_sync_send, counted_async_send
+        PrefectEventsClient._emit = counted_emit
+        try:
+            yield self
+        finally:
+            PrefectHttpxSyncClient.send, PrefectHttpxAsyncClient.send = sync_send, async_send
+            PrefectEventsClient._emit = emit
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.request_seconds.clear()
+        self.events.clear()
+
+    def per_step(self, steps: int) -> dict[str, Any]:
+        return {
+            "requests": sum(self.requests.values()) / steps,
+            "request_ms": 1000 * sum(self.request_seconds.values()) / steps,
+            "events": sum(self.events.values()) / steps,
+            "requests_by_endpoint": {k: v / steps for k, v in self.requests.most_common()},
+            "request_ms_by_endpoint": {k: 1000 * self.request_seconds[k] / steps for k, _ in self.requests.most_common()},
+            "events_by_kind": {k: v / steps for k, v in self.events.most_common()},
+        }
+
+
+def median_of(values: dict[int, float], steps: range | list[int]) -> float:
+    chosen = [values[s] for s in steps if s in values]
+    return statistics.median(chosen) if chosen else float("nan")
+
+
+def build_tiny_architecture(folder: Path) -> str:
+    """The tiny preset's model architecture and tokenizer, randomly initialised (no format warm start:
+    building that takes minutes, and a step's cost depends on the shapes, not on the weights)."""
+    from workers.tiny_model import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def default_tiny_model() -> str | None:
+    """A tiny model already built by `grpo train --preset tiny` under the default storage root, if any."""
+    root = Path(os.environ.get("GRPO_FLOW_STORAGE", "grpo-storage"))
+    folder = root / "models" / "tiny-qwen2"
+    return str(folder) if (folder / "build_info.json").exists() else None
+
+
+def run_steps_directly(config: Any, plan: Any, first: int, last: int) -> dict[int, float]:
+    """Steps first..last of a run by the step's task functions called without Prefect, in the
+    order flows/grpo.py calls them (rollouts, actor step, weight sync, metrics, checkpoint): the
+    same files as the flow writes. Returns each step's seconds."""
+    import dataclasses
+
+    from tasks.rollout import commit_rollouts, compute_advantages, generate, sample_batch, score, write_rollouts
+    from tasks.train import actor_step, log_metrics, save_checkpoint, sync_weights
+
+    plan = dataclasses.replace(plan, total_steps=last, first_step=first, replay_steps=(), resume_checkpoint=None)
+    rollout_version = first - 1
+    seconds = {}
+    for step in range(first, last + 1):
+        started = time.perf_counter()
+        shards = sample_batch.fn(config, plan, step)
+        scored = [score.fn(config, plan, generate.fn(config, plan, shard, rollout_version)) for shard in shards]
+        batches, stats = compute_advantages.fn(config, scored)
+        for index, batch in enumerate(batches):
+            write_rollouts.fn(config, plan, batch, index)
+        commit_rollouts.fn(config, plan, step)
+        metrics = actor_step.fn(config, plan, step, step - 1)
+        synced = sync_weights.fn(config, plan) if step % config.sync_weights_every == 0 or step == last else {}
+        rollout_version = int(synced.get("synced_version", rollout_version))
+        row = {
+            "run_id": plan.run_id, "step": step, "policy_version": step, **stats,
+            "num_completions": sum(len(b) for b in batches), **metrics, **synced,
+            "step_s": time.perf_counter() - started,
+        }
+        log_metrics.fn(config, plan, step, row)
+        if step % config.save_steps == 0 or step == last:
+            save_checkpoint.fn(config, plan, step)
+        seconds[step] = time.perf_counter() - started
+    return seconds
