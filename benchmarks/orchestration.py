@@ -16,7 +16,11 @@ same per step).
 
 A step's cost is the time from the start of its `grpo-step` subflow to the start of the next
 (so the parent flow's work between steps counts); the first step of each side is a warm-up
-and is left out of the medians. The instant run is then continued for as many steps by the same
+and is left out of the medians. For the real steps, the workers' own time (generate, score,
+actor, weight sync, as each step logs them) is subtracted from the step's time: the rest
+(`real_step_rest_ms`) is what orchestration and logging add to a real step, which can be less
+than the instant step time: while a real worker computes, Prefect's server records the
+previous tasks on another core, whereas back-to-back instant steps wait for it. The instant run is then continued for as many steps by the same
 task functions called directly, without Prefect: what serialization, scoring and storage alone
 cost (`no_prefect_ms_per_step`). Also measured, as a floor: Prefect alone, i.e. subflows that
 each run the same number of no-op tasks as a step does. JSON keys: `orchestration_ms_per_step`,
@@ -62,6 +66,7 @@ BATCHED_RECORDER = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "100",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
 }
+WORK_COLUMNS = ("time/generate_s", "time/score_s", "time/actor_s", "time/sync_s")
 TASKS_PER_STEP = 12  # sample, 2 x generate, 2 x score, advantages, 2 x write, commit, actor, sync, metrics
 
 
@@ -86,6 +91,9 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
     metrics = RunStorage(config.storage_root, config.run_id).read_metrics().to_pylist()
     in_subflow = {row["step"]: row["step_s"] for row in metrics}
     per_step, subflow = clock.intervals(), clock.subflow_seconds()
+    # The workers' own time in a step, as the step logs it; the rest is orchestration and logging.
+    work = {row["step"]: sum(row.get(k) or 0.0 for k in WORK_COLUMNS) for row in metrics}
+    rest = {step: per_step[step] - work[step] for step in per_step if step in work}
     steady = list(range(2, config.max_steps + 1)) or [1]
     direct = {}
     if direct_steps:  # the same run continued by the same task functions without Prefect
@@ -102,6 +110,8 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
         "mean_step_s": statistics.mean(per_step[s] for s in steady),
         "first_step_s": per_step[1],
         "median_in_subflow_s": median_of(in_subflow, steady),
+        "median_work_s": median_of(work, steady),
+        "median_rest_s": median_of(rest, steady),
         "median_subflow_call_s": median_of(subflow, steady),
         "per_step_s": [per_step[s] for s in sorted(per_step)],
         "api_per_step": clock.counted,
@@ -171,6 +181,51 @@ def run_prefect_floor(steps: int, tasks_per_step: int) -> dict[str, float]:
     return noop_run()
 
 
+WALK_SHAPES = {  # one rollout shard: rows, prompt tokens, completion tokens
+    "tiny preset shard (128 rows, 7+2 tokens)": (128, 7, 2),
+    "gsm8k preset shard (64 rows, 200+512 tokens)": (64, 200, 512),
+}
+
+
+def synthetic_batch(rows: int, prompt_tokens: int, completion_tokens: int) -> Any:
+    from schemas.records import RolloutBatch
+
+    return RolloutBatch(
+        run_id="walk", step=1, policy_version=0, worker_id="rollout-0", prompt_id=[str(i) for i in range(rows)],
+        group_index=[i // 8 for i in range(rows)], sample_index=[i % 8 for i in range(rows)],
+        prompt=["p" * prompt_tokens] * rows, completion=["c" * completion_tokens] * rows,
+        prompt_token_ids=[[1] * prompt_tokens for _ in range(rows)],
+        completion_token_ids=[[2] * completion_tokens for _ in range(rows)],
+        sampling_logprobs=[[-1.0] * completion_tokens for _ in range(rows)], finish_reason=["length"] * rows,
+        rewards={"last_digit": [0.0] * rows}, reward=[0.0] * rows, reward_error=[None] * rows, advantage=[0.0] * rows,
+    )
+
+
+def parameter_walk_ms(repeats: int = 3) -> dict[str, dict[str, float]]:
+    """What Prefect does to a task's parameters before it runs: resolve futures and states nested
+    anywhere in them, and collect upstream task-run inputs; both walk every element of a
+    RolloutBatch (a dataclass of per-row lists). `quote(...)` (Prefect's annotation) skips the walk."""
+    from prefect.utilities.annotations import quote
+    from prefect.utilities.collections import visit_collection
+    from prefect.utilities.engine import collect_task_run_inputs_sync, resolve_to_final_result
+
+    def walks(value: Any) -> None:
+        visit_collection(value, visit_fn=resolve_to_final_result, return_data=True, max_depth=-1,
+                         remove_annotations=True, context={"parameter_name": "batch"})
+        collect_task_run_inputs_sync(value)
+
+    out = {}
+    for name, shape in WALK_SHAPES.items():
+        batch = synthetic_batch(*shape)
+        out[name] = {}
+        for label, value in (("as passed now", batch), ("quote(batch)", quote(batch))):
+            started = time.perf_counter()
+            for _ in range(repeats):
+                walks(value)
+            out[name][label] = 1000 * (time.perf_counter() - started) / repeats
+    return out
+
+
 def print_report(instant: dict, real: dict, floor: dict, result: dict) -> None:
     ms = 1000.0
     print("\nOrchestration overhead: the tiny preset's step DAG with instant workers vs real tiny steps")
@@ -183,6 +238,8 @@ def print_report(instant: dict, real: dict, floor: dict, result: dict) -> None:
         ("same tasks' bodies called without Prefect: per step", instant["median_direct_step_s"] * ms, "no_prefect_ms_per_step"),
         ("real tiny preset: per step", real["median_step_s"] * ms, "tiny_step_ms"),
         ("  of which inside the grpo-step subflow body", real["median_in_subflow_s"] * ms, ""),
+        ("  workers (generate, score, actor, sync; as logged)", real["median_work_s"] * ms, ""),
+        ("  the rest: orchestration and logging in a real step", real["median_rest_s"] * ms, "real_step_rest_ms"),
         ("Prefect alone: an empty subflow", floor["subflow_s"] * ms, ""),
         (f"Prefect alone: a subflow of {TASKS_PER_STEP} no-op tasks", floor["subflow_with_tasks_s"] * ms, ""),
         ("Prefect alone: one no-op task run", floor["task_s"] * ms, ""),
@@ -199,6 +256,9 @@ def print_report(instant: dict, real: dict, floor: dict, result: dict) -> None:
         for endpoint, count in api["requests_by_endpoint"].items():
             print(f"  {count:5.1f} x {endpoint:<44}{api['request_ms_by_endpoint'][endpoint]:>8.1f} ms")
         print("  events: " + ", ".join(f"{k} {v:.1f}" for k, v in api["events_by_kind"].items()))
+    print("\nPrefect's parameter walks (resolve + collect inputs) for one task taking one rollout shard, ms:")
+    for name, by_label in result["parameter_walk_ms"].items():
+        print(f"  {name:<50}" + "   ".join(f"{label} {ms:7.2f}" for label, ms in by_label.items()))
     print(
         f"\norchestration share of the tiny step: {100 * result['share_of_tiny_step']:.1f} %   "
         f"(targets: <= 50 ms per step: {'met' if result['orchestration_ms_per_step'] <= 50 else 'NOT met'}; "
@@ -235,13 +295,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         instant = run_instant(workdir, args.steps, args.profile)
         floor = run_prefect_floor(args.floor_steps, TASKS_PER_STEP)
         real = run_real(workdir, args.real_steps, model)
+    walk = parameter_walk_ms()
     result = {
+        "parameter_walk_ms": walk,
         "orchestration_ms_per_step": instant["median_step_s"] * 1000,
         "tiny_step_ms": real["median_step_s"] * 1000,
         "share_of_tiny_step": instant["median_step_s"] / real["median_step_s"],
         "orchestration_mean_ms_per_step": instant["mean_step_s"] * 1000,
         "in_subflow_ms": instant["median_in_subflow_s"] * 1000,
         "no_prefect_ms_per_step": instant["median_direct_step_s"] * 1000,
+        "real_step_rest_ms": real["median_rest_s"] * 1000,
+        "real_step_rest_share": real["median_rest_s"] / real["median_step_s"],
         "prefect_empty_subflow_ms": floor["subflow_s"] * 1000,
         "prefect_noop_task_ms": floor["task_s"] * 1000,
         "prefect_noop_step_ms": floor["subflow_with_tasks_s"] * 1000,
