@@ -31,6 +31,7 @@ from typing import Any
 
 from prefect import flow, unmapped
 from prefect.runtime import flow_run
+from prefect.utilities.annotations import quote
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from tqdm.auto import tqdm
 
@@ -68,21 +69,27 @@ def grpo_run_name() -> str:
     return run_id or "grpo-new-run"
 
 
+def quoted(batches: list) -> list:
+    """Rollout shards as task inputs that Prefect passes through as they are: unquoted, it walks every
+    element of every per-row list before each task (about 25 ms a tiny shard, over a second a gsm8k one)."""
+    return [quote(b) for b in batches]
+
+
 def refill_with_informative_groups(
     config: GRPOFlowConfig, plan: RunPlan, step: int, rollout_version: int, scored: list, fail_at: str | None
 ) -> tuple[list, dict[str, float]]:
     """DAPO's dynamic sampling: drop groups whose rewards tie, refill from further prompts for up
     to dynamic_sampling_max_rounds extra rounds. If no group carries signal, the step keeps its
     own batch (its advantages are zero: the actor step changes nothing but the optimizer state)."""
-    kept, dropped = keep_informative_groups(config, [None] * len(scored), scored)
+    kept, dropped = keep_informative_groups(config, [None] * len(scored), quoted(scored))
     rounds = 0
     target = config.prompts_per_step * config.num_generations
     while sum(len(b) for b in kept) < target and rounds < config.dynamic_sampling_max_rounds:
         rounds += 1
         shards = sample_batch(config, plan, step, refill_round=rounds)
         generated = generate.map(unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at))
-        rescored = score.map(unmapped(config), unmapped(plan), generated.result(), unmapped(fail_at)).result()
-        kept, more = keep_informative_groups(config, kept, rescored)
+        rescored = score.map(unmapped(config), unmapped(plan), quoted(generated.result()), unmapped(fail_at)).result()
+        kept, more = keep_informative_groups(config, quoted(kept), quoted(rescored))
         dropped += more
     if not any(len(b) for b in kept):
         kept = scored
@@ -111,13 +118,13 @@ def produce_rollouts(
         .result()
     )
     score_shards = score.with_options(retries=config.score_retries, **retry)
-    scored = score_shards.map(unmapped(config), unmapped(plan), generated, unmapped(fail_at)).result()
+    scored = score_shards.map(unmapped(config), unmapped(plan), quoted(generated), unmapped(fail_at)).result()
     if config.dynamic_sampling:
         scored, sampling_stats = refill_with_informative_groups(config, plan, step, rollout_version, scored, fail_at)
-    batches, reward_stats = compute_advantages(config, scored)
+    batches, reward_stats = compute_advantages(config, quoted(scored))
     if config.dynamic_sampling:
         reward_stats = {**reward_stats, **sampling_stats}
-    write_rollouts.map(unmapped(config), unmapped(plan), batches, range(len(batches))).result()
+    write_rollouts.map(unmapped(config), unmapped(plan), quoted(batches), range(len(batches))).result()
     commit_rollouts(config, plan, step)
     return {
         **reward_stats,

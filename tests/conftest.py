@@ -9,6 +9,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
+from flows.cli import batch_prefect_recorder  # noqa: E402  (imports no Prefect)
+
+batch_prefect_recorder()  # as `grpo` runs Prefect's server: task-run events recorded in batches
+
 
 @pytest.fixture(scope="session")
 def prefect_server():

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 MANIFEST = "manifest.json"
@@ -227,6 +226,8 @@ class RunStorage:
         source = self.rollout_dir(step) if step is not None else self.run_dir / "rollouts"
         if not source.exists():
             raise FileNotFoundError(f"run {self.run_id!r} has no rollouts" + (f" for step {step}" if step else ""))
+        import pyarrow.dataset as ds  # here, not at the top: it imports pandas, a second of `grpo runs`
+
         dataset = ds.dataset(source, format="parquet", exclude_invalid_files=True)
         table = dataset.to_table(columns=columns)
         sort_keys = [(k, "ascending") for k in ("step", "group_index", "sample_index") if k in table.column_names]
