@@ -175,7 +175,11 @@ def _export_checkpoint(actor: Any, run_dir: Path) -> WeightPayload:
     final = version_dir(run_dir, actor.policy_version, "checkpoint")
 
     def write(folder: Path) -> None:
-        actor.model.save_pretrained(folder)
+        if is_peft_model(actor.model):  # a PeftModel would save its adapter alone: save the merged weights
+            actor.model.get_base_model().config.save_pretrained(folder)
+            _save_state_dict(actor, folder / WEIGHTS_FILE)
+        else:
+            actor.model.save_pretrained(folder)
         actor.tokenizer.save_pretrained(folder)
 
     _atomic_folder(final, write)

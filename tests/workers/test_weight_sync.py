@@ -186,3 +186,13 @@ def test_lora_sends_only_the_adapter_and_the_engine_follows(model_path, tmp_path
     assert max_logprob_gap(actor, engine) > MATCH
     sync_lora(actor, engine, tmp_path)
     assert max_logprob_gap(actor, engine) < MATCH and engine.policy_version == 2
+
+
+@pytest.mark.parametrize("method", ["checkpoint", "volume", "direct"])
+def test_full_weight_methods_send_the_merged_weights_of_a_lora_actor(model_path, tmp_path, method):
+    actor = lora_actor(model_path)
+    take_one_step(actor, model_path)
+    engine = new_engine(model_path)
+    assert max_logprob_gap(actor, engine) > MATCH
+    sync_weights(method, actor, [engine], tmp_path)
+    assert max_logprob_gap(actor, engine) < MATCH
