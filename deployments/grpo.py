@@ -81,7 +81,9 @@ def resolve_config(preset: str, overrides: dict[str, Any], allow_config_change: 
             return config
         return GRPOFlowConfig(**{**PRESETS[preset], **overrides})
     except ValidationError as error:
-        raise DeploymentConfigError("invalid config: " + "; ".join(describe_validation_error(error).splitlines())) from None
+        # A model-level problem is described as `config: ...`, its message naming the fields.
+        problems = [line.removeprefix("config: ") for line in describe_validation_error(error).splitlines()]
+        raise DeploymentConfigError("invalid config: " + "; ".join(problems)) from None
     except ResumeError as error:
         raise DeploymentConfigError(str(error)) from None
 

@@ -232,8 +232,8 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         with prefect_client(url) as client:
             nightly = client.read_deployment_by_name("evaluate/nightly")
             (schedule,) = client.read_deployment_schedules(nightly.id)
-        assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == (
-            "0 2 * * *", "Europe/Berlin", True)
+        assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active, nightly.paused) == (
+            "0 2 * * *", "Europe/Berlin", True, False)
         done = deployment_run(env, "evaluate/nightly", "prompts=16")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         for run_id in ("dep-run", "dep-resume"):
