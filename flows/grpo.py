@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
-from tasks.observability import create_run_progress, step_artifact, update_run_progress
+from tasks.observability import create_run_progress, flush_artifacts, publish, step_artifact, update_run_progress
 from tasks.rollout import (
     commit_rollouts,
     compute_advantages,
@@ -192,7 +192,7 @@ def grpo_step(
     }
     # Metrics before the checkpoint: a run resumed from checkpoint N has every row up to N.
     log_metrics(config, plan, step, row, fail_at)
-    step_artifact(plan, step, row)  # metrics + three logged completions, in the UI; never raises
+    publish(step_artifact, plan, step, row)  # metrics + three logged completions, in the UI; never raises
     if step % config.save_steps == 0 or last_step:
         save_checkpoint(config, plan, step, fail_at)
     return {**row, "next_rollout_stats": next_stats}
@@ -241,7 +241,7 @@ def grpo(
                 rows.append(row)
                 rollout_version = int(rows[-1].get("synced_version", rollout_version))
                 step_walls.append(time.perf_counter() - step_started)
-                update_run_progress(progress_artifact, step, plan.total_steps)
+                publish(update_run_progress, progress_artifact, step, plan.total_steps)
                 progress.set_postfix(reward=f"{rows[-1]['reward']:.3f}", loss=f"{rows[-1]['loss']:.4f}")
     except BaseException as error:
         failed_step = plan.first_step + len(rows)
@@ -252,8 +252,10 @@ def grpo(
             steps_completed=failed_step - 1,
             initial_eval_accuracy=initial_accuracy,
         )
+        flush_artifacts()
         finish_run(config, plan, summary)
         raise
+    flush_artifacts()  # every step's artifacts written before the run reports its outcome
     final_accuracy = evaluate_heldout(config, plan)
     storage = RunStorage(plan.storage_root, plan.run_id)
     recent = [storage.read_step_metrics(s) for s in range(max(1, plan.total_steps - 4), plan.total_steps + 1)]

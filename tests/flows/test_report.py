@@ -5,6 +5,7 @@ import json
 
 import pyarrow as pa
 from prefect import flow
+from prefect.runtime import flow_run
 
 from flows.cli import main
 from schemas.records import RolloutBatch, RunPlan, metrics_table
@@ -12,7 +13,9 @@ from schemas.presets import preset_config
 from tasks.observability import (
     artifact_key,
     create_run_progress,
+    flush_artifacts,
     pick_samples,
+    publish,
     step_artifact,
     step_markdown,
     update_run_progress,
@@ -67,19 +70,24 @@ def test_step_and_progress_artifacts_inside_a_flow(prefect_server, tmp_path):
         step_artifact(plan, 1, {"step": 1, "reward": 0.25, "loss": -0.01, "kl": 0.002},
                       pa.table({"prompt": ["12="], "completion": ["2"], "reward": [1.0]}))
         update_run_progress(progress, 1, 2)
-        step_artifact(plan, 2, {"step": 2, "reward": 0.375, "loss": 0.02, "time/actor_s": 0.3}, [batch])
-        update_run_progress(progress, 2, 2)
+        # As the grpo flow does it: on the artifact thread, in order, then flushed.
+        published = [
+            publish(step_artifact, plan, 2, {"step": 2, "reward": 0.375, "loss": 0.02, "time/actor_s": 0.3}, [batch]),
+            publish(update_run_progress, progress, 2, 2),
+        ]
+        flush_artifacts()
+        assert all(future.done() for future in published)
         broken = step_artifact("Obs_Run", 3, {"reward": 0.0}, rollouts_table=42)  # never raises
-        return [progress, broken]
+        return [progress, broken, flow_run.get_id()]
 
-    progress_id, broken = observed()
+    progress_id, broken, flow_run_id = observed()
     assert progress_id is not None and broken is None
     newest, oldest = read_artifacts("grpo-step-obs-run")  # one key per run, a version per step
     assert newest.type == "markdown" and "step 2" in newest.data and "step 1" in oldest.data
     assert "| reward | 0.375 |" in newest.data and "| time/actor_s | 0.3 |" in newest.data
     assert "**1. reward 1** (last_digit 1), advantage 1.2" in newest.data
     assert "**3. reward 0** (last_digit 0)" in newest.data and newest.data.count("Completion:") == 3
-    assert newest.flow_run_id is not None  # linked to the flow run it was made in
+    assert str(newest.flow_run_id) == str(oldest.flow_run_id) == flow_run_id  # linked to the flow run, thread or not
     (progress,) = read_artifacts("grpo-progress-obs-run")
     assert progress.id == progress_id and progress.type == "progress"
     assert float(progress.data) == 100.0 and progress.description == "step 2 / 2"
