@@ -58,6 +58,7 @@ from schemas.config import GRPOFlowConfig
 from schemas.records import REWARD_PREFIX, RolloutBatch
 from tasks.observability import artifact_key
 from workers.storage import RunStorage, list_runs
+from workers.tracking import wandb_dir
 
 EVAL_METADATA_KEY = b"grpo_flow.eval"
 DEFAULT_K = 8
@@ -388,7 +389,7 @@ def wandb_log_evaluation(config: GRPOFlowConfig, run_id: str, summary: dict[str,
 
     run = wandb.init(
         project=config.wandb_project, id=run_id, name=run_id, resume="allow", reinit="create_new",
-        config=config.model_dump(mode="json"),
+        config=config.model_dump(mode="json"), dir=wandb_dir(),
     )
     try:
         run.define_metric("eval/checkpoint_step")
