@@ -1,1 +1,20 @@
-"""Prefect flows: `grpo` (a run) and its per-step subflow `grpo-step`; the `grpo` CLI."""
+"""Prefect flows: `grpo` (a run) and its per-step subflow `grpo-step`, `evaluate`, `grpo-simple`;
+the `grpo` CLI.
+
+Importing this package sets Prefect's task-run recorder to batch its writes, unless the
+environment already says otherwise. Prefect 3.8's server records task-run events one SQLite
+transaction each by default; a step's ~40 events then hold up the next step's first API call
+by 1-2 s. Batched, that wait is ~0.2 s (benchmarks/orchestration.py --batched-recorder). The
+variables must be set before Prefect starts its ephemeral server, which is why this happens
+at import; for `prefect server start`, export the same variables in its shell.
+"""
+
+import os
+
+FAST_RECORDER = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+}
+for _name, _value in FAST_RECORDER.items():
+    os.environ.setdefault(_name, _value)

@@ -80,22 +80,6 @@ def cli_spelling(line: str) -> str:
     return f"  {line}"
 
 
-# Prefect 3.8's server records task-run events one SQLite transaction each by default; a step's
-# ~40 events then hold up the next step's first API call by 1-2 s. Batched, that wait is ~0.2 s
-# (benchmarks/orchestration.py --batched-recorder). Set before Prefect reads its settings; they
-# apply to the ephemeral server a run starts, and to `prefect server start` given the same variables.
-FAST_RECORDER = {
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "100",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
-}
-
-
-def batch_prefect_recorder() -> None:
-    for name, value in FAST_RECORDER.items():
-        os.environ.setdefault(name, value)
-
-
 def quiet_prefect(verbose: bool) -> None:
     """Keep Prefect's per-task logging out of the progress bar unless asked for."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -428,7 +412,6 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    batch_prefect_recorder()
     args = make_parser().parse_args(argv)
     if args.command == "train" and args.storage_root is None:
         args.storage_root = DEFAULT_STORAGE_ROOT

@@ -9,9 +9,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
-from flows.cli import batch_prefect_recorder  # noqa: E402  (imports no Prefect)
-
-batch_prefect_recorder()  # as `grpo` runs Prefect's server: task-run events recorded in batches
+import flows  # noqa: E402,F401  as every use of grpo-flow: Prefect's recorder batched (flows/__init__.py)
 
 
 @pytest.fixture(scope="session")
