@@ -33,6 +33,7 @@ from typing import Any, Iterator
 from schemas.config import GRPOFlowConfig
 from workers.rollout import GenerationResult, SamplingParams
 from workers.storage import RunStorage
+from workers.resume import replay_actor_to
 
 EOS_ID = 257  # the tiny tokenizer's <|im_end|>: 256 byte tokens, then pad, then eos
 DIGIT_IDS = {str(d): 48 + d for d in range(10)}  # the tiny tokenizer is byte-level
@@ -158,15 +159,8 @@ class InstantWorkers:
         return {"rollout_policy_version": self.rollout_version}
 
     def ensure_actor_version(self, version: int, storage: RunStorage) -> None:
-        if self.actor.policy_version == version:
-            return
-        checkpoint = storage.latest_valid_checkpoint(at_most=version)
-        if checkpoint is None:
-            self.actor.reset()
-        else:
-            self.actor.restore(storage.checkpoint_dir(checkpoint))
-        for step in range(self.actor.policy_version + 1, version + 1):
-            self.actor.step(step - 1, storage.read_rollouts(step))
+        if self.actor.policy_version != version:
+            replay_actor_to(self.actor, version, storage)
 
     def ensure_rollout_version(self, index: int, version: int, storage: RunStorage) -> InstantRolloutEngine:
         engine = self.rollout[index]

@@ -22,6 +22,7 @@ from schemas.config import GRPOFlowConfig
 from workers import trl_objective
 from workers.actor import Actor
 from workers.process_engine import ProcessRolloutEngine
+from workers.resume import replay_actor_to
 from workers.rollout import TransformersRolloutEngine
 from workers.storage import RunStorage
 
@@ -112,13 +113,7 @@ class LocalWorkers:
             if self.actor.loaded and self.actor.policy_version == version:
                 return
             logger.warning("actor holds version %s, expected %d: restoring and replaying", self.actor.policy_version, version)
-            checkpoint = storage.latest_valid_checkpoint(at_most=version)
-            if checkpoint is None:
-                self.actor.reset()
-            else:
-                self.actor.restore(storage.checkpoint_dir(checkpoint))
-            for step in range(self.actor.policy_version + 1, version + 1):
-                self.actor.step(step - 1, storage.read_rollouts(step))
+            replay_actor_to(self.actor, version, storage)
 
     def ensure_rollout_version(self, index: int, version: int, storage: RunStorage) -> TransformersRolloutEngine:
         """Rollout engine `index`, holding policy `version` (loaded from what was published if not)."""

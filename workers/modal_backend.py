@@ -37,6 +37,7 @@ import modal
 
 from schemas.config import GRPOFlowConfig
 from workers.modal_app import APP_NAME, SANDBOX_TIMEOUT_S, VOLUME_PATH, WorkerApp, build_worker_app, worker_config_json
+from workers.resume import replay_actor_to
 from workers.rollout import GenerationResult, SamplingParams
 from workers.weight_sync import WeightPayload, check_weight_sync_config
 
@@ -179,6 +180,9 @@ class RemoteActor:
         relative = None if folder is None else self._workers.relative_to_storage_root(Path(folder))
         self.policy_version = self._call("restore", relative)["policy_version"]
         return self.policy_version
+
+    def reset(self) -> int:
+        return self.restore(None)
 
 
 class RemoteRollout:
@@ -377,10 +381,7 @@ class ModalWorkers:
         if self.actor.policy_version == version:
             return
         logger.warning("Modal actor holds version %s, expected %d: restoring and replaying", self.actor.policy_version, version)
-        checkpoint = storage.latest_valid_checkpoint(at_most=version)
-        self.actor.restore(None if checkpoint is None else storage.checkpoint_dir(checkpoint))
-        for step in range(self.actor.policy_version + 1, version + 1):
-            self.actor.step(step - 1, storage.read_rollouts(step))
+        replay_actor_to(self.actor, version, storage)
 
     def ensure_rollout_version(self, index: int, version: int, storage: Any) -> RemoteRollout:
         """Rollout worker `index`, holding `version` (synced from the actor when it holds that version)."""

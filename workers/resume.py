@@ -99,3 +99,15 @@ def record_resume(storage: RunStorage, config: GRPOFlowConfig, point: ResumePoin
             "config": config.model_dump(mode="json"),
         }
     )
+
+
+def replay_actor_to(actor: Any, version: int, storage: RunStorage) -> None:
+    """Bring an actor (local or remote: `reset()`, `restore(folder)`, `step(expected, rollouts)`) to
+    policy `version`: the newest valid checkpoint at or before it, then the logged steps after it."""
+    checkpoint = storage.latest_valid_checkpoint(at_most=version)
+    if checkpoint is None:
+        actor.reset()
+    else:
+        actor.restore(storage.checkpoint_dir(checkpoint))
+    for step in range(actor.policy_version + 1, version + 1):
+        actor.step(step - 1, storage.read_rollouts(step))
