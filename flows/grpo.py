@@ -37,7 +37,15 @@ from tqdm.auto import tqdm
 
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
-from tasks.observability import create_run_progress, flush_artifacts, publish, step_artifact, update_run_progress
+from tasks.observability import (
+    artifact_writes_allowed,
+    artifact_writes_paused,
+    create_run_progress,
+    flush_artifacts,
+    publish,
+    step_artifact,
+    update_run_progress,
+)
 from tasks.rollout import (
     commit_rollouts,
     compute_advantages,
@@ -158,44 +166,46 @@ def grpo_step(
     next step's rollouts are produced on another thread while the actor steps (one-step-off);
     `rollout_stats` are then this step's, handed over from the step that produced them.
     """
-    started = time.perf_counter()
-    retry = {"retry_delay_seconds": config.retry_delay_seconds}
-    storage = RunStorage(plan.storage_root, plan.run_id)
-    if not storage.rollout_dir(step).exists():
-        rollout_stats = produce_rollouts(config, plan, step, rollout_version, fail_at)
-    elif rollout_stats is None:
-        # Logged before a crash: the actor trains on the rows as logged, nothing is generated again.
-        num_completions, logged_stats = logged_reward_stats(config, plan, step)
-        rollout_stats = {**logged_stats, "num_completions": float(num_completions), "replayed": 1.0}
-    next_rollouts = None
-    if config.max_staleness and step < plan.total_steps and not storage.rollout_dir(step + 1).exists():
-        # Generated with the weights the rollout workers hold now, i.e. before this actor step.
-        next_rollouts = in_background(produce_rollouts, config, plan, step + 1, rollout_version, fail_at)
-    try:
-        train_metrics = actor_step.with_options(retries=config.actor_retries, **retry)(
-            config, plan, step, policy_version, fail_at
-        )
-    finally:
-        # The weights change at the sync below, so the next step's generation must be over first.
-        next_stats = next_rollouts.result() if next_rollouts is not None else None
-    last_step = step == plan.total_steps
-    synced = sync_weights(config, plan) if step % config.sync_weights_every == 0 or last_step else {}
-    row = {
-        "run_id": plan.run_id,
-        "step": step,
-        "policy_version": policy_version + 1,
-        **rollout_stats,
-        "num_completions": int(rollout_stats["num_completions"]),
-        **train_metrics,
-        **synced,
-        "step_s": time.perf_counter() - started,
-    }
-    # Metrics before the checkpoint: a run resumed from checkpoint N has every row up to N.
-    log_metrics(config, plan, step, row, fail_at)
-    publish(step_artifact, plan, step, row)  # metrics + three logged completions, in the UI; never raises
-    if step % config.save_steps == 0 or last_step:
-        save_checkpoint(config, plan, step, fail_at)
-    return {**row, "next_rollout_stats": next_stats}
+    # Artifacts published earlier are written while the step works (see tasks/observability.py).
+    with artifact_writes_allowed():
+        started = time.perf_counter()
+        retry = {"retry_delay_seconds": config.retry_delay_seconds}
+        storage = RunStorage(plan.storage_root, plan.run_id)
+        if not storage.rollout_dir(step).exists():
+            rollout_stats = produce_rollouts(config, plan, step, rollout_version, fail_at)
+        elif rollout_stats is None:
+            # Logged before a crash: the actor trains on the rows as logged, nothing is generated again.
+            num_completions, logged_stats = logged_reward_stats(config, plan, step)
+            rollout_stats = {**logged_stats, "num_completions": float(num_completions), "replayed": 1.0}
+        next_rollouts = None
+        if config.max_staleness and step < plan.total_steps and not storage.rollout_dir(step + 1).exists():
+            # Generated with the weights the rollout workers hold now, i.e. before this actor step.
+            next_rollouts = in_background(produce_rollouts, config, plan, step + 1, rollout_version, fail_at)
+        try:
+            train_metrics = actor_step.with_options(retries=config.actor_retries, **retry)(
+                config, plan, step, policy_version, fail_at
+            )
+        finally:
+            # The weights change at the sync below, so the next step's generation must be over first.
+            next_stats = next_rollouts.result() if next_rollouts is not None else None
+        last_step = step == plan.total_steps
+        synced = sync_weights(config, plan) if step % config.sync_weights_every == 0 or last_step else {}
+        row = {
+            "run_id": plan.run_id,
+            "step": step,
+            "policy_version": policy_version + 1,
+            **rollout_stats,
+            "num_completions": int(rollout_stats["num_completions"]),
+            **train_metrics,
+            **synced,
+            "step_s": time.perf_counter() - started,
+        }
+        # Metrics before the checkpoint: a run resumed from checkpoint N has every row up to N.
+        log_metrics(config, plan, step, row, fail_at)
+        publish(step_artifact, plan, step, row)  # metrics + three logged completions, in the UI; never raises
+        if step % config.save_steps == 0 or last_step:
+            save_checkpoint(config, plan, step, fail_at)
+        return {**row, "next_rollout_stats": next_stats}
 
 
 @flow(name="grpo", flow_run_name=grpo_run_name, validate_parameters=True)
@@ -225,7 +235,9 @@ def grpo(
         # Step subflows run inside this flow's process, whose own heartbeat reports the run.
         # Prefect 3.8 joins a heartbeat thread that sleeps in 1 s slices at the end of every
         # flow run, which cost each step about a second; the subflows go without.
-        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        # Artifacts wait while the loop starts and ends subflows and are written inside step bodies:
+        # beside Prefect's own writes they made each subflow start stall ~2 s (tasks/observability.py).
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), artifact_writes_paused():
             progress = tqdm(
                 range(plan.first_step, plan.total_steps + 1),
                 desc=plan.run_id,

@@ -4,6 +4,8 @@
     progress_id = create_run_progress(plan, total_steps, completed_steps)
     update_run_progress(progress_id, step, total_steps)
     publish(step_artifact, plan, step, row)        the same, on the artifact thread: the step goes on
+    with artifact_writes_paused(): ...             published artifacts wait (around a step subflow call)
+    with artifact_writes_allowed(): ...            ... and are written (inside the step's body)
     flush_artifacts()                              wait until everything published is written
 
 Plain functions, not tasks: each is one API call, and a task run around it would add its own
@@ -16,7 +18,9 @@ The grpo flow publishes its per-step artifacts through `publish`: one background
 submission order, with the caller's Prefect context (so each artifact still links to the flow
 run that asked for it). A step's two API calls cost ~40 ms on the SQLite-backed server (2 CPU
 cores), which the step would otherwise wait for; the flow calls `flush_artifacts()` before it
-ends, so a finished run has every artifact.
+ends, so a finished run has every artifact. The thread writes only while a step body runs (the
+flow pauses it around each subflow call; see `_WriteGate`), so the UI shows a step's artifact
+during the next step.
 
 Keys: one artifact key per run and kind (`grpo-step-<run>`, `grpo-progress-<run>`), so the
 Artifacts page lists one entry per run whose versions are the steps, instead of one entry per
@@ -26,12 +30,13 @@ step. Prefect keys allow lowercase letters, digits and dashes only (`artifact_ke
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import math
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from uuid import UUID
 
@@ -243,6 +248,55 @@ def update_run_progress(artifact_id: UUID | None, completed_steps: int, total_st
 
 
 # -- the artifact thread ---------------------------------------------------------------------------------
+class _WriteGate:
+    """Lets the artifact thread call the API only while the gate is open.
+
+    Prefect's SQLite-backed server answers a write that collides with another one with 503
+    ("database is locked": the task-run insert reads before it writes, so SQLite fails it at once
+    rather than waiting), and the client retries after a fixed 2 s. An artifact written while the
+    grpo flow starts or ends a step subflow made the subflow's own task-run insert collide on
+    nearly every step (benchmarks/orchestration.py: 2.4 s per instant step, 0.32 s without).
+    So the flow closes the gate around each subflow call and the step body opens it: artifacts
+    are written while the step works, never beside Prefect's own writes.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._open = True
+        self._busy = False
+
+    def run(self, context: contextvars.Context, function: Callable[..., Any], *args: Any) -> Any:
+        with self._condition:
+            self._condition.wait_for(lambda: self._open)
+            self._busy = True
+        try:
+            return context.run(function, *args)
+        finally:
+            with self._condition:
+                self._busy = False
+                self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def set_open(self, is_open: bool) -> Iterator[None]:
+        """Open or close the gate for the block, then put it back as it was. Closing waits
+        (briefly) for a call already under way, so none overlaps the block."""
+        previous = self._swap(is_open)
+        try:
+            yield
+        finally:
+            self._swap(previous)
+
+    def _swap(self, is_open: bool) -> bool:
+        with self._condition:
+            previous, self._open = self._open, is_open
+            self._condition.notify_all()
+            if not is_open:
+                self._condition.wait_for(lambda: not self._busy, timeout=GATE_WAIT_S)
+            return previous
+
+
+GATE_WAIT_S = 30.0  # an artifact call stuck longer than this no longer holds the flow back
+_gate = _WriteGate()
 _publisher_lock = threading.Lock()
 _publisher: concurrent.futures.ThreadPoolExecutor | None = None
 _pending: set[concurrent.futures.Future] = set()
@@ -250,16 +304,27 @@ _pending: set[concurrent.futures.Future] = set()
 
 def publish(function: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
     """Run `function(*args)` (step_artifact, update_run_progress) on the artifact thread, after
-    everything published before it, in the caller's context; returns at once."""
+    everything published before it, in the caller's context, once artifact writes are allowed;
+    returns at once."""
     global _publisher
     context = contextvars.copy_context()  # the Prefect run context: the artifact's flow run
     with _publisher_lock:
         if _publisher is None:
             _publisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-flow-artifacts")
-        future = _publisher.submit(context.run, function, *args)
+        future = _publisher.submit(_gate.run, context, function, *args)
         _pending.add(future)
     future.add_done_callback(_forget)
     return future
+
+
+def artifact_writes_paused() -> contextlib.AbstractContextManager[None]:
+    """Hold published artifacts back for the block (the grpo flow, around a step subflow call)."""
+    return _gate.set_open(False)
+
+
+def artifact_writes_allowed() -> contextlib.AbstractContextManager[None]:
+    """Let published artifacts be written during the block (a step subflow's body)."""
+    return _gate.set_open(True)
 
 
 def _forget(future: concurrent.futures.Future) -> None:
@@ -271,4 +336,5 @@ def flush_artifacts(timeout: float | None = 120.0) -> None:
     """Wait until everything published so far is written (the functions never raise)."""
     with _publisher_lock:
         pending = list(_pending)
-    concurrent.futures.wait(pending, timeout=timeout)
+    with artifact_writes_allowed():
+        concurrent.futures.wait(pending, timeout=timeout)
