@@ -27,12 +27,12 @@ each run the same number of no-op tasks as a step does. JSON keys: `orchestratio
 `tiny_step_ms`, `share_of_tiny_step`, and the rest of the table. Targets (issue 8):
 orchestration <= 50 ms per step and <= 5 % of the tiny preset's step time.
 
-Most of a step's orchestration time on a busy machine is Prefect's own server digesting the step's
-task-run events (three per task run; its task-run recorder writes them to SQLite one event per
-transaction by default) while the next subflow's API calls queue behind it; the table shows the
-API requests per step and their latency. `--batched-recorder` starts the ephemeral server with the
-task-run recorder writing up to 100 events per transaction (Prefect's
-PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_* settings), to show what that setting buys.
+Part of a step's orchestration time is Prefect's own server digesting the step's task-run
+events (three per task run) while the next subflow's API calls queue behind it; the table shows
+the API requests per step and their latency. Importing `flows` sets the server's task-run
+recorder to write up to 100 events per transaction (flows/__init__.py); `--unbatched-recorder`
+starts the ephemeral server with Prefect's defaults instead (one event per transaction), to show
+what that setting buys.
 
 `--profile N` also runs the instant side under cProfile (main thread only; mapped tasks run
 on Prefect's worker threads) and prints the N functions with the most cumulative time.
@@ -61,10 +61,10 @@ from benchmarks.steps import (
 
 quiet()
 
-BATCHED_RECORDER = {
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "100",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+PREFECT_DEFAULT_RECORDER = {  # Prefect 3.8's own defaults, which `import flows` overrides
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "1",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "1",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "5",
 }
 WORK_COLUMNS = ("time/generate_s", "time/score_s", "time/actor_s", "time/sync_s")
 TASKS_PER_STEP = 12  # sample, 2 x generate, 2 x score, advantages, 2 x write, commit, actor, sync, metrics
@@ -235,6 +235,7 @@ def print_report(instant: dict, real: dict, floor: dict, result: dict) -> None:
         ("  of which inside the grpo-step subflow body", instant["median_in_subflow_s"] * ms, ""),
         ("  subflow call (body + subflow run start/end)", instant["median_subflow_call_s"] * ms, ""),
         ("  first step (warm-up, not counted)", instant["first_step_s"] * ms, ""),
+        ("  mean per step (with SQLite's 2 s lock retries)", instant["mean_step_s"] * ms, "orchestration_mean_ms_per_step"),
         ("same tasks' bodies called without Prefect: per step", instant["median_direct_step_s"] * ms, "no_prefect_ms_per_step"),
         ("real tiny preset: per step", real["median_step_s"] * ms, "tiny_step_ms"),
         ("  of which inside the grpo-step subflow body", real["median_in_subflow_s"] * ms, ""),
@@ -277,8 +278,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "else the same architecture randomly initialised)",
     )
     parser.add_argument(
-        "--batched-recorder", action="store_true",
-        help="ephemeral server's task-run recorder writes up to 100 events per transaction (default: Prefect's 1)",
+        "--unbatched-recorder", action="store_true",
+        help="ephemeral server's task-run recorder writes one event per transaction (Prefect's default; "
+        "importing flows makes it up to 100)",
     )
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile the instant run; print the top N")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
@@ -287,8 +289,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if getattr(args, name) < 2:
             parser.error(f"--{name.replace('_', '-')} must be at least 2 (the first step is a warm-up)")
 
-    if args.batched_recorder:  # read by the ephemeral server when it starts (at the first flow run)
-        os.environ.update(BATCHED_RECORDER)
+    if args.unbatched_recorder:  # read by the ephemeral server when it starts (at the first flow run)
+        os.environ.update(PREFECT_DEFAULT_RECORDER)
     model = args.tiny_model or default_tiny_model()
     with tempfile.TemporaryDirectory(prefix="grpo-flow-orchestration-") as tmp:
         workdir = Path(tmp)
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prefect_empty_subflow_ms": floor["subflow_s"] * 1000,
         "prefect_noop_task_ms": floor["task_s"] * 1000,
         "prefect_noop_step_ms": floor["subflow_with_tasks_s"] * 1000,
-        "batched_recorder": args.batched_recorder,
+        "recorder_batch_size": int(os.environ.get("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE", "1")),
         "targets": {"orchestration_ms_per_step": 50.0, "share_of_tiny_step": 0.05},
         "api_requests_per_step": (instant["api_per_step"] or {}).get("requests"),
         "api_events_per_step": (instant["api_per_step"] or {}).get("events"),

@@ -4,7 +4,8 @@ the `grpo` CLI.
 Importing this package sets Prefect's task-run recorder to batch its writes, unless the
 environment already says otherwise. Prefect 3.8's server records task-run events one SQLite
 transaction each by default; a step's ~40 events then hold up the next step's first API call
-by 1-2 s. Batched, that wait is ~0.2 s (benchmarks/orchestration.py --batched-recorder). The
+by about 2 s on every step (benchmarks/orchestration.py --unbatched-recorder: 2.6 s per instant
+step; batched: 0.4-0.5 s median). The
 variables must be set before Prefect starts its ephemeral server, which is why this happens
 at import; for `prefect server start`, export the same variables in its shell.
 """
