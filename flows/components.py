@@ -127,6 +127,8 @@ def command_test_reward(args: argparse.Namespace) -> int:
         print(f"{name}: {shown}  ({scored.reward_seconds[name] * 1000:.1f} ms)")
     for name, value in scored.logged_metrics.items():
         print(f"logged {name}: {value}")
+    if scored.logged_extra[0] is not None:
+        print(f"logged extra: {scored.logged_extra[0]}")
     print(f"reward (sum, weight 1 each): {scored.reward[0]:.4f}")
     return 0
 

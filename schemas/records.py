@@ -37,6 +37,9 @@ ROLLOUT_BASE_FIELDS: list[pa.Field] = [
     pa.field("reward", pa.float64(), nullable=False),
     pa.field("advantage", pa.float64(), nullable=False),
     pa.field("reward_error", pa.string(), nullable=True),
+    # What reward functions logged for the row with TRL's `log_extra(column, values)`, as a JSON
+    # object (null if nothing was): one column whatever they log, so every step has one schema.
+    pa.field("logged_extra", pa.string(), nullable=True),
     pa.field("generate_s", pa.float64(), nullable=False),
     pa.field("score_s", pa.float64(), nullable=False),
 ]
@@ -58,8 +61,8 @@ class RolloutBatch:
     """One shard of a step: whole groups of completions, column by column.
 
     Generation fills the token columns; scoring fills `rewards` (one list per reward
-    function, None where a function does not apply), `reward` and `reward_error`; the
-    advantage stage fills `advantage`.
+    function, None where a function does not apply), `reward`, `reward_error` and
+    `logged_extra`; the advantage stage fills `advantage`.
     """
 
     run_id: str
@@ -79,6 +82,7 @@ class RolloutBatch:
     rewards: dict[str, list[float | None]] = field(default_factory=dict)
     reward: list[float] = field(default_factory=list)
     reward_error: list[str | None] = field(default_factory=list)
+    logged_extra: list[str | None] = field(default_factory=list)
     advantage: list[float] = field(default_factory=list)
     generate_s: float = 0.0
     score_s: float = 0.0
@@ -139,6 +143,7 @@ class RolloutBatch:
             "reward": self.reward,
             "advantage": self.advantage,
             "reward_error": self.reward_error or [None] * n,
+            "logged_extra": self.logged_extra or [None] * n,
             "generate_s": [self.generate_s] * n,
             "score_s": [self.score_s] * n,
         }

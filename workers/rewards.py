@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import time
 import traceback
@@ -177,6 +178,23 @@ def reward_inputs(batch: RolloutBatch) -> tuple[list[Any], list[Any]]:
     return prompts, batch.completion
 
 
+def check_logged_extra(func_name: str, logged: dict[str, list[Any]], rows: int, step: int) -> None:
+    """TRL's `log_extra(column, values)` takes one value per sample; anything else names the function."""
+    for column, values in logged.items():
+        if len(values) != rows:
+            raise RewardFunctionError(
+                f"reward function {func_name!r} logged {len(values)} values for log_extra column {column!r} "
+                f"in a batch of {rows} completions (step {step}); log_extra takes one value per completion"
+            )
+
+
+def logged_extra_rows(logged: dict[str, list[Any]], rows: int) -> list[str | None]:
+    """Each row's `log_extra` values as a JSON object (values JSON cannot hold as they are, as text)."""
+    if not logged:
+        return [None] * rows
+    return [json.dumps({column: values[i] for column, values in logged.items()}, default=str) for i in range(rows)]
+
+
 def score_batch(
     batch: RolloutBatch,
     funcs: dict[str, RewardFunc],
@@ -192,13 +210,14 @@ def score_batch(
     weights = list(weights) if weights is not None else [1.0] * len(funcs)
     prompts, completions = reward_inputs(batch)
     logged_metrics: dict[str, float] = {}
+    logged_extra: dict[str, list[Any]] = {}
     kwargs: dict[str, Any] = {
         "prompts": prompts,
         "completions": completions,
         "completion_ids": batch.completion_token_ids,
         **batch.extra_columns,
         "trainer_state": state,
-        "log_extra": lambda column, values: None,  # accepted for TRL compatibility; not logged yet
+        "log_extra": lambda column, values: logged_extra.setdefault(str(column), []).extend(values),
         "log_metric": lambda name, value: logged_metrics.__setitem__(name, float(value)),
     }
     per_func: dict[str, list[float]] = {}
@@ -217,6 +236,7 @@ def score_batch(
             ) from error
         seconds[name] = time.perf_counter() - func_started
         per_func[name] = check_scores(name, raw, len(batch))
+        check_logged_extra(name, logged_extra, len(batch), batch.step)
     totals = []
     for i in range(len(batch)):
         applied = [w * per_func[name][i] for name, w in zip(per_func, weights) if not math.isnan(per_func[name][i])]
@@ -225,6 +245,7 @@ def score_batch(
         rewards={name: [None if math.isnan(s) else s for s in scores] for name, scores in per_func.items()},
         reward=totals,
         reward_error=[None] * len(batch),
+        logged_extra=logged_extra_rows(logged_extra, len(batch)),
         score_s=time.perf_counter() - started,
         reward_seconds=seconds,
         logged_metrics=logged_metrics,

@@ -43,8 +43,9 @@ def test_test_rollout_names_a_bad_option(storage_root, capsys):
 
 def test_test_reward_calls_the_function_as_a_run_does(tmp_path, monkeypatch, capsys):
     (tmp_path / "component_rewards.py").write_text(
-        "def mentions_answer(prompts, completions, answer, trainer_state, log_metric, **kwargs):\n"
+        "def mentions_answer(prompts, completions, answer, trainer_state, log_metric, log_extra, **kwargs):\n"
         "    log_metric('seen_step', trainer_state.global_step)\n"
+        "    log_extra('checked', ['yes' for _ in completions])\n"
         "    return [1.0 if str(a) in c else 0.0 for c, a in zip(completions, answer)]\n"
         "def not_for_me(completions, **kwargs):\n"
         "    return [None for _ in completions]\n"
@@ -58,6 +59,7 @@ def test_test_reward_calls_the_function_as_a_run_does(tmp_path, monkeypatch, cap
     assert "not_for_me: None (not applicable)" in out
     assert "math_accuracy: 1.0000" in out
     assert "logged seen_step: 1.0" in out
+    assert 'logged extra: {"checked": "yes"}' in out
     assert "reward (sum, weight 1 each): 2.0000" in out
 
 

@@ -1,5 +1,6 @@
 """GRPOFlowTrainer: the Python API runs the same flow with reward objects and a Dataset."""
 
+import json
 import math
 
 import pytest
@@ -18,7 +19,8 @@ def exact_digit(prompts, completions, answer, trainer_state, **kwargs):
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
 
 
-async def only_odd_answers(completions, answer, **kwargs):
+async def only_odd_answers(completions, answer, log_extra, **kwargs):
+    log_extra("parity", ["odd" if int(a) % 2 else "even" for a in answer])  # TRL's completions-table column
     return [0.25 if int(a) % 2 else None for a in answer]  # None: does not apply to this sample
 
 
@@ -61,6 +63,7 @@ def test_train_runs_the_flow_with_functions_async_functions_and_environments(pre
         assert (row["reward_only_odd_answers"] == 0.25) if odd else row["reward_only_odd_answers"] is None
         expected = row["reward_exact_digit"] + (0.5 if odd else 0.0) + 0.5 * row["reward_is_digit"]
         assert math.isclose(row["reward"], expected)
+        assert json.loads(row["logged_extra"]) == {"parity": "odd" if odd else "even"}
     metrics = RunStorage(storage_root, "api-run").read_metrics().to_pylist()
     assert all(m["time/reward/is_digit_s"] >= 0 and "rewards/exact_digit/std" in m for m in metrics)
 

@@ -1,5 +1,6 @@
 """Rewards are called as TRL calls them; bad scores are errors that name the function and sample."""
 
+import json
 import math
 import textwrap
 
@@ -135,6 +136,31 @@ def test_async_rewards_numpy_scores_log_metric_and_per_function_time():
     scored = score_batch(batch(["a", "b"], ["0", "0"]), {"later": later}, None)
     assert scored.rewards["later"] == [None, 0.5] and math.isnan(scored.reward[0])
     assert scored.logged_metrics == {"judge/calls": 2.0} and scored.reward_seconds["later"] >= 0
+
+
+def test_log_extra_values_land_per_row_as_json_and_a_wrong_count_names_the_function():
+    from workers.rewards import RewardFunctionError
+
+    def judged(completions, log_extra, **kwargs):
+        log_extra("verdict", [f"saw {c}" for c in completions])
+        log_extra("length", [len(c) for c in completions])
+        return [1.0] * len(completions)
+
+    def quiet(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    scored = score_batch(batch(["a", "bb"], ["0", "0"]), {"judged": judged}, None)
+    assert [json.loads(row) for row in scored.logged_extra] == [
+        {"verdict": "saw a", "length": 1}, {"verdict": "saw bb", "length": 2}
+    ]
+    assert score_batch(batch(["a", "bb"], ["0", "0"]), {"quiet": quiet}, None).logged_extra == [None, None]
+
+    def short(completions, log_extra, **kwargs):
+        log_extra("verdict", ["only one"])
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match="'short' logged 1 values for log_extra column 'verdict' in a batch of 2"):
+        score_batch(batch(["a", "bb"], ["0", "0"]), {"short": short}, None)
 
 
 def test_a_raising_reward_names_the_function_the_sample_and_the_traceback():
