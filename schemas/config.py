@@ -151,6 +151,35 @@ class GRPOFlowConfig(BaseModel):
     delta: float | None = Field(
         default=None, gt=1, description="Upper clip of the importance ratio for two-sided clipping (TRL's delta)."
     )
+    sapo_temperature_neg: float = Field(
+        default=1.05, gt=0, description="SAPO's temperature for tokens with non-positive advantage (loss_type sapo)."
+    )
+    sapo_temperature_pos: float = Field(
+        default=1.0, gt=0, description="SAPO's temperature for tokens with positive advantage (loss_type sapo)."
+    )
+    vespo_k_pos: float = Field(
+        default=2.0, description="VESPO's power exponent for positive advantages (loss_type vespo), as TRL."
+    )
+    vespo_lambda_pos: float = Field(
+        default=3.0, description="VESPO's decay factor for positive advantages (loss_type vespo), as TRL."
+    )
+    vespo_k_neg: float = Field(
+        default=3.0, description="VESPO's power exponent for negative advantages (loss_type vespo), as TRL."
+    )
+    vespo_lambda_neg: float = Field(
+        default=2.0, description="VESPO's decay factor for negative advantages (loss_type vespo), as TRL."
+    )
+    off_policy_mask_threshold: float | None = Field(
+        default=None,
+        gt=0,
+        description="Off-policy sequence masking (DeepSeek-V3.2, TRL's option): sequences with negative advantage "
+        "whose KL from the sampling policy exceeds this are left out of the loss. None: off.",
+    )
+    use_bias_correction_kl: bool = Field(
+        default=True,
+        description="Multiply the KL term by the importance ratio (the unbiased reverse-KL gradient), as TRL; "
+        "acts when beta > 0.",
+    )
     importance_sampling_level: Literal["token", "sequence"] = Field(
         default="token", description="Importance ratio per token, or one per sequence (GSPO), as TRL."
     )

@@ -79,6 +79,11 @@ CASES = {
     "sapo": Case({"loss_type": "sapo"}),
     "luspo": Case({"loss_type": "luspo", "importance_sampling_level": "sequence"}),
     "vespo": Case({"loss_type": "vespo"}),
+    # Their coefficients act on the importance ratio, so off-policy (num_iterations=2) is where they show.
+    "sapo_temperatures": Case({"loss_type": "sapo", "sapo_temperature_neg": 2.0, "sapo_temperature_pos": 0.5,
+                               "num_iterations": 2, "epsilon": 0.02}),
+    "vespo_coefficients": Case({"loss_type": "vespo", "vespo_k_pos": 1.0, "vespo_lambda_pos": 1.5, "vespo_k_neg": 4.0,
+                                "vespo_lambda_neg": 1.0, "num_iterations": 2, "epsilon": 0.02}),
     # Every loss again off-policy: the second optimizer step reuses the batch, so ratios differ from 1.
     **{f"{loss}_num_iterations_2": Case({"loss_type": loss, "num_iterations": 2, "epsilon": 0.02})
        for loss in ("grpo", "dapo", "dr_grpo", "sapo", "vespo")},  # bnpo = dapo with one micro-batch
@@ -87,6 +92,16 @@ CASES = {
     # beta > 0: TRL loads a frozen reference. At the first optimizer step the policy is the reference, so the KL
     # term and its gradient vanish; the second step (num_iterations=2) is where beta acts.
     "beta": Case({"loss_type": "grpo", "beta": 0.1, "num_iterations": 2}),
+    "beta_without_bias_correction_kl": Case({"loss_type": "grpo", "beta": 0.1, "num_iterations": 2,
+                                             "use_bias_correction_kl": False}),
+    # Masks negative-advantage sequences that drifted from the sampling policy; the first step's update makes
+    # them drift in the second.
+    "off_policy_mask_threshold": Case({"loss_type": "grpo", "off_policy_mask_threshold": 1e-4, "num_iterations": 2,
+                                       "epsilon": 0.02, "learning_rate": 1e-2}),
+    "off_policy_mask_threshold_is": Case(
+        {"loss_type": "grpo", "off_policy_mask_threshold": 1e-4, "vllm_importance_sampling_correction": True,
+         "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_min": None,
+         "vllm_importance_sampling_clip_max": 3.0}, vllm_is=True),
     "gspo_sequence_level": Case({"loss_type": "grpo", "importance_sampling_level": "sequence",
                                  "num_iterations": 2, "epsilon": 0.01}),
     "epsilon_high": Case({"loss_type": "dapo", "epsilon": 0.01, "epsilon_high": 0.03, "num_iterations": 2}),
