@@ -274,6 +274,17 @@ def summarize(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, f
     return metrics
 
 
+def checkpoint_model(storage: RunStorage, step: int) -> Path:
+    """The checkpoint's model folder; for a run on the Modal backend, its files fetched from the
+    Volume into `<storage_root>/cache` (the Modal client is imported only then)."""
+    folder = storage.checkpoint_dir(step)
+    if (folder / "model").is_dir():
+        return folder / "model"
+    from workers.modal_backend import checkpoint_model_dir
+
+    return checkpoint_model_dir(folder, storage.root / "cache")
+
+
 @task(name="evaluate-checkpoint", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def evaluate_checkpoint(
     run_id: str, storage_root: str, step: int, k: int, prompts: int | None, temperature: float | None,
@@ -308,7 +319,7 @@ def evaluate_checkpoint(
         epoch=step * config.prompts_per_step / max(1, len(task_data.train)),
     )
     engine = TransformersRolloutEngine(
-        storage.checkpoint_dir(step) / "model", worker_id="eval", device="cuda" if torch.cuda.is_available() else "cpu"
+        checkpoint_model(storage, step), worker_id="eval", device="cuda" if torch.cuda.is_available() else "cpu"
     )
     engine.load()
     extra = list(task_data.extra_columns)

@@ -39,6 +39,7 @@ from schemas.config import GRPOFlowConfig
 from workers.modal_app import APP_NAME, SANDBOX_TIMEOUT_S, VOLUME_PATH, WorkerApp, build_worker_app, worker_config_json
 from workers.resume import replay_actor_to
 from workers.rollout import GenerationResult, SamplingParams
+from workers.storage import file_sha256
 from workers.weight_sync import WeightPayload, check_weight_sync_config
 
 Mode = Literal["remote", "local"]
@@ -416,6 +417,55 @@ class ModalWorkers:
 
 _LOCK = threading.Lock()
 _WORKERS: dict[str, ModalWorkers] = {}
+
+
+def open_volume(name: str) -> Any:
+    """The named Modal Volume, as `modal.Volume.from_name` gives it (tests put a fake in its place)."""
+    return modal.Volume.from_name(name)
+
+
+def checkpoint_model_dir(checkpoint_dir: Path, cache_root: Path) -> Path:
+    """A checkpoint's `model/` folder on this machine.
+
+    The local backend writes it into the checkpoint. The Modal actor leaves the files on the
+    Volume and writes a pointer (VOLUME_CHECKPOINT_POINTER) instead. Those files are then
+    downloaded once into `cache_root` (never into the run's own folders), each one checked
+    against the pointer's size and sha256.
+    """
+    local = checkpoint_dir / "model"
+    pointer_path = checkpoint_dir / VOLUME_CHECKPOINT_POINTER
+    if local.is_dir() or not pointer_path.exists():
+        return local
+    pointer = json.loads(pointer_path.read_text())
+    wanted = {name: spec for name, spec in pointer["files"].items() if name.startswith("model/")}
+    if not wanted:
+        raise FileNotFoundError(f"{pointer_path} lists no model/ files on Volume {pointer['volume']!r}")
+    target = cache_root / "volume-checkpoints" / pointer["volume"] / Path(pointer["path"]).relative_to(VOLUME_PATH)
+    if all(_file_matches(target / name, spec) for name, spec in wanted.items()):
+        return target / "model"
+    volume = open_volume(pointer["volume"])
+    remote_folder = Path(pointer["path"]).relative_to(VOLUME_PATH)  # Volume paths are relative to its root
+    for name, spec in wanted.items():
+        destination = target / name
+        if _file_matches(destination, spec):
+            continue
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        partial = destination.with_name(destination.name + ".partial")
+        with open(partial, "wb") as handle:
+            for chunk in volume.read_file(str(remote_folder / name)):
+                handle.write(chunk)
+        if not _file_matches(partial, spec):
+            partial.unlink()
+            raise ValueError(
+                f"{name} of checkpoint {pointer['path']} on Volume {pointer['volume']!r} does not match its "
+                f"pointer ({spec['bytes']} bytes, sha256 {spec['sha256'][:12]}...): the Volume's copy changed"
+            )
+        partial.replace(destination)
+    return target / "model"
+
+
+def _file_matches(path: Path, spec: Mapping[str, Any]) -> bool:
+    return path.is_file() and path.stat().st_size == spec["bytes"] and file_sha256(path) == spec["sha256"]
 
 
 def modal_workers(config: GRPOFlowConfig, model_path: str | Path, **kwargs: Any) -> ModalWorkers:

@@ -221,3 +221,99 @@ def test_grpo_eval_prints_the_summary(eval_root, capsys):
                  "--storage-root", str(root)]) == 0
     out = capsys.readouterr().out
     assert "pass@4" in out and "greedy accuracy" in out and "step-000001.parquet" in out
+
+
+# -- runs on the Modal backend: the checkpoint's weights are on the Volume ------------------------------------
+class FakeVolume:
+    """modal.Volume's read_file (chunks of bytes by path relative to the Volume root), counting reads."""
+
+    def __init__(self, files: dict[str, bytes]):
+        self.files, self.reads = files, 0
+
+    def read_file(self, path: str):
+        self.reads += 1
+        data = self.files[path]
+        yield from (data[i:i + 1000] for i in range(0, len(data), 1000))
+
+
+def as_modal_checkpoint(run_dir, step: int) -> FakeVolume:
+    """Make a local checkpoint look like one the Modal actor wrote: model/ files on the Volume, a
+    pointer in the folder, the manifest listing what is left (as RemoteActor.save_checkpoint does)."""
+    import json
+    import shutil
+
+    from workers.modal_app import VOLUME_PATH
+    from workers.modal_backend import VOLUME_CHECKPOINT_POINTER
+    from workers.storage import MANIFEST, file_sha256
+
+    folder = run_dir / "checkpoints" / f"step-{step:06d}"
+    remote = f"runs/{run_dir.name}/checkpoints/step-{step:06d}"
+    files, pointer_files = {}, {}
+    for path in sorted((folder / "model").rglob("*")):
+        if path.is_file():
+            name = str(path.relative_to(folder))
+            files[f"{remote}/{name}"] = path.read_bytes()
+            pointer_files[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    shutil.rmtree(folder / "model")
+    pointer = {"volume": "grpo-test-volume", "path": f"{VOLUME_PATH}/{remote}", "files": pointer_files}
+    (folder / VOLUME_CHECKPOINT_POINTER).write_text(json.dumps(pointer))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"] = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return FakeVolume(files)
+
+
+def test_a_modal_runs_checkpoint_is_fetched_from_its_volume_checked_and_evaluated_the_same(
+    eval_root, tmp_path, monkeypatch
+):
+    import shutil
+
+    import workers.modal_backend as modal_backend
+
+    root, _ = eval_root
+    local_root, modal_root = tmp_path / "local-root", tmp_path / "modal-root"
+    for copy in (local_root, modal_root):  # the run as trained, without its evaluations
+        shutil.copytree(root / "runs" / "evaluated", copy / "runs" / "evaluated", ignore=shutil.ignore_patterns("eval"))
+    reference = evaluate(run_id="evaluated", storage_root=str(local_root), checkpoint=2, k=2, prompts=4)
+    assert not reference["already_evaluated"]
+    run_dir = modal_root / "runs" / "evaluated"
+    volume = as_modal_checkpoint(run_dir, 2)
+    opened = []
+    monkeypatch.setattr(modal_backend, "open_volume", lambda name: opened.append(name) or volume)
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+
+    summary = evaluate(run_id="evaluated", storage_root=str(modal_root), checkpoint=2, k=2, prompts=4)
+    assert opened == ["grpo-test-volume"] and volume.reads == len(volume.files)
+    same = {"pass@1", "pass@2", "mean_reward", "mean_completion_length"}
+    assert {k: summary[k] for k in same} == {k: reference[k] for k in same}  # the same weights, the same seed
+    cached = modal_root / "cache" / "volume-checkpoints" / "grpo-test-volume" / "runs" / "evaluated"
+    assert (cached / "checkpoints" / "step-000002" / "model" / "config.json").exists()
+    # Only the eval file was added to the run's folder; the weights went to the cache.
+    added = sorted(set(p.relative_to(run_dir) for p in run_dir.rglob("*")) - set(before))
+    assert all(str(p).startswith("eval") for p in added) and added
+
+    # A second look downloads nothing: the cached files match the pointer.
+    from workers.modal_backend import checkpoint_model_dir
+
+    assert checkpoint_model_dir(run_dir / "checkpoints" / "step-000002", modal_root / "cache").is_dir()
+    assert volume.reads == len(volume.files)
+
+
+def test_a_volume_file_that_no_longer_matches_its_pointer_is_refused(eval_root, tmp_path, monkeypatch):
+    import shutil
+
+    import workers.modal_backend as modal_backend
+    from workers.modal_backend import checkpoint_model_dir
+
+    root, _ = eval_root
+    shutil.copytree(root / "runs" / "evaluated", tmp_path / "runs" / "evaluated", ignore=shutil.ignore_patterns("eval"))
+    volume = as_modal_checkpoint(tmp_path / "runs" / "evaluated", 1)
+    name = next(n for n in volume.files if n.endswith("config.json"))
+    volume.files[name] = volume.files[name] + b" "
+    monkeypatch.setattr(modal_backend, "open_volume", lambda _: volume)
+    with pytest.raises(ValueError, match=r"model/config.json of checkpoint .* does not match its pointer"):
+        checkpoint_model_dir(tmp_path / "runs" / "evaluated" / "checkpoints" / "step-000001", tmp_path / "cache")
+    assert not list((tmp_path / "cache").rglob("config.json*"))  # nothing half-written is left to be trusted
