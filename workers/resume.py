@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from pydantic_core import to_jsonable_python
+
 from schemas.config import NON_TRAINING_FIELDS, GRPOFlowConfig
 from workers.storage import RunStorage
 
@@ -31,12 +33,21 @@ class ResumePoint:
 
 
 def changed_training_fields(stored: dict[str, Any], config: GRPOFlowConfig) -> dict[str, tuple[Any, Any]]:
-    """Fields that change what the run computes, with their stored and new values."""
+    """Fields that change what the run computes, with their stored and new values.
+
+    A field the stored config lacks (the run was started by an older grpo-flow) counts as its
+    default, which is what that version computed with, so an upgrade alone does not stop a resume.
+    """
     new = config.model_dump(mode="json")
+    fields = GRPOFlowConfig.model_fields
+    stored = {
+        name: stored.get(name, to_jsonable_python(fields[name].get_default(call_default_factory=True)))
+        for name in new
+    }
     return {
-        name: (stored.get(name), value)
+        name: (stored[name], value)
         for name, value in new.items()
-        if name not in NON_TRAINING_FIELDS and stored.get(name) != value
+        if name not in NON_TRAINING_FIELDS and stored[name] != value
     }
 
 
