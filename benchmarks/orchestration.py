@@ -22,7 +22,8 @@ actor, weight sync, as each step logs them) is subtracted from the step's time: 
 than the instant step time: while a real worker computes, Prefect's server records the
 previous tasks on another core, whereas back-to-back instant steps wait for it. The instant run is then continued for as many steps by the same
 task functions called directly, without Prefect: what serialization, scoring and storage alone
-cost (`no_prefect_ms_per_step`). Also measured, as a floor: Prefect alone, i.e. subflows that
+cost (`no_prefect_ms_per_step`). The instant run is also repeated with `step_subflows` off, each
+step's tasks running in the run's own flow run (`no_subflows_ms_per_step`). Also measured, as a floor: Prefect alone, i.e. subflows that
 each run the same number of no-op tasks as a step does. JSON keys: `orchestration_ms_per_step`,
 `tiny_step_ms`, `share_of_tiny_step`, and the rest of the table. Targets (issue 8):
 orchestration <= 50 ms per step and <= 5 % of the tiny preset's step time.
@@ -118,11 +119,15 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
     }
 
 
-def run_instant(workdir: Path, steps: int, profile: int) -> dict[str, Any]:
+def run_instant(workdir: Path, steps: int, profile: int, step_subflows: bool = True) -> dict[str, Any]:
     from benchmarks.instant_workers import instant_model_dir, instant_workers
 
-    config = tiny_config(instant_model_dir(workdir / "instant-model"), str(workdir / "storage"), "instant", steps)
+    run_id = "instant" if step_subflows else "instant-no-subflows"
+    config = tiny_config(instant_model_dir(workdir / "instant-model"), str(workdir / "storage"), run_id, steps)
+    config = config.model_copy(update={"step_subflows": step_subflows})
     with instant_workers():
+        if not step_subflows:
+            return run_flow_timed(config)
         if not profile:
             return run_flow_timed(config, direct_steps=steps)
         import cProfile
@@ -226,7 +231,7 @@ def parameter_walk_ms(repeats: int = 3) -> dict[str, dict[str, float]]:
     return out
 
 
-def print_report(instant: dict, real: dict, floor: dict, result: dict) -> None:
+def print_report(instant: dict, flat: dict, real: dict, floor: dict, result: dict) -> None:
     ms = 1000.0
     print("\nOrchestration overhead: the tiny preset's step DAG with instant workers vs real tiny steps")
     print(f"(instant: {instant['steps']} steps, real: {real['steps']} steps; first step of each left out)\n")
@@ -236,6 +241,8 @@ def print_report(instant: dict, real: dict, floor: dict, result: dict) -> None:
         ("  subflow call (body + subflow run start/end)", instant["median_subflow_call_s"] * ms, ""),
         ("  first step (warm-up, not counted)", instant["first_step_s"] * ms, ""),
         ("  mean per step (with SQLite's 2 s lock retries)", instant["mean_step_s"] * ms, "orchestration_mean_ms_per_step"),
+        ("instant workers, step_subflows off: per step", flat["median_step_s"] * ms, "no_subflows_ms_per_step"),
+        ("  mean per step", flat["mean_step_s"] * ms, "no_subflows_mean_ms_per_step"),
         ("same tasks' bodies called without Prefect: per step", instant["median_direct_step_s"] * ms, "no_prefect_ms_per_step"),
         ("real tiny preset: per step", real["median_step_s"] * ms, "tiny_step_ms"),
         ("  of which inside the grpo-step subflow body", real["median_in_subflow_s"] * ms, ""),
@@ -295,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="grpo-flow-orchestration-") as tmp:
         workdir = Path(tmp)
         instant = run_instant(workdir, args.steps, args.profile)
+        flat = run_instant(workdir, args.steps, 0, step_subflows=False)
         floor = run_prefect_floor(args.floor_steps, TASKS_PER_STEP)
         real = run_real(workdir, args.real_steps, model)
     walk = parameter_walk_ms()
@@ -304,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tiny_step_ms": real["median_step_s"] * 1000,
         "share_of_tiny_step": instant["median_step_s"] / real["median_step_s"],
         "orchestration_mean_ms_per_step": instant["mean_step_s"] * 1000,
+        "no_subflows_ms_per_step": flat["median_step_s"] * 1000,
+        "no_subflows_mean_ms_per_step": flat["mean_step_s"] * 1000,
         "in_subflow_ms": instant["median_in_subflow_s"] * 1000,
         "no_prefect_ms_per_step": instant["median_direct_step_s"] * 1000,
         "real_step_rest_ms": real["median_rest_s"] * 1000,
@@ -316,9 +326,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "api_requests_per_step": (instant["api_per_step"] or {}).get("requests"),
         "api_events_per_step": (instant["api_per_step"] or {}).get("events"),
         "instant": instant,
+        "instant_no_subflows": flat,
         "real": real,
     }
-    print_report(instant, real, floor, result)
+    print_report(instant, flat, real, floor, result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

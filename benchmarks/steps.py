@@ -28,10 +28,11 @@ def quiet() -> None:
 
 
 class StepClock:
-    """Start and end times of every `grpo-step` subflow call made while `watch()` is active.
+    """Start and end times of every step the `grpo` flow runs while `watch()` is active: its
+    `grpo-step` subflow call, or its `run_step` call when `step_subflows` is off.
 
-    `intervals()` are start-to-start times: a step's subflow plus what the parent flow does
-    between two steps (the progress artifact, the progress bar), i.e. what each step costs a run.
+    `intervals()` are start-to-start times: a step plus what the parent flow does between two
+    steps (the progress artifact, the progress bar), i.e. what each step costs a run.
     """
 
     def __init__(self, counter: ApiCounter | None = None, count_from: int = 2) -> None:
@@ -45,25 +46,35 @@ class StepClock:
     def watch(self) -> Iterator[StepClock]:
         import flows.grpo as module
 
-        original = module.grpo_step
+        originals = {name: getattr(module, name) for name in ("grpo_step", "run_step")}
 
-        def timed_step(config: Any, plan: Any, step: int, *args: Any, **kwargs: Any) -> Any:
-            self.plan = self.plan or plan
-            if self.counter is not None and step == self.count_from:
-                self.counter.reset()
-            self.starts[step] = time.perf_counter()
-            try:
-                return original(config, plan, step, *args, **kwargs)
-            finally:
-                self.ends[step] = time.perf_counter()
-                if self.counter is not None and step == plan.total_steps and step >= self.count_from:
-                    self.counted = self.counter.per_step(step - self.count_from + 1)
+        def timed(original: Any) -> Any:
+            def timed_step(config: Any, plan: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+                # The subflow calls run_step inside it: the outer call's start and end count.
+                outer = step not in self.starts or step in self.ends
+                if outer:
+                    self.plan = self.plan or plan
+                    if self.counter is not None and step == self.count_from:
+                        self.counter.reset()
+                    self.starts[step] = time.perf_counter()
+                    self.ends.pop(step, None)
+                try:
+                    return original(config, plan, step, *args, **kwargs)
+                finally:
+                    if outer:
+                        self.ends[step] = time.perf_counter()
+                        if self.counter is not None and step == plan.total_steps and step >= self.count_from:
+                            self.counted = self.counter.per_step(step - self.count_from + 1)
 
-        module.grpo_step = timed_step  # `grpo` looks the subflow up in its module at each call
+            return timed_step
+
+        for name, original in originals.items():  # `grpo` looks both up in its module at each step
+            setattr(module, name, timed(original))
         try:
             yield self
         finally:
-            module.grpo_step = original
+            for name, original in originals.items():
+                setattr(module, name, original)
 
     def reset(self) -> None:
         self.starts.clear()

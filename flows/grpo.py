@@ -1,7 +1,7 @@
 """The `grpo` flow: one run, as a subflow per training step.
 
     prepare_run → [restore_workers, when resuming] → evaluate_heldout (initial)
-    for step in first..N:  grpo_step
+    for step in first..N:  grpo_step (a subflow; with step_subflows off, run_step in this flow run)
         sample_batch → generate.map(shards) → score.map(shards) → compute_advantages
         → write_rollouts.map(shards) → commit_rollouts → actor_step → sync_weights (when due)
         → log_metrics → save_checkpoint (when due)
@@ -159,7 +159,16 @@ def grpo_step(
     config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: int, rollout_version: int,
     fail_at: str | None = None, rollout_stats: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """One training step; returns its metrics row (also logged as Parquet).
+    """One training step as its own subflow run (`<run>-step-N` in the UI); see `run_step`."""
+    return run_step(config, plan, step, policy_version, rollout_version, fail_at, rollout_stats)
+
+
+def run_step(
+    config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: int, rollout_version: int,
+    fail_at: str | None = None, rollout_stats: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """One training step; returns its metrics row (also logged as Parquet). Called by the
+    `grpo-step` subflow, or directly in the run's flow when `config.step_subflows` is off.
 
     `policy_version` is the actor's before the step, `rollout_version` the one the rollout
     workers must hold; a worker holding another loads it first. With max_staleness 1 the
@@ -248,7 +257,9 @@ def grpo(
             )
             for step in progress:
                 step_started = time.perf_counter()
-                row = grpo_step(config, plan, step, step - 1, rollout_version, fail_at, handed_over)
+                # Looked up here at each step (benchmarks/steps.py times them by replacing it).
+                step_runner = grpo_step if config.step_subflows else run_step
+                row = step_runner(config, plan, step, step - 1, rollout_version, fail_at, handed_over)
                 handed_over = row.pop("next_rollout_stats")
                 rows.append(row)
                 rollout_version = int(rows[-1].get("synced_version", rollout_version))

@@ -34,7 +34,7 @@ NON_TRAINING_FIELDS = frozenset(
      "actor_gpu_count", "rollout_gpu", "weight_sync_method", "gpu_memory_utilization", "modal_volume",
      "modal_secrets", "detach", "save_total_limit", "keep_checkpoint_every", "generate_retries", "score_retries",
      "actor_retries", "retry_delay_seconds", "eval_prompts", "reward_concurrency", "gradient_checkpointing",
-     "max_tokens_per_microbatch"}
+     "max_tokens_per_microbatch", "step_subflows"}
 )
 
 
@@ -220,6 +220,13 @@ class GRPOFlowConfig(BaseModel):
     # Workers and schedule
     num_rollout_workers: int = Field(
         default=1, ge=1, description="Rollout workers; each step's groups are split evenly across them."
+    )
+    step_subflows: bool = Field(
+        default=True,
+        description="Run each step as its own Prefect subflow (`<run>-step-N`). Off: the step's tasks run in the "
+        "run's own flow run, which saves Prefect's per-subflow cost (about 0.2-0.4 s a step on a SQLite-backed "
+        "server, and its occasional 2 s lock retries) for runs whose steps are short; the UI then lists every "
+        "step's tasks under the run. Training is the same either way.",
     )
     dynamic_sampling: bool = Field(
         default=False,

@@ -174,3 +174,32 @@ def test_a_run_reads_back_with_plain_pandas(three_step_run):
     assert sorted(rollouts["step"].unique()) == [1, 2, 3]
     assert len(rollouts) == 3 * config.prompts_per_step * config.num_generations
     assert list(metrics.sort_values("step")["step"]) == [1, 2, 3]
+
+
+def test_steps_without_subflows_train_the_same_and_make_no_step_subflow_runs(prefect_server, storage_root):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from workers.backends import release
+
+    runs = {}
+    for step_subflows in (True, False):
+        config = preset_config(
+            "tiny", run_id=f"subflows-{str(step_subflows).lower()}", storage_root=str(storage_root), max_steps=2,
+            prompts_per_step=4, num_generations=4, num_rollout_workers=2, save_steps=2, eval_prompts=0,
+            step_subflows=step_subflows,
+        )
+        assert grpo(config)["status"] == "completed"
+        release(config, config.run_id)
+        runs[step_subflows] = RunStorage(storage_root, config.run_id)
+    with_subflows, without = runs[True], runs[False]
+    assert without.read_rollouts(columns=["completion"]).equals(with_subflows.read_rollouts(columns=["completion"]))
+    for step in (1, 2):
+        assert without.read_step_metrics(step)["loss"] == with_subflows.read_step_metrics(step)["loss"]
+    trained = [load_file(run.checkpoint_dir(2) / "model" / "model.safetensors") for run in (with_subflows, without)]
+    assert all(torch.equal(trained[0][name], trained[1][name]) for name in trained[0])
+
+    with get_client(sync_client=True) as client:
+        names = [f"{run.run_id}-step-1" for run in (with_subflows, without)]
+        found = {r.name for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))}
+    assert found == {"subflows-true-step-1"}
