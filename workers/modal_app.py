@@ -26,7 +26,6 @@ commit/reload, and the vLLM engine inside them.
 """
 
 # No `from __future__ import annotations`: Modal reads the classes' parameter annotations as types.
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,18 +141,6 @@ class VolumeSync:
             volume.reload()
 
 
-def _file_manifest(folder: Path) -> dict[str, dict[str, Any]]:
-    files = {}
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            digest = hashlib.sha256()
-            with open(path, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(block)
-            files[str(path.relative_to(folder))] = {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
-    return files
-
-
 # -- the wrapped workers (plain classes; build_app decorates them) -----------------------------------------
 class ActorWorker:
     """The actor in its own GPU container: a few lines around `workers.actor.Actor`."""
@@ -188,11 +175,13 @@ class ActorWorker:
     @modal.method()
     def save_checkpoint(self, relative_folder: str) -> dict[str, Any]:
         """Write a checkpoint under the storage root (the Volume); its state and file manifest."""
+        from workers.storage import file_manifest
+
         folder = Path(self.storage_root) / relative_folder
         folder.mkdir(parents=True, exist_ok=True)
         state = self.actor.save_checkpoint(folder)
         self.volume.commit()
-        return {"state": state, "files": _file_manifest(folder), "folder": str(folder)}
+        return {"state": state, "files": file_manifest(folder), "folder": str(folder)}
 
     @modal.method()
     def restore(self, relative_folder: str | None) -> dict[str, int]:

@@ -39,7 +39,7 @@ from schemas.config import GRPOFlowConfig
 from workers.modal_app import APP_NAME, SANDBOX_TIMEOUT_S, VOLUME_PATH, WorkerApp, build_worker_app, worker_config_json
 from workers.resume import replay_actor_to
 from workers.rollout import GenerationResult, SamplingParams
-from workers.storage import file_sha256
+from workers.storage import file_matches
 from workers.weight_sync import WeightPayload, check_weight_sync_config
 
 Mode = Literal["remote", "local"]
@@ -440,21 +440,21 @@ def checkpoint_model_dir(checkpoint_dir: Path, cache_root: Path) -> Path:
     wanted = {name: spec for name, spec in pointer["files"].items() if name.startswith("model/")}
     if not wanted:
         raise FileNotFoundError(f"{pointer_path} lists no model/ files on Volume {pointer['volume']!r}")
-    target = cache_root / "volume-checkpoints" / pointer["volume"] / Path(pointer["path"]).relative_to(VOLUME_PATH)
-    if all(_file_matches(target / name, spec) for name, spec in wanted.items()):
+    remote_folder = Path(pointer["path"]).relative_to(VOLUME_PATH)  # Volume paths are relative to its root
+    target = cache_root / "volume-checkpoints" / pointer["volume"] / remote_folder
+    if all(file_matches(target / name, spec) for name, spec in wanted.items()):
         return target / "model"
     volume = open_volume(pointer["volume"])
-    remote_folder = Path(pointer["path"]).relative_to(VOLUME_PATH)  # Volume paths are relative to its root
     for name, spec in wanted.items():
         destination = target / name
-        if _file_matches(destination, spec):
+        if file_matches(destination, spec):
             continue
         destination.parent.mkdir(parents=True, exist_ok=True)
         partial = destination.with_name(destination.name + ".partial")
         with open(partial, "wb") as handle:
             for chunk in volume.read_file(str(remote_folder / name)):
                 handle.write(chunk)
-        if not _file_matches(partial, spec):
+        if not file_matches(partial, spec):
             partial.unlink()
             raise ValueError(
                 f"{name} of checkpoint {pointer['path']} on Volume {pointer['volume']!r} does not match its "
@@ -462,10 +462,6 @@ def checkpoint_model_dir(checkpoint_dir: Path, cache_root: Path) -> Path:
             )
         partial.replace(destination)
     return target / "model"
-
-
-def _file_matches(path: Path, spec: Mapping[str, Any]) -> bool:
-    return path.is_file() and path.stat().st_size == spec["bytes"] and file_sha256(path) == spec["sha256"]
 
 
 def modal_workers(config: GRPOFlowConfig, model_path: str | Path, **kwargs: Any) -> ModalWorkers:

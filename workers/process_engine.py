@@ -88,12 +88,10 @@ class ProcessRolloutEngine:
         return value
 
     def load(self) -> None:
-        from transformers import AutoTokenizer
+        from workers.rollout import load_generation_tokenizer
 
         self._call("load")
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, padding_side="left")
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer = load_generation_tokenizer(self.model_path)
         self.policy_version = 0
         self._loaded = True
 

@@ -56,6 +56,16 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, max_prompt_length: int | None)
     return list(ids)
 
 
+def load_generation_tokenizer(model_path: str | Path) -> Any:
+    """The model's tokenizer as generation needs it: prompts padded on the left, a pad token (EOS if none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 class TransformersRolloutEngine:
     """One rollout worker's copy of the policy, generating with transformers."""
 
@@ -68,11 +78,9 @@ class TransformersRolloutEngine:
         self.tokenizer: Any = None
 
     def load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, padding_side="left")
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer = load_generation_tokenizer(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         self.model.eval()
         self.policy_version = 0  # the initial model, whatever this engine held before

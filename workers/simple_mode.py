@@ -63,9 +63,10 @@ def storage_callback(storage: RunStorage, config: GRPOFlowConfig, plan: RunPlan)
 
 def train_with_trl(config: GRPOFlowConfig, plan: RunPlan, reward_funcs: list[Any], train_dataset: Any) -> dict[str, Any]:
     """Run GRPOTrainer.train() for the run's steps; returns TRL's final training output as numbers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
 
+    from workers.rollout import load_generation_tokenizer
     from workers.trl_objective import grpo_args
 
     storage = RunStorage(plan.storage_root, plan.run_id)
@@ -73,9 +74,7 @@ def train_with_trl(config: GRPOFlowConfig, plan: RunPlan, reward_funcs: list[Any
     args.max_steps = plan.total_steps
     args.logging_steps = 1
     args.report_to = ["wandb"] if config.report_to == "wandb" else []
-    tokenizer = AutoTokenizer.from_pretrained(plan.model_path, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_generation_tokenizer(plan.model_path)
     args.reward_weights = config.reward_weights  # TRL's GRPOConfig field, same rule as ours
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(plan.model_path),

@@ -99,6 +99,20 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every file under `folder`, by relative path: its size and sha256 (a checkpoint manifest's `files`)."""
+    return {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def file_matches(path: Path, expected: dict[str, Any]) -> bool:
+    """Whether `path` is a file with the size and sha256 a manifest entry gives."""
+    return path.is_file() and path.stat().st_size == expected["bytes"] and file_sha256(path) == expected["sha256"]
+
+
 @dataclass(frozen=True)
 class RunInfo:
     run_id: str
@@ -291,12 +305,7 @@ class RunStorage:
 
     def commit_checkpoint(self, step: int, staging: Path, extra: dict[str, Any]) -> Path:
         """Write the manifest (file list with sizes and checksums) last, then rename into place."""
-        files = {
-            str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-            for p in sorted(staging.rglob("*"))
-            if p.is_file()
-        }
-        atomic_write_json(staging / MANIFEST, {"step": step, "files": files, **extra})
+        atomic_write_json(staging / MANIFEST, {"step": step, "files": file_manifest(staging), **extra})
         final = self.checkpoint_dir(step)
         if final.exists():
             shutil.rmtree(staging)
@@ -322,7 +331,7 @@ class RunStorage:
             path = folder / name
             if not path.exists():
                 raise DamagedCheckpointError(f"checkpoint {folder}: {name} is missing")
-            if path.stat().st_size != expected["bytes"] or file_sha256(path) != expected["sha256"]:
+            if not file_matches(path, expected):
                 raise DamagedCheckpointError(f"checkpoint {folder}: {name} does not match its checksum")
         return manifest
 

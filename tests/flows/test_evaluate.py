@@ -244,24 +244,17 @@ def as_modal_checkpoint(run_dir, step: int) -> FakeVolume:
 
     from workers.modal_app import VOLUME_PATH
     from workers.modal_backend import VOLUME_CHECKPOINT_POINTER
-    from workers.storage import MANIFEST, file_sha256
+    from workers.storage import MANIFEST, file_manifest
 
     folder = run_dir / "checkpoints" / f"step-{step:06d}"
     remote = f"runs/{run_dir.name}/checkpoints/step-{step:06d}"
-    files, pointer_files = {}, {}
-    for path in sorted((folder / "model").rglob("*")):
-        if path.is_file():
-            name = str(path.relative_to(folder))
-            files[f"{remote}/{name}"] = path.read_bytes()
-            pointer_files[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    pointer_files = {name: spec for name, spec in file_manifest(folder).items() if name.startswith("model/")}
+    files = {f"{remote}/{name}": (folder / name).read_bytes() for name in pointer_files}
     shutil.rmtree(folder / "model")
     pointer = {"volume": "grpo-test-volume", "path": f"{VOLUME_PATH}/{remote}", "files": pointer_files}
     (folder / VOLUME_CHECKPOINT_POINTER).write_text(json.dumps(pointer))
     manifest = json.loads((folder / MANIFEST).read_text())
-    manifest["files"] = {
-        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-        for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST
-    }
+    manifest["files"] = {name: spec for name, spec in file_manifest(folder).items() if name != MANIFEST}
     (folder / MANIFEST).write_text(json.dumps(manifest))
     return FakeVolume(files)
 
