@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PROMPT = "What is 12 + 7? Answer with the number."
-
-
 from flows.cli import UsageError as ComponentError  # bad input; `grpo` prints it and exits 2
+
+DEFAULT_PROMPT = "What is 12 + 7? Answer with the number."
 
 
 # -- test-rollout ----------------------------------------------------------------------------------------
