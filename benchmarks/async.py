@@ -33,7 +33,12 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def run(
-    storage_root: str, model_path: str, run_id: str, steps: int, completion_length: int, max_staleness: int,
+    storage_root: str,
+    model_path: str,
+    run_id: str,
+    steps: int,
+    completion_length: int,
+    max_staleness: int,
     threads: int | None = None,
 ) -> dict[str, Any]:
     """One run; `threads`: torch threads for this process's generation and actor step (the
@@ -43,11 +48,20 @@ def run(
     from flows.grpo import grpo
     from schemas.presets import preset_config
     from workers.backends import release
-    from workers.storage import RunStorage
+    from workers.state.storage import RunStorage
 
     config = preset_config(
-        "tiny", model=model_path, run_id=run_id, storage_root=storage_root, max_steps=steps, save_steps=steps, eval_prompts=0,
-        prompts_per_step=4, num_generations=8, max_completion_length=completion_length, max_staleness=max_staleness,
+        "tiny",
+        model=model_path,
+        run_id=run_id,
+        storage_root=storage_root,
+        max_steps=steps,
+        save_steps=steps,
+        eval_prompts=0,
+        prompts_per_step=4,
+        num_generations=8,
+        max_completion_length=completion_length,
+        max_staleness=max_staleness,
         num_rollout_workers=1,
     )
     if threads is not None:
@@ -107,8 +121,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sync_all_cores_steps_per_s": sync_all_cores["steps_per_s"],
         "speedup_vs_all_cores": pipelined["steps_per_s"] / sync_all_cores["steps_per_s"],
     }
-    print(f"random Qwen2, {params / 1e6:.1f}M parameters, 4 prompts x 8 generations, up to {args.completion_length} tokens, {args.steps} steps "
-          f"(first left out), {os.cpu_count()} cores\n")
+    print(
+        f"random Qwen2, {params / 1e6:.1f}M parameters, 4 prompts x 8 generations, up to {args.completion_length} tokens, {args.steps} steps "
+        f"(first left out), {os.cpu_count()} cores\n"
+    )
     print(f"{'side':<40}{'steps/s':>9}{'median step (s)':>17}{'tokens/step':>13}{'final reward':>14}")
     half = max(1, (os.cpu_count() or 1) // 2)
     sides = (
@@ -117,8 +133,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (f"one-step-off (max_staleness 1), {half} each", pipelined),
     )
     for name, side in sides:
-        print(f"{name:<40}{side['steps_per_s']:>9.3f}{side['median_step_s']:>17.3f}{side['tokens_per_step']:>13.1f}"
-              f"{side['final_reward']:>14.3f}")
+        print(
+            f"{name:<40}{side['steps_per_s']:>9.3f}{side['median_step_s']:>17.3f}{side['tokens_per_step']:>13.1f}"
+            f"{side['final_reward']:>14.3f}"
+        )
     print(f"\nspeedup (steps/s, async / sync with the same cores each): {result['speedup']:.2f}   (target >= 1.5)")
     print(f"speedup over a synchronous run using every core:       {result['speedup_vs_all_cores']:.2f}")
     if args.json:

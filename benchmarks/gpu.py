@@ -37,8 +37,15 @@ from typing import Any
 
 from benchmarks.memory import QWEN_05B_SHAPE, rollouts_table
 
-TINY_SHAPE = {**QWEN_05B_SHAPE, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+TINY_SHAPE = {
+    **QWEN_05B_SHAPE,
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def model_flops_per_step(parameters: int, layers: int, hidden: int, rows: int, sequence: int) -> float:
@@ -78,11 +85,14 @@ def build_model(folder: Path, shape: dict[str, Any]) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from workers.tiny_model import build_tokenizer
+    from workers.data.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
-        **shape, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id
+        **shape,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
@@ -97,10 +107,15 @@ def actor_throughput(
     import torch
 
     from schemas.presets import preset_config
-    from workers.actor import Actor
+    from workers.actor.actor import Actor
 
-    overrides: dict[str, Any] = {"model": model_path, "run_id": "gpu-bench", "learning_rate": 1e-6,
-                                 "max_completion_length": completion_tokens, "max_prompt_length": prompt_tokens}
+    overrides: dict[str, Any] = {
+        "model": model_path,
+        "run_id": "gpu-bench",
+        "learning_rate": 1e-6,
+        "max_completion_length": completion_tokens,
+        "max_prompt_length": prompt_tokens,
+    }
     if checkpointing:
         overrides["gradient_checkpointing"] = True
     actor = Actor(preset_config("tiny", **overrides), model_path, device=device)
@@ -119,7 +134,9 @@ def actor_throughput(
     step_s = statistics.median(seconds[1:])
     config = actor.model.config
     parameters = sum(p.numel() for p in actor.model.parameters())
-    flops = model_flops_per_step(parameters, config.num_hidden_layers, config.hidden_size, rows, prompt_tokens + completion_tokens)
+    flops = model_flops_per_step(
+        parameters, config.num_hidden_layers, config.hidden_size, rows, prompt_tokens + completion_tokens
+    )
     return {
         "bf16": bool(actor.objective.args.bf16),
         "gradient_checkpointing": checkpointing,
@@ -133,11 +150,14 @@ def actor_throughput(
     }
 
 
-def generation_throughput(model_path: str, device: str, prompts: int, n: int, new_tokens: int, dtype_name: str) -> dict[str, Any]:
+def generation_throughput(
+    model_path: str, device: str, prompts: int, n: int, new_tokens: int, dtype_name: str
+) -> dict[str, Any]:
     import torch
 
-    from workers.data import load_task
-    from workers.rollout import SamplingParams, TransformersRolloutEngine
+    from workers.data.loaders import load_task
+    from workers.rollout.base import SamplingParams
+    from workers.rollout.transformers_engine import TransformersRolloutEngine
 
     engine = TransformersRolloutEngine(model_path, worker_id="gpu-bench", device=device)
     engine.load()
@@ -160,7 +180,7 @@ def generation_throughput(model_path: str, device: str, prompts: int, n: int, ne
         "sequences": prompts * n,
         "new_tokens_per_call": statistics.median(generated[1:]),
         "call_s": statistics.median(seconds[1:]),
-        "tokens_per_s": statistics.median(g / s for g, s in zip(generated[1:], seconds[1:])),
+        "tokens_per_s": statistics.median(g / s for g, s in zip(generated[1:], seconds[1:], strict=True)),
     }
 
 
@@ -200,7 +220,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_path = str(Path(tmp) / f"{args.shape}-shape")
         parameters = build_model(Path(model_path), shape)
         actor = actor_throughput(
-            model_path, args.device, args.rows, args.prompt_tokens, args.completion_tokens, args.steps,
+            model_path,
+            args.device,
+            args.rows,
+            args.prompt_tokens,
+            args.completion_tokens,
+            args.steps,
             args.gradient_checkpointing,
         )
         matmul_dtype = "bfloat16" if actor["bf16"] else "float32"
@@ -221,8 +246,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "generation_tokens_per_s": {g["dtype"]: g["tokens_per_s"] for g in generation},
         "actor": actor,
         "generation": generation,
-        "workload": {"rows": args.rows, "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens,
-                     "gen_prompts": args.gen_prompts, "gen_n": args.gen_n},
+        "workload": {
+            "rows": args.rows,
+            "prompt_tokens": args.prompt_tokens,
+            "completion_tokens": args.completion_tokens,
+            "gen_prompts": args.gen_prompts,
+            "gen_n": args.gen_n,
+        },
     }
     print_report(result)
     if args.json:
@@ -232,15 +262,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def print_report(r: dict[str, Any]) -> None:
     a, w = r["actor"], r["workload"]
-    print(f"\n{r['device']}, torch {r['torch']}; randomly initialised {r['shape']} shape, {r['parameters'] / 1e6:.0f}M parameters\n")
+    print(
+        f"\n{r['device']}, torch {r['torch']}; randomly initialised {r['shape']} shape, {r['parameters'] / 1e6:.0f}M parameters\n"
+    )
     print(f"measured {r['matmul_dtype']} matmul rate: {r['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
-    print(f"\nactor step ({w['rows']} rows x {w['prompt_tokens']}+{w['completion_tokens']} tokens, "
-          f"bf16 {'on' if a['bf16'] else 'off'}, gradient checkpointing {'on' if a['gradient_checkpointing'] else 'off'}):")
-    print(f"  {a['step_s']:.3f} s per step (median), {a['tokens_per_s']:,.0f} tokens/s, "
-          f"{a['model_flops_per_s'] / 1e12:.1f} model TFLOP/s, MFU {100 * r['mfu']:.1f} %")
+    print(
+        f"\nactor step ({w['rows']} rows x {w['prompt_tokens']}+{w['completion_tokens']} tokens, "
+        f"bf16 {'on' if a['bf16'] else 'off'}, gradient checkpointing {'on' if a['gradient_checkpointing'] else 'off'}):"
+    )
+    print(
+        f"  {a['step_s']:.3f} s per step (median), {a['tokens_per_s']:,.0f} tokens/s, "
+        f"{a['model_flops_per_s'] / 1e12:.1f} model TFLOP/s, MFU {100 * r['mfu']:.1f} %"
+    )
     if a["peak_gpu_memory_bytes"]:
         print(f"  peak GPU memory {a['peak_gpu_memory_bytes'] / 1024**3:.1f} GiB")
-    print(f"\ntransformers generation ({w['gen_prompts']} prompts x {w['gen_n']} samples x {w['completion_tokens']} new tokens):")
+    print(
+        f"\ntransformers generation ({w['gen_prompts']} prompts x {w['gen_n']} samples x {w['completion_tokens']} new tokens):"
+    )
     for g in r["generation"]:
         print(f"  {g['dtype']:<9} {g['tokens_per_s']:>12,.0f} tokens/s   ({g['call_s']:.2f} s per call)")
 

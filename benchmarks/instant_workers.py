@@ -6,7 +6,7 @@ task runs, serialization and storage.
 
 `instant_workers()` swaps `workers.backends.run_workers` and `workers.backends.release` (which
 every task calls through the module, so nothing else changes) for a backend with the same
-surface as `workers.local.LocalWorkers`:
+surface as `workers.backends.local.LocalWorkers`:
 
 - rollout engines answer `generate` at once with completions of the requested length, drawn
   from the seed (digits, so the `last_digit` reward spreads and advantages are not all zero),
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from schemas.config import GRPOFlowConfig
-from workers.rollout import GenerationResult, SamplingParams
-from workers.storage import RunStorage
-from workers.resume import replay_actor_to
+from workers.rollout.base import GenerationResult, SamplingParams
+from workers.state.storage import RunStorage
+from workers.state.resume import replay_actor_to
 
 EOS_ID = 257  # the tiny tokenizer's <|im_end|>: 256 byte tokens, then pad, then eos
 DIGIT_IDS = {str(d): 48 + d for d in range(10)}  # the tiny tokenizer is byte-level
@@ -53,9 +53,11 @@ class InstantRolloutEngine:
         self.model: Any = object()  # "loaded"
         self.tokenizer = InstantTokenizer()
 
-    def generate(self, prompts: list[Any], params: SamplingParams, max_prompt_length: int | None = None) -> GenerationResult:
+    def generate(
+        self, prompts: list[Any], params: SamplingParams, max_prompt_length: int | None = None
+    ) -> GenerationResult:
         rng = random.Random(params.seed)
-        prompt_ids = [list(str(p).encode())[-(max_prompt_length or 10**9):] for p in prompts]
+        prompt_ids = [list(str(p).encode())[-(max_prompt_length or 10**9) :] for p in prompts]
         completion_ids, logprobs, texts, reasons = [], [], [], []
         for _ in prompts:
             for _ in range(params.n):
@@ -126,7 +128,7 @@ class InstantActor:
 
 
 class InstantWorkers:
-    """`workers.local.LocalWorkers`' surface, with nothing behind it."""
+    """`workers.backends.local.LocalWorkers`' surface, with nothing behind it."""
 
     def __init__(self, config: GRPOFlowConfig, checkpoint_bytes: int):
         self.config = config

@@ -71,7 +71,7 @@ def build_qwen_shape(folder: Path) -> dict[str, Any]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from workers.tiny_model import build_tokenizer
+    from workers.data.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -96,21 +96,25 @@ def rollouts_table(rows: int, prompt_tokens: int, completion_tokens: int, vocab:
     high = min(vocab, 256)  # byte tokens: valid for the tiny tokenizer and any larger vocabulary
     prompt = torch.randint(0, high, (rows, prompt_tokens), generator=generator).tolist()
     completion = torch.randint(0, high, (rows, completion_tokens), generator=generator).tolist()
-    return pa.table({
-        "prompt_token_ids": prompt,
-        "completion_token_ids": completion,
-        "sampling_logprobs": [[-2.0] * completion_tokens for _ in range(rows)],
-        "advantage": torch.randn(rows, generator=generator).tolist(),
-        "finish_reason": ["length"] * rows,
-        "policy_version": [0] * rows,
-    })
+    return pa.table(
+        {
+            "prompt_token_ids": prompt,
+            "completion_token_ids": completion,
+            "sampling_logprobs": [[-2.0] * completion_tokens for _ in range(rows)],
+            "advantage": torch.randn(rows, generator=generator).tolist(),
+            "finish_reason": ["length"] * rows,
+            "policy_version": [0] * rows,
+        }
+    )
 
 
-def measure_step(model_path: str, rows: int, prompt_tokens: int, completion_tokens: int, checkpointing: bool) -> dict[str, Any]:
+def measure_step(
+    model_path: str, rows: int, prompt_tokens: int, completion_tokens: int, checkpointing: bool
+) -> dict[str, Any]:
     import torch
 
     from schemas.presets import preset_config
-    from workers.actor import Actor
+    from workers.actor.actor import Actor
 
     started = time.perf_counter()
     overrides: dict[str, Any] = {
@@ -140,7 +144,8 @@ def measure_step(model_path: str, rows: int, prompt_tokens: int, completion_toke
         "completion_tokens": completion_tokens,
         "gradient_checkpointing": bool(checkpointing),
         "gradient_checkpointing_on": bool(
-            getattr(actor.model, "is_activation_checkpointing", None) or getattr(actor.model, "is_gradient_checkpointing", False)
+            getattr(actor.model, "is_activation_checkpointing", None)
+            or getattr(actor.model, "is_gradient_checkpointing", False)
         ),
         "threads": torch.get_num_threads(),
         "peak_before_step_bytes": before_step,
@@ -158,7 +163,9 @@ def child_main(args: argparse.Namespace) -> None:
     if args.child == "build":
         result = build_qwen_shape(Path(args.model_path))
     else:
-        result = measure_step(args.model_path, args.rows, args.prompt_tokens, args.completion_tokens, args.checkpointing)
+        result = measure_step(
+            args.model_path, args.rows, args.prompt_tokens, args.completion_tokens, args.checkpointing
+        )
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -172,7 +179,7 @@ def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
     if done.returncode != 0 or not lines:
         killed = " (killed: out of memory?)" if done.returncode in (-9, 137) else ""
         return {"error": f"exit status {done.returncode}{killed}: {done.stderr.strip()[-2000:]}"}
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def tiny_model(workdir: Path, given: str | None) -> str:
@@ -217,12 +224,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if "error" in built:
                     results["models"][name] = {"error": "building the model: " + built["error"]}
                     continue
-                shape = ["--rows", str(args.rows), "--prompt-tokens", str(args.prompt_tokens),
-                         "--completion-tokens", str(args.completion_tokens)]
+                shape = [
+                    "--rows",
+                    str(args.rows),
+                    "--prompt-tokens",
+                    str(args.prompt_tokens),
+                    "--completion-tokens",
+                    str(args.completion_tokens),
+                ]
             runs = {}
             for checkpointing in (0, 1):
                 runs["with_gc" if checkpointing else "without_gc"] = run_child(
-                    ["--child", "step", "--model-path", path, "--checkpointing", str(checkpointing), *shape], args.timeout
+                    ["--child", "step", "--model-path", path, "--checkpointing", str(checkpointing), *shape],
+                    args.timeout,
                 )
             results["models"][name] = {**built, **runs}
     qwen = results["models"].get("qwen0.5b", {})
@@ -240,8 +254,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def print_report(results: dict[str, Any]) -> None:
     print("\nPeak resident memory of the actor process, one step on CPU (fp32, AdamW), a fresh process each\n")
-    print(f"{'model':<12}{'params':>9}{'batch (rows x prompt+completion)':>34}{'grad ckpt':>11}"
-          f"{'before step GiB':>16}{'peak GiB':>10}{'step s':>9}")
+    print(
+        f"{'model':<12}{'params':>9}{'batch (rows x prompt+completion)':>34}{'grad ckpt':>11}"
+        f"{'before step GiB':>16}{'peak GiB':>10}{'step s':>9}"
+    )
     for name, entry in results["models"].items():
         if "error" in entry:
             print(f"{name:<12}  error: {entry['error'][:300]}")
@@ -249,12 +265,16 @@ def print_report(results: dict[str, Any]) -> None:
         for key in ("without_gc", "with_gc"):
             r = entry.get(key, {})
             if "peak_bytes" not in r:
-                print(f"{name:<12}{'':>9}{'':>34}{('on' if key == 'with_gc' else 'off'):>11}  "
-                      f"{r.get('skipped') or r.get('error', '')[:300]}")
+                print(
+                    f"{name:<12}{'':>9}{'':>34}{('on' if key == 'with_gc' else 'off'):>11}  "
+                    f"{r.get('skipped') or r.get('error', '')[:300]}"
+                )
                 continue
             batch = f"{r['rows']} x {r['prompt_tokens']}+{r['completion_tokens']}"
-            print(f"{name:<12}{r['parameters'] / 1e6:>8.1f}M{batch:>34}{('on' if r['gradient_checkpointing'] else 'off'):>11}"
-                  f"{r['peak_before_step_bytes'] / GIB:>16.2f}{r['peak_bytes'] / GIB:>10.2f}{r['step_s']:>9.1f}")
+            print(
+                f"{name:<12}{r['parameters'] / 1e6:>8.1f}M{batch:>34}{('on' if r['gradient_checkpointing'] else 'off'):>11}"
+                f"{r['peak_before_step_bytes'] / GIB:>16.2f}{r['peak_bytes'] / GIB:>10.2f}{r['step_s']:>9.1f}"
+            )
     if "qwen0.5b" in results["models"]:
         print(f"\nQwen2.5-0.5B-shape step within {LIMIT_GIB} GiB: {'yes' if results['qwen05b_fits_16gib'] else 'NO'}")
 

@@ -42,6 +42,7 @@ on Prefect's worker threads) and prints the N functions with the most cumulative
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -79,7 +80,7 @@ def tiny_config(model: str, storage_root: str, run_id: str, steps: int) -> Any:
 
 def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
     from flows.grpo import grpo
-    from workers.storage import RunStorage
+    from workers.state.storage import RunStorage
 
     counter = ApiCounter()
     clock = StepClock(counter)
@@ -178,7 +179,7 @@ def run_prefect_floor(steps: int, tasks_per_step: int) -> dict[str, float]:
                 for _ in range(steps + 1):
                     starts.append(time.perf_counter())
                     noop_step(count)
-                intervals = [b - a for a, b in zip(starts, starts[1:])]
+                intervals = [b - a for a, b in itertools.pairwise(starts)]
                 medians[kind] = statistics.median(intervals[1:] or intervals)
         empty, full = medians["empty"], medians["full"]
         return {"subflow_s": empty, "subflow_with_tasks_s": full, "task_s": (full - empty) / tasks_per_step}
@@ -196,13 +197,23 @@ def synthetic_batch(rows: int, prompt_tokens: int, completion_tokens: int) -> An
     from schemas.records import RolloutBatch
 
     return RolloutBatch(
-        run_id="walk", step=1, policy_version=0, worker_id="rollout-0", prompt_id=[str(i) for i in range(rows)],
-        group_index=[i // 8 for i in range(rows)], sample_index=[i % 8 for i in range(rows)],
-        prompt=["p" * prompt_tokens] * rows, completion=["c" * completion_tokens] * rows,
+        run_id="walk",
+        step=1,
+        policy_version=0,
+        worker_id="rollout-0",
+        prompt_id=[str(i) for i in range(rows)],
+        group_index=[i // 8 for i in range(rows)],
+        sample_index=[i % 8 for i in range(rows)],
+        prompt=["p" * prompt_tokens] * rows,
+        completion=["c" * completion_tokens] * rows,
         prompt_token_ids=[[1] * prompt_tokens for _ in range(rows)],
         completion_token_ids=[[2] * completion_tokens for _ in range(rows)],
-        sampling_logprobs=[[-1.0] * completion_tokens for _ in range(rows)], finish_reason=["length"] * rows,
-        rewards={"last_digit": [0.0] * rows}, reward=[0.0] * rows, reward_error=[None] * rows, advantage=[0.0] * rows,
+        sampling_logprobs=[[-1.0] * completion_tokens for _ in range(rows)],
+        finish_reason=["length"] * rows,
+        rewards={"last_digit": [0.0] * rows},
+        reward=[0.0] * rows,
+        reward_error=[None] * rows,
+        advantage=[0.0] * rows,
     )
 
 
@@ -215,8 +226,14 @@ def parameter_walk_ms(repeats: int = 3) -> dict[str, dict[str, float]]:
     from prefect.utilities.engine import collect_task_run_inputs_sync, resolve_to_final_result
 
     def walks(value: Any) -> None:
-        visit_collection(value, visit_fn=resolve_to_final_result, return_data=True, max_depth=-1,
-                         remove_annotations=True, context={"parameter_name": "batch"})
+        visit_collection(
+            value,
+            visit_fn=resolve_to_final_result,
+            return_data=True,
+            max_depth=-1,
+            remove_annotations=True,
+            context={"parameter_name": "batch"},
+        )
         collect_task_run_inputs_sync(value)
 
     out = {}
@@ -240,10 +257,18 @@ def print_report(instant: dict, flat: dict, real: dict, floor: dict, result: dic
         ("  of which inside the grpo-step subflow body", instant["median_in_subflow_s"] * ms, ""),
         ("  subflow call (body + subflow run start/end)", instant["median_subflow_call_s"] * ms, ""),
         ("  first step (warm-up, not counted)", instant["first_step_s"] * ms, ""),
-        ("  mean per step (with SQLite's 2 s lock retries)", instant["mean_step_s"] * ms, "orchestration_mean_ms_per_step"),
+        (
+            "  mean per step (with SQLite's 2 s lock retries)",
+            instant["mean_step_s"] * ms,
+            "orchestration_mean_ms_per_step",
+        ),
         ("instant workers, step_subflows off: per step", flat["median_step_s"] * ms, "no_subflows_ms_per_step"),
         ("  mean per step", flat["mean_step_s"] * ms, "no_subflows_mean_ms_per_step"),
-        ("same tasks' bodies called without Prefect: per step", instant["median_direct_step_s"] * ms, "no_prefect_ms_per_step"),
+        (
+            "same tasks' bodies called without Prefect: per step",
+            instant["median_direct_step_s"] * ms,
+            "no_prefect_ms_per_step",
+        ),
         ("real tiny preset: per step", real["median_step_s"] * ms, "tiny_step_ms"),
         ("  of which inside the grpo-step subflow body", real["median_in_subflow_s"] * ms, ""),
         ("  workers (generate, score, actor, sync; as logged)", real["median_work_s"] * ms, ""),
@@ -280,12 +305,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--real-steps", type=int, default=5, help="real tiny-preset steps (default 5)")
     parser.add_argument("--floor-steps", type=int, default=10, help="subflows for the Prefect-alone floor (default 10)")
     parser.add_argument(
-        "--tiny-model", default=None,
+        "--tiny-model",
+        default=None,
         help="the tiny preset's built model folder (default: grpo-storage/models/tiny-qwen2 if built, "
         "else the same architecture randomly initialised)",
     )
     parser.add_argument(
-        "--unbatched-recorder", action="store_true",
+        "--unbatched-recorder",
+        action="store_true",
         help="ephemeral server's task-run recorder writes one event per transaction (Prefect's default; "
         "importing flows makes it up to 100)",
     )

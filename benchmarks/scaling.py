@@ -92,7 +92,13 @@ def scaling_config(storage_root: str, model: str, run_id: str, steps: int, save_
     from schemas.presets import preset_config
 
     return preset_config(
-        "tiny", model=model, storage_root=storage_root, run_id=run_id, max_steps=steps, eval_prompts=0, save_steps=save_steps
+        "tiny",
+        model=model,
+        storage_root=storage_root,
+        run_id=run_id,
+        max_steps=steps,
+        eval_prompts=0,
+        save_steps=save_steps,
     )
 
 
@@ -106,7 +112,9 @@ def run_flow(config: Any, clock: StepClock) -> dict[str, Any]:
     return summary
 
 
-def build_run(workdir: Path, model: str, run_id: str, steps: int, window: int, save_steps: int, fill: str) -> dict[str, Any]:
+def build_run(
+    workdir: Path, model: str, run_id: str, steps: int, window: int, save_steps: int, fill: str
+) -> dict[str, Any]:
     """The run, with its first and last `window` steps through the flow; the logging and step times of those."""
     from workers import backends
 
@@ -125,7 +133,9 @@ def build_run(workdir: Path, model: str, run_id: str, steps: int, window: int, s
             run_flow(scaling_config(storage_root, model, run_id, steps, save_steps), clock)
     early, late = range(1, window + 1), range(steps - window + 1, steps + 1)
     per_step = clock.intervals()
-    early_per_step = [s for s in early if s + 1 in clock.starts]  # start-to-start: the step after it ran in the flow too
+    early_per_step = [
+        s for s in early if s + 1 in clock.starts
+    ]  # start-to-start: the step after it ran in the flow too
     late_per_step = [s for s in late if s + 1 in clock.starts] or [steps]
     return {
         "logging_early_ms": 1000 * median_of(logging_clock.per_step, early),
@@ -133,7 +143,9 @@ def build_run(workdir: Path, model: str, run_id: str, steps: int, window: int, s
         "step_early_ms": 1000 * median_of(per_step, early_per_step),
         "step_late_ms": 1000 * median_of(per_step, late_per_step),
         "fill_s": fill_s,
-        "logging_per_step_ms": {str(s): 1000 * v for s, v in sorted(logging_clock.per_step.items()) if s in early or s in late},
+        "logging_per_step_ms": {
+            str(s): 1000 * v for s, v in sorted(logging_clock.per_step.items()) if s in early or s in late
+        },
     }
 
 
@@ -173,12 +185,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=500, help="length of the long run (default 500)")
     parser.add_argument("--window", type=int, default=10, help="steps compared at each end (default 10)")
-    parser.add_argument("--short-steps", type=int, default=10, help="length of the short run that is resumed (default 10)")
+    parser.add_argument(
+        "--short-steps", type=int, default=10, help="length of the short run that is resumed (default 10)"
+    )
     parser.add_argument("--resumes", type=int, default=3, help="resumes of each run (default 3)")
     parser.add_argument("--cli-repeats", type=int, default=3, help="runs of each grpo command (default 3)")
     parser.add_argument("--save-steps", type=int, default=1, help="checkpoint every N steps (default 1: every step)")
-    parser.add_argument("--fill", choices=("direct", "flow"), default="direct",
-                        help="how the steps between the two windows are written (default direct)")
+    parser.add_argument(
+        "--fill",
+        choices=("direct", "flow"),
+        default="direct",
+        help="how the steps between the two windows are written (default direct)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     if args.window < 2 or args.steps < 2 * args.window or args.short_steps < 2:
@@ -192,14 +210,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = instant_model_dir(workdir / "instant-model")
         with instant_workers():
             long_run = build_run(workdir, model, "long", args.steps, args.window, args.save_steps, args.fill)
-            run_flow(scaling_config(str(workdir / "storage"), model, "short", args.short_steps, args.save_steps), StepClock())
+            run_flow(
+                scaling_config(str(workdir / "storage"), model, "short", args.short_steps, args.save_steps), StepClock()
+            )
             resumes: dict[str, list[dict[str, float]]] = {"short": [], "long": []}
             for i in range(1, args.resumes + 1):
                 resumes["short"].append(resume_once(workdir, model, "short", args.short_steps + i, args.save_steps))
                 resumes["long"].append(resume_once(workdir, model, "long", args.steps + i, args.save_steps))
         storage_root = str(workdir / "storage")
         runs_latency = cli_latency(storage_root, ["runs"], args.cli_repeats)
-        rollouts_latency = cli_latency(storage_root, ["rollouts", "long", "--step", str(args.steps // 2)], args.cli_repeats)
+        rollouts_latency = cli_latency(
+            storage_root, ["rollouts", "long", "--step", str(args.steps // 2)], args.cli_repeats
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -234,23 +256,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
     n, w = args.steps, args.window
-    print(f"\nCosts as a run grows: instant workers, tiny preset's shapes, a checkpoint every {args.save_steps} step(s); "
-          f"{r['wall_s']:.0f} s in all")
-    fill = f"steps {w + 1}..{n - w} written directly in {r['fill_s']:.1f} s" if r["fill_s"] is not None else "every step through the flow"
+    print(
+        f"\nCosts as a run grows: instant workers, tiny preset's shapes, a checkpoint every {args.save_steps} step(s); "
+        f"{r['wall_s']:.0f} s in all"
+    )
+    fill = (
+        f"steps {w + 1}..{n - w} written directly in {r['fill_s']:.1f} s"
+        if r["fill_s"] is not None
+        else "every step through the flow"
+    )
     print(f"(long run: {n} steps, {fill}; short run: {args.short_steps} steps)\n")
     print(f"{'':<58}{'early':>10}{'late':>10}{'late/early':>12}")
-    print(f"{f'logging per step, ms (steps 1-{w} vs {n - w + 1}-{n})':<58}{r['logging_early_ms']:>10.1f}"
-          f"{r['logging_late_ms']:>10.1f}{r['late_over_early']:>12.2f}   [late_over_early, target <= 1.2]")
-    print(f"{'whole step, ms (start to next start)':<58}{r['step_early_ms']:>10.1f}{r['step_late_ms']:>10.1f}"
-          f"{r['step_late_over_early']:>12.2f}")
+    print(
+        f"{f'logging per step, ms (steps 1-{w} vs {n - w + 1}-{n})':<58}{r['logging_early_ms']:>10.1f}"
+        f"{r['logging_late_ms']:>10.1f}{r['late_over_early']:>12.2f}   [late_over_early, target <= 1.2]"
+    )
+    print(
+        f"{'whole step, ms (start to next start)':<58}{r['step_early_ms']:>10.1f}{r['step_late_ms']:>10.1f}"
+        f"{r['step_late_over_early']:>12.2f}"
+    )
     print(f"\n{'':<58}{f'{args.short_steps} steps':>10}{f'{n} steps':>10}{'ratio':>12}")
-    print(f"{'resume: flow start to first new step, s':<58}{r['resume_short_s']:>10.2f}{r['resume_long_s']:>10.2f}"
-          f"{r['resume_500_over_10']:>12.2f}   [resume_500_over_10, target <= 1.2]")
-    print(f"{'resume: whole call (one more step), s':<58}{r['resume_short_whole_s']:>10.2f}{r['resume_long_whole_s']:>10.2f}")
+    print(
+        f"{'resume: flow start to first new step, s':<58}{r['resume_short_s']:>10.2f}{r['resume_long_s']:>10.2f}"
+        f"{r['resume_500_over_10']:>12.2f}   [resume_500_over_10, target <= 1.2]"
+    )
+    print(
+        f"{'resume: whole call (one more step), s':<58}{r['resume_short_whole_s']:>10.2f}{r['resume_long_whole_s']:>10.2f}"
+    )
     print(f"\n{f'on the {n}-step run':<58}{'command':>10}{'in-proc':>10}")
     print(f"{'grpo runs, s':<58}{r['grpo_runs_s']:>10.2f}{r['grpo_runs_in_process_s']:>10.3f}   [target < 1 s]")
-    print(f"{f'grpo rollouts long --step {n // 2}, s':<58}{r['grpo_rollouts_s']:>10.2f}"
-          f"{r['grpo_rollouts_in_process_s']:>10.3f}   [target < 1 s]")
+    print(
+        f"{f'grpo rollouts long --step {n // 2}, s':<58}{r['grpo_rollouts_s']:>10.2f}"
+        f"{r['grpo_rollouts_in_process_s']:>10.3f}   [target < 1 s]"
+    )
 
 
 if __name__ == "__main__":

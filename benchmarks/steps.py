@@ -84,7 +84,7 @@ class StepClock:
         """Step -> seconds from its start to the next step's start (the last step: to its end)."""
         steps = sorted(self.starts)
         out = {}
-        for this, after in zip(steps, steps[1:] + [None]):
+        for this, after in zip(steps, steps[1:] + [None], strict=True):
             out[this] = (self.starts[after] if after is not None else self.ends[this]) - self.starts[this]
         return out
 
@@ -113,7 +113,11 @@ class ApiCounter:
         from prefect.client.base import PrefectHttpxAsyncClient, PrefectHttpxSyncClient
         from prefect.events.clients import PrefectEventsClient
 
-        sync_send, async_send, emit = PrefectHttpxSyncClient.send, PrefectHttpxAsyncClient.send, PrefectEventsClient._emit
+        sync_send, async_send, emit = (
+            PrefectHttpxSyncClient.send,
+            PrefectHttpxAsyncClient.send,
+            PrefectEventsClient._emit,
+        )
         counter = self
 
         def counted_sync_send(client: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -155,7 +159,9 @@ class ApiCounter:
             "request_ms": 1000 * sum(self.request_seconds.values()) / steps,
             "events": sum(self.events.values()) / steps,
             "requests_by_endpoint": {k: v / steps for k, v in self.requests.most_common()},
-            "request_ms_by_endpoint": {k: 1000 * self.request_seconds[k] / steps for k, _ in self.requests.most_common()},
+            "request_ms_by_endpoint": {
+                k: 1000 * self.request_seconds[k] / steps for k, _ in self.requests.most_common()
+            },
             "events_by_kind": {k: v / steps for k, v in self.events.most_common()},
         }
 
@@ -168,7 +174,7 @@ def median_of(values: dict[int, float], steps: range | list[int]) -> float:
 def build_tiny_architecture(folder: Path) -> str:
     """The tiny preset's model architecture and tokenizer, randomly initialised (no format warm start:
     building that takes minutes, and a step's cost depends on the shapes, not on the weights)."""
-    from workers.tiny_model import build_model, build_tokenizer
+    from workers.data.tiny_model import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
@@ -208,8 +214,13 @@ def run_steps_directly(config: Any, plan: Any, first: int, last: int) -> dict[in
         synced = sync_weights.fn(config, plan) if step % config.sync_weights_every == 0 or step == last else {}
         rollout_version = int(synced.get("synced_version", rollout_version))
         row = {
-            "run_id": plan.run_id, "step": step, "policy_version": step, **stats,
-            "num_completions": sum(len(b) for b in batches), **metrics, **synced,
+            "run_id": plan.run_id,
+            "step": step,
+            "policy_version": step,
+            **stats,
+            "num_completions": sum(len(b) for b in batches),
+            **metrics,
+            **synced,
             "step_s": time.perf_counter() - started,
         }
         log_metrics.fn(config, plan, step, row)

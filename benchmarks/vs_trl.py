@@ -46,7 +46,7 @@ WORK = {  # identical for both sides
 
 
 def build_shared_model(folder: Path, hidden_size: int, layers: int) -> tuple[str, int]:
-    from workers.tiny_model import build_model, build_tokenizer
+    from workers.data.tiny_model import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, hidden_size=hidden_size, layers=layers, seed=1)
@@ -74,8 +74,8 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from workers.data import load_task
-    from workers.rewards import last_digit
+    from workers.data.loaders import load_task
+    from workers.rewards.functions import last_digit
 
     completion_tokens: list[int] = []
 
@@ -151,7 +151,7 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
 def run_grpo_flow(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     from flows.grpo import grpo
     from schemas.config import GRPOFlowConfig
-    from workers.storage import RunStorage
+    from workers.state.storage import RunStorage
 
     config = GRPOFlowConfig(
         run_id="vs-trl",
@@ -200,7 +200,9 @@ def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, o
     print(f"{'side':<12}{'median step (s)':>17}{'tokens generated/step':>24}{'steps':>7}")
     print(f"{'TRL':<12}{trl['step_s']:>17.3f}{trl['tokens_per_step']:>24.1f}{trl['steps']:>7}")
     print(f"{'grpo-flow':<12}{ours['step_s']:>17.3f}{ours['tokens_per_step']:>24.1f}{ours['steps']:>7}")
-    print(f"\nratio grpo-flow / TRL: {ratio:.2f}   (grpo-flow inside its step subflow: {ours['in_subflow_step_s']:.3f} s)")
+    print(
+        f"\nratio grpo-flow / TRL: {ratio:.2f}   (grpo-flow inside its step subflow: {ours['in_subflow_step_s']:.3f} s)"
+    )
     for side, result in (("grpo-flow", ours), ("TRL", trl)):
         print(f"\n{side} phases, median seconds per step:")
         for name, seconds in result["phases"].items():

@@ -45,8 +45,8 @@ from pydantic import Field, ValidationError
 from flows.grpo import grpo, new_run_id
 from schemas.config import GRPOFlowConfig, describe_validation_error
 from schemas.presets import PRESETS
-from workers.resume import ResumeError, check_config_change, config_for_resume
-from workers.storage import RunStorage
+from workers.state.resume import ResumeError, check_config_change, config_for_resume
+from workers.state.storage import RunStorage
 
 # Parameters of the wrapper that are not config fields.
 OWN_PARAMETERS = ("preset", "config", "allow_config_change", "fail_at")
@@ -69,7 +69,8 @@ def resolve_config(preset: str, overrides: dict[str, Any], allow_config_change: 
     if unknown:
         raise DeploymentConfigError(f"config: unknown fields {unknown}")
     storage_root = (
-        overrides.get("storage_root") or PRESETS[preset].get("storage_root")
+        overrides.get("storage_root")
+        or PRESETS[preset].get("storage_root")
         or GRPOFlowConfig.model_fields["storage_root"].default
     )
     run_id = overrides.get("run_id")
@@ -131,7 +132,9 @@ def _grpo_preset(**parameters: Any) -> dict[str, Any]:
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
         _rename_flow_run(config.run_id)
-    origin = "its own config (resuming)" if RunStorage(config.storage_root, config.run_id).exists() else f"preset {preset}"
+    origin = (
+        "its own config (resuming)" if RunStorage(config.storage_root, config.run_id).exists() else f"preset {preset}"
+    )
     logger.info("run %s from %s; fields given: %s", config.run_id, origin, sorted(overrides) or "none")
     return grpo.fn(config, show_progress=False, allow_config_change=allow_config_change, fail_at=fail_at)
 
@@ -162,31 +165,46 @@ def deployment_signature() -> inspect.Signature:
     presets = Literal[tuple(sorted(PRESETS))]  # type: ignore[valid-type]
     parameters = [
         inspect.Parameter(
-            "preset", keyword, annotation=presets,
+            "preset",
+            keyword,
+            annotation=presets,
             default=Field("tiny", description="Preset the run starts from (schemas/presets.py)."),
         ),
         inspect.Parameter(
-            "config", keyword, annotation=Optional[dict[str, Any]],  # noqa: UP045
-            default=Field(None, description="Config fields as one JSON object, merged over the preset and "
-                                            "over the single fields below."),
+            "config",
+            keyword,
+            annotation=Optional[dict[str, Any]],  # noqa: UP045
+            default=Field(
+                None,
+                description="Config fields as one JSON object, merged over the preset and "
+                "over the single fields below.",
+            ),
         ),
     ]
     for name, field in GRPOFlowConfig.model_fields.items():
         description = f"{field.description or name} (default: the preset's value)"
         parameters.append(
             inspect.Parameter(
-                name, keyword, annotation=_optional(field.annotation, list(field.metadata)),
+                name,
+                keyword,
+                annotation=_optional(field.annotation, list(field.metadata)),
                 default=Field(None, description=description),
             )
         )
     parameters += [
         inspect.Parameter(
-            "allow_config_change", keyword, annotation=bool,
+            "allow_config_change",
+            keyword,
+            annotation=bool,
             default=Field(False, description="Resume even if a field that alters training differs from the run's."),
         ),
         inspect.Parameter(
-            "fail_at", keyword, annotation=Optional[str],  # noqa: UP045
-            default=Field(None, description="Testing aid: `stage@step` or `stage@step:kill` (workers/faults.py)."),
+            "fail_at",
+            keyword,
+            annotation=Optional[str],  # noqa: UP045
+            default=Field(
+                None, description="Testing aid: `stage@step` or `stage@step:kill` (workers/state/faults.py)."
+            ),
         ),
     ]
     return inspect.Signature(parameters, return_annotation=dict[str, Any])

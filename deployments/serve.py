@@ -87,8 +87,11 @@ def grpo_deployments(storage_root: str | os.PathLike) -> list[RunnerDeployment]:
 
 
 def nightly_deployment(
-    storage_root: str | os.PathLike, cron: str | None = None, timezone: str | None = None,
-    k: int | None = None, prompts: int | None = None,
+    storage_root: str | os.PathLike,
+    cron: str | None = None,
+    timezone: str | None = None,
+    k: int | None = None,
+    prompts: int | None = None,
 ) -> RunnerDeployment:
     """`evaluate/nightly`: the `evaluate` flow with no run id, on a cron schedule in a time zone."""
     from flows.evaluate import DEFAULT_K, evaluate
@@ -109,8 +112,11 @@ def nightly_deployment(
 
 
 def build_deployments(
-    storage_root: str | os.PathLike, cron: str | None = None, timezone: str | None = None,
-    k: int | None = None, prompts: int | None = None,
+    storage_root: str | os.PathLike,
+    cron: str | None = None,
+    timezone: str | None = None,
+    k: int | None = None,
+    prompts: int | None = None,
 ) -> list[RunnerDeployment]:
     """Every deployment of the project, for one storage root."""
     nightly = nightly_deployment(storage_root, cron, timezone, k, prompts)  # checks cron and zone first
@@ -118,8 +124,12 @@ def build_deployments(
 
 
 def serve_deployments(
-    storage_root: str | os.PathLike, cron: str | None = None, timezone: str | None = None,
-    k: int | None = None, prompts: int | None = None, limit: int | None = None,
+    storage_root: str | os.PathLike,
+    cron: str | None = None,
+    timezone: str | None = None,
+    k: int | None = None,
+    prompts: int | None = None,
+    limit: int | None = None,
 ) -> None:
     """Register every deployment with the server in PREFECT_API_URL and run their flow runs in
     subprocesses of this one until interrupted (Prefect's `serve`). On shutdown Prefect pauses

@@ -72,8 +72,13 @@ def deploy_to_work_pool(
     if image is None:
         ensure_process_pool(pool)
     return deploy(
-        *deployments, work_pool_name=pool, image=image, build=False, push=False,
-        print_next_steps_message=False, ignore_warnings=True,
+        *deployments,
+        work_pool_name=pool,
+        image=image,
+        build=False,
+        push=False,
+        print_next_steps_message=False,
+        ignore_warnings=True,
     )
 
 
@@ -83,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--pool", default=DEFAULT_POOL, help=f"work pool name (default: {DEFAULT_POOL})")
     parser.add_argument("--storage-root", default=os.environ.get("GRPO_FLOW_STORAGE", "grpo-storage"))
-    parser.add_argument("--timezone", default=None, help="time zone of the nightly cron (default: $GRPO_FLOW_NIGHTLY_TZ or UTC)")
+    parser.add_argument(
+        "--timezone", default=None, help="time zone of the nightly cron (default: $GRPO_FLOW_NIGHTLY_TZ or UTC)"
+    )
     parser.add_argument("--nightly-cron", default=None, help="cron of evaluate/nightly (default: 0 2 * * *)")
     parser.add_argument("--eval-k", type=int, default=None, help="nightly completions per prompt (default: 8)")
     parser.add_argument("--eval-prompts", type=int, default=None, help="nightly held-out prompts per run")
@@ -96,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     except DeploymentSettingsError as error:
         print(f"deployments.work_pool: {error}", file=sys.stderr)
         return 2
-    print(f"registered {len(ids)} deployments on work pool {args.pool!r}; start a worker with: "
-          f"prefect worker start --pool {args.pool}")
+    print(
+        f"registered {len(ids)} deployments on work pool {args.pool!r}; start a worker with: "
+        f"prefect worker start --pool {args.pool}"
+    )
     return 0
 
 

@@ -20,19 +20,15 @@ import json
 import os
 import sys
 import typing
-import warnings
 from typing import Any
 
 from pydantic import ValidationError
 
+from flows.cli_common import UsageError, quiet_prefect
 from schemas.config import GRPOFlowConfig, describe_validation_error
 from schemas.presets import PRESETS
 
 DEFAULT_STORAGE_ROOT = os.environ.get("GRPO_FLOW_STORAGE", "grpo-storage")
-
-
-class UsageError(Exception):
-    """Bad input from the command line: printed as one message, exit status 2."""
 
 
 def is_list_field(annotation: Any) -> bool:
@@ -69,7 +65,9 @@ def build_config(preset: str, overrides: dict[str, Any]) -> GRPOFlowConfig:
     try:
         return GRPOFlowConfig(**{**PRESETS[preset], **overrides})
     except ValidationError as error:
-        raise UsageError("invalid config:\n" + "\n".join(map(cli_spelling, describe_validation_error(error).splitlines())))
+        raise UsageError(
+            "invalid config:\n" + "\n".join(map(cli_spelling, describe_validation_error(error).splitlines()))
+        ) from None
 
 
 def cli_spelling(line: str) -> str:
@@ -80,28 +78,20 @@ def cli_spelling(line: str) -> str:
     return f"  {line}"
 
 
-def quiet_prefect(verbose: bool) -> None:
-    """Keep Prefect's per-task logging out of the progress bar unless asked for."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    if not verbose:
-        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-        warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notices
-
-
 def command_train(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args)
     quiet_prefect(args.verbose)  # before Prefect is first imported: its settings are read then
-    from workers.storage import RunStorage
+    from workers.state.storage import RunStorage
 
     check_storage_root(args.storage_root)
     existing = overrides.get("run_id") and RunStorage(args.storage_root, overrides["run_id"]).exists()
     if args.resume and not existing:
         where = os.path.join(args.storage_root, "runs")
-        raise UsageError(f"--resume: no run {overrides.get('run_id')!r} under {where}" if overrides.get("run_id")
-                         else "--resume needs --run-id")
+        raise UsageError(
+            f"--resume: no run {overrides.get('run_id')!r} under {where}"
+            if overrides.get("run_id")
+            else "--resume needs --run-id"
+        )
     if existing:
         config = resume_config(RunStorage(args.storage_root, overrides["run_id"]), overrides, args)
     else:
@@ -117,7 +107,7 @@ def command_train(args: argparse.Namespace) -> int:
     except Exception as error:  # missing Modal credentials or secret: say which, start nothing
         raise UsageError(f"--backend modal: {error}") from error
     if args.fail_at:
-        from workers.faults import parse_fail_at
+        from workers.state.faults import parse_fail_at
 
         try:
             parse_fail_at(args.fail_at)
@@ -133,15 +123,20 @@ def command_train(args: argparse.Namespace) -> int:
     print(f"grpo-flow: {what} {config.run_id} ({config.model}, {config.dataset})", flush=True)
     try:
         summary = grpo(
-            config, show_progress=not args.no_progress, allow_config_change=args.allow_config_change,
+            config,
+            show_progress=not args.no_progress,
+            allow_config_change=args.allow_config_change,
             fail_at=args.fail_at,
         )
     except Exception as error:  # the flow already recorded it; say it in one line unless asked for more
         if args.verbose:
             raise
         print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {error}", file=sys.stderr)
-        print(f"(resume it with: grpo train --run-id {config.run_id} --storage-root {config.storage_root}; "
-              "add --verbose for the traceback)", file=sys.stderr)
+        print(
+            f"(resume it with: grpo train --run-id {config.run_id} --storage-root {config.storage_root}; "
+            "add --verbose for the traceback)",
+            file=sys.stderr,
+        )
         return 1
     print_summary(summary)
     return 0
@@ -159,24 +154,29 @@ def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
             raise
         print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    print(f"run {summary['run_id']}: {summary['status']}, {summary['steps_completed']} steps, "
-          f"mean reward over the last 5 steps {summary['final_reward']:.3f}; "
-          f"storage {os.path.join(summary['storage'], 'runs', summary['run_id'])}")
+    print(
+        f"run {summary['run_id']}: {summary['status']}, {summary['steps_completed']} steps, "
+        f"mean reward over the last 5 steps {summary['final_reward']:.3f}; "
+        f"storage {os.path.join(summary['storage'], 'runs', summary['run_id'])}"
+    )
     return 0
 
 
 def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namespace) -> GRPOFlowConfig:
     """The run's own config with the options given applied; a change to training needs --allow-config-change."""
-    from workers.resume import ResumeError, check_config_change, config_for_resume
+    from workers.state.resume import ResumeError, check_config_change, config_for_resume
 
     if args.preset:
-        print(f"grpo train: run {storage.run_id!r} exists; --preset is ignored, its config.json is used",
-              file=sys.stderr)
+        print(
+            f"grpo train: run {storage.run_id!r} exists; --preset is ignored, its config.json is used", file=sys.stderr
+        )
     try:
         config = config_for_resume(storage, overrides)
         check_config_change(storage, config, args.allow_config_change)
     except ValidationError as error:
-        raise UsageError("invalid config:\n" + "\n".join(map(cli_spelling, describe_validation_error(error).splitlines())))
+        raise UsageError(
+            "invalid config:\n" + "\n".join(map(cli_spelling, describe_validation_error(error).splitlines()))
+        ) from None
     except ResumeError as error:
         raise UsageError(str(error)) from error
     return config
@@ -199,7 +199,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     ]
     if "model_heldout_accuracy_random_init" in summary:
         rows.append(("held-out accuracy, random init", f"{summary['model_heldout_accuracy_random_init']:.3f}"))
-        rows.append(("held-out accuracy, after warm start", f"{summary['model_heldout_accuracy_after_warm_start']:.3f}"))
+        rows.append(
+            ("held-out accuracy, after warm start", f"{summary['model_heldout_accuracy_after_warm_start']:.3f}")
+        )
     rows += [
         ("held-out accuracy, before RL", f"{summary['initial_eval_accuracy']:.3f}"),
         ("held-out accuracy, after RL", f"{summary['final_eval_accuracy']:.3f}"),
@@ -212,7 +214,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def command_runs(args: argparse.Namespace) -> int:
-    from workers.storage import list_runs
+    from workers.state.storage import list_runs
 
     runs = list_runs(args.storage_root)
     if not runs:
@@ -225,7 +227,7 @@ def command_runs(args: argparse.Namespace) -> int:
 
 
 def command_rollouts(args: argparse.Namespace) -> int:
-    from workers.storage import RunStorage
+    from workers.state.storage import RunStorage
 
     storage = RunStorage(args.storage_root, args.run_id)
     if not storage.exists():
@@ -271,8 +273,11 @@ def command_serve(args: argparse.Namespace) -> int:
     except DeploymentSettingsError as error:
         raise UsageError(str(error)) from error
     names = ", ".join([f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"])
-    print(f"grpo serve: {names} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
-          f"storage root {os.path.abspath(args.storage_root)}", flush=True)
+    print(
+        f"grpo serve: {names} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
+        f"storage root {os.path.abspath(args.storage_root)}",
+        flush=True,
+    )
     serve_deployments(args.storage_root, cron, timezone, args.eval_k, args.eval_prompts, args.limit)
     return 0
 
@@ -281,7 +286,7 @@ def command_eval(args: argparse.Namespace) -> int:
     """Evaluate a run's newest (or a named) checkpoint: pass@1 and pass@k on held-out prompts."""
     quiet_prefect(args.verbose)
     from flows.evaluate import EvaluationError, resolve_checkpoint
-    from workers.storage import RunStorage
+    from workers.state.storage import RunStorage
 
     if args.k < 1:
         raise UsageError(f"--k: must be at least 1, got {args.k}")
@@ -299,8 +304,14 @@ def command_eval(args: argparse.Namespace) -> int:
     print(f"grpo-flow: evaluating run {args.run_id}, checkpoint {step} (k={args.k})", flush=True)
     try:
         summary = evaluate(
-            run_id=args.run_id, storage_root=args.storage_root, checkpoint=step, k=args.k, prompts=args.prompts,
-            temperature=args.temperature, seed=args.seed, greedy=not args.no_greedy,
+            run_id=args.run_id,
+            storage_root=args.storage_root,
+            checkpoint=step,
+            k=args.k,
+            prompts=args.prompts,
+            temperature=args.temperature,
+            seed=args.seed,
+            greedy=not args.no_greedy,
         )
     except Exception as error:  # the flow run recorded it; one line unless asked for more
         if args.verbose:
@@ -320,7 +331,9 @@ def print_eval_summary(summary: dict[str, Any]) -> None:
         ("held-out prompts x samples", f"{summary['num_prompts']} x {summary['samples_per_prompt']}"),
     ]
     rows += [(name.replace("_", " "), f"{summary[name]:.4f}") for name in metric_names(summary)]
-    rows.append(("results", summary["path"] + ("  (already evaluated; read back)" if summary.get("already_evaluated") else "")))
+    rows.append(
+        ("results", summary["path"] + ("  (already evaluated; read back)" if summary.get("already_evaluated") else ""))
+    )
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
 
@@ -351,7 +364,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--allow-config-change", action="store_true", help="resume even if a field that alters training changed"
     )
     train.add_argument(
-        "--simple-mode", action="store_true",
+        "--simple-mode",
+        action="store_true",
         help="run TRL's own GRPOTrainer loop (same config, data, rewards and storage layout; no resume)",
     )
     train.add_argument("--fail-at", default=None, metavar="STAGE@STEP[:kill]", help="testing aid: fail on purpose")
@@ -375,23 +389,37 @@ def make_parser() -> argparse.ArgumentParser:
         "serve", help="register grpo/<preset> and evaluate/nightly with the Prefect server and run them"
     )
     serve.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT, help="storage root of every deployment")
-    serve.add_argument("--timezone", default=None,
-                       help="IANA time zone of the nightly cron (default: $GRPO_FLOW_NIGHTLY_TZ, else UTC)")
-    serve.add_argument("--nightly-cron", default=None,
-                       help="cron of evaluate/nightly (default: $GRPO_FLOW_NIGHTLY_CRON, else '0 2 * * *')")
+    serve.add_argument(
+        "--timezone", default=None, help="IANA time zone of the nightly cron (default: $GRPO_FLOW_NIGHTLY_TZ, else UTC)"
+    )
+    serve.add_argument(
+        "--nightly-cron",
+        default=None,
+        help="cron of evaluate/nightly (default: $GRPO_FLOW_NIGHTLY_CRON, else '0 2 * * *')",
+    )
     serve.add_argument("--eval-k", type=int, default=None, help="nightly: completions per prompt (default: 8)")
-    serve.add_argument("--eval-prompts", type=int, default=None,
-                       help="nightly: held-out prompts per run (default: each run's eval_prompts)")
+    serve.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=None,
+        help="nightly: held-out prompts per run (default: each run's eval_prompts)",
+    )
     serve.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: no limit)")
     serve.set_defaults(handler=command_serve)
 
     evaluate = commands.add_parser("eval", help="pass@1 and pass@k of a run's checkpoint on held-out prompts")
     evaluate.add_argument("run_id", metavar="RUN")
-    evaluate.add_argument("--checkpoint", type=int, default=None, metavar="STEP",
-                          help="checkpoint step (default: the newest valid one)")
+    evaluate.add_argument(
+        "--checkpoint", type=int, default=None, metavar="STEP", help="checkpoint step (default: the newest valid one)"
+    )
     evaluate.add_argument("--k", type=int, default=8, help="completions sampled per prompt (default: 8)")
-    evaluate.add_argument("--prompts", type=int, default=None, metavar="N",
-                          help="held-out prompts, the first N (default: the run's eval_prompts, or 100)")
+    evaluate.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="held-out prompts, the first N (default: the run's eval_prompts, or 100)",
+    )
     evaluate.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     evaluate.add_argument("--no-greedy", action="store_true", help="skip the greedy-accuracy pass")

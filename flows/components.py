@@ -18,21 +18,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.cli import UsageError as ComponentError  # bad input; `grpo` prints it and exits 2
+from flows.cli_common import UsageError as ComponentError  # bad input; `grpo` prints it and exits 2
 
 DEFAULT_PROMPT = "What is 12 + 7? Answer with the number."
 
 
 # -- test-rollout ----------------------------------------------------------------------------------------
 def command_test_rollout(args: argparse.Namespace) -> int:
-    from flows.cli import quiet_prefect
+    from flows.cli_common import quiet_prefect
 
     quiet_prefect(verbose=False)  # no download/loading progress bars around the answer
     from pydantic import ValidationError
 
     from schemas.config import describe_validation_error
     from schemas.presets import preset_config
-    from workers.rollout import SamplingParams
+    from workers.rollout.base import SamplingParams
 
     overrides = {"backend": args.backend, "storage_root": args.storage_root, "run_id": "component-test-rollout"}
     if args.model:
@@ -51,41 +51,59 @@ def command_test_rollout(args: argparse.Namespace) -> int:
     result, worker = generate_once(config, prompts, params)
     seconds = time.perf_counter() - started
     tokens = sum(len(ids) for ids in result.completion_token_ids)
-    print(f"rollout worker: {worker}; model {config.model}; {len(prompts)} prompt(s) x {args.n}; "
-          f"{tokens} tokens in {seconds:.2f} s including start-up (generation {result.seconds:.2f} s)")
+    print(
+        f"rollout worker: {worker}; model {config.model}; {len(prompts)} prompt(s) x {args.n}; "
+        f"{tokens} tokens in {seconds:.2f} s including start-up (generation {result.seconds:.2f} s)"
+    )
     for i, text in enumerate(result.texts):
         logprobs = result.sampling_logprobs[i]
         mean = sum(logprobs) / len(logprobs) if logprobs else float("nan")
-        print(json.dumps({"prompt": i // args.n, "finish_reason": result.finish_reasons[i],
-                          "tokens": len(result.completion_token_ids[i]), "mean_logprob": round(mean, 4),
-                          "completion": text}, ensure_ascii=False))
+        print(
+            json.dumps(
+                {
+                    "prompt": i // args.n,
+                    "finish_reason": result.finish_reasons[i],
+                    "tokens": len(result.completion_token_ids[i]),
+                    "mean_logprob": round(mean, 4),
+                    "completion": text,
+                },
+                ensure_ascii=False,
+            )
+        )
     return 0
 
 
 def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, str]:
     """One rollout worker's answer: the local transformers engine, or the Modal RolloutWorker (vLLM on
     its GPU; `.local()` on the CPU engine when GRPO_FLOW_MODAL_MODE=local)."""
-    from workers.tiny_model import resolve_model_path
+    from workers.data.tiny_model import resolve_model_path
 
     model_path = resolve_model_path(config.model, config.storage_root)
     if config.backend == "local":
-        from workers.rollout import TransformersRolloutEngine
+        from workers.rollout.transformers_engine import TransformersRolloutEngine
 
         engine = TransformersRolloutEngine(model_path)
         engine.load()
         return engine.generate(prompts, params, config.max_prompt_length), "local transformers engine"
     from workers.backends import check_backend_ready
-    from workers.modal_app import VOLUME_PATH, build_worker_app, worker_config_json
+    from workers.backends.modal_app import VOLUME_PATH, build_worker_app, worker_config_json
 
     check_backend_ready(config)
     local = os.environ.get("GRPO_FLOW_MODAL_MODE") == "local"
     app = build_worker_app(config)
-    worker = app.rollout_cls(config_json=worker_config_json(config), model_path=model_path, worker_index=0,
-                             backend="cpu" if local else "vllm", storage_root=config.storage_root if local else VOLUME_PATH)
+    worker = app.rollout_cls(
+        config_json=worker_config_json(config),
+        model_path=model_path,
+        worker_index=0,
+        backend="cpu" if local else "vllm",
+        storage_root=config.storage_root if local else VOLUME_PATH,
+    )
     if local:
         return worker.generate.local(prompts, params, config.max_prompt_length), "Modal RolloutWorker (.local(), CPU)"
     with app.app.run():
-        return worker.generate.remote(prompts, params, config.max_prompt_length), f"Modal RolloutWorker ({config.rollout_gpu})"
+        return worker.generate.remote(
+            prompts, params, config.max_prompt_length
+        ), f"Modal RolloutWorker ({config.rollout_gpu})"
 
 
 # -- test-reward ---------------------------------------------------------------------------------------
@@ -105,7 +123,7 @@ def parse_columns(pairs: list[str]) -> dict[str, Any]:
 
 def command_test_reward(args: argparse.Namespace) -> int:
     from schemas.records import RolloutBatch
-    from workers.rewards import RewardTrainerState, resolve_reward_funcs, score_batch
+    from workers.rewards.functions import RewardTrainerState, resolve_reward_funcs, score_batch
 
     try:
         funcs = resolve_reward_funcs(args.reward_funcs)
@@ -113,10 +131,20 @@ def command_test_reward(args: argparse.Namespace) -> int:
         raise ComponentError(f"REWARD_FUNC: {error}") from None
     columns = parse_columns(args.column or [])
     batch = RolloutBatch(
-        run_id="component-test-reward", step=1, policy_version=0, worker_id="test-reward",
-        prompt_id=["test-0"], group_index=[0], sample_index=[0], prompt=[args.prompt],
-        completion=[args.completion], prompt_token_ids=[[]], completion_token_ids=[[]], sampling_logprobs=[[]],
-        finish_reason=["stop"], extra_columns={name: [value] for name, value in columns.items()},
+        run_id="component-test-reward",
+        step=1,
+        policy_version=0,
+        worker_id="test-reward",
+        prompt_id=["test-0"],
+        group_index=[0],
+        sample_index=[0],
+        prompt=[args.prompt],
+        completion=[args.completion],
+        prompt_token_ids=[[]],
+        completion_token_ids=[[]],
+        sampling_logprobs=[[]],
+        finish_reason=["stop"],
+        extra_columns={name: [value] for name, value in columns.items()},
         raw_prompt=[args.prompt],
     )
     state = RewardTrainerState(global_step=1, max_steps=1, epoch=0.0)
@@ -134,7 +162,7 @@ def command_test_reward(args: argparse.Namespace) -> int:
 
 # -- checkpoints -----------------------------------------------------------------------------------------
 def command_checkpoints(args: argparse.Namespace) -> int:
-    from workers.storage import MANIFEST, DamagedCheckpointError, RunStorage
+    from workers.state.storage import MANIFEST, DamagedCheckpointError, RunStorage
 
     storage = RunStorage(args.storage_root, args.run_id)
     if not storage.exists():
@@ -189,8 +217,11 @@ def command_clear_cache(args: argparse.Namespace) -> int:
         return clear_modal_cache(args)
     entries = cache_entries(args.storage_root, args.model)
     if not entries:
-        print(f"nothing cached for {args.model or 'any model'} (looked in {Path(args.storage_root) / 'models'}"
-              + ("" if args.model in (None, "tiny") else f" and {hub_cache_dir()}") + ")")
+        print(
+            f"nothing cached for {args.model or 'any model'} (looked in {Path(args.storage_root) / 'models'}"
+            + ("" if args.model in (None, "tiny") else f" and {hub_cache_dir()}")
+            + ")"
+        )
         return 0
     for entry in entries:
         size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file()) / 2**20
@@ -207,8 +238,8 @@ def clear_modal_cache(args: argparse.Namespace) -> int:
     import modal
 
     from schemas.config import GRPOFlowConfig
-    from workers.modal_app import HF_HOME, VOLUME_PATH
-    from workers.modal_backend import check_modal_ready
+    from workers.backends.modal_app import HF_HOME, VOLUME_PATH
+    from workers.backends.modal_backend import check_modal_ready
 
     if not args.model or args.model == "tiny":
         raise ComponentError("--model: name the hub model whose cached download to delete from the Volume")
@@ -243,8 +274,12 @@ def add_component_commands(commands: Any, default_storage_root: str) -> None:
     reward.add_argument("reward_funcs", nargs="+", metavar="REWARD_FUNC", help="built-in name or module:function")
     reward.add_argument("--completion", required=True, help="the completion text to score")
     reward.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt it answers")
-    reward.add_argument("--column", action="append", metavar="NAME=VALUE",
-                        help="a data set column passed to the function (repeatable; JSON values are parsed)")
+    reward.add_argument(
+        "--column",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a data set column passed to the function (repeatable; JSON values are parsed)",
+    )
     reward.set_defaults(handler=command_test_reward)
 
     checkpoints = commands.add_parser("checkpoints", help="a run's checkpoints, verified against their manifests")
@@ -252,10 +287,13 @@ def add_component_commands(commands: Any, default_storage_root: str) -> None:
     checkpoints.add_argument("--storage-root", default=default_storage_root)
     checkpoints.set_defaults(handler=command_checkpoints)
 
-    clear = commands.add_parser("clear-cache", help="delete a cached model so the next run builds or downloads it again")
+    clear = commands.add_parser(
+        "clear-cache", help="delete a cached model so the next run builds or downloads it again"
+    )
     clear.add_argument("--model", default=None, help="`tiny` or a hub id (default: every model under the storage root)")
-    clear.add_argument("--backend", default="local", choices=["local", "modal"],
-                       help="modal: the hub cache on the run's Modal Volume")
+    clear.add_argument(
+        "--backend", default="local", choices=["local", "modal"], help="modal: the hub cache on the run's Modal Volume"
+    )
     clear.add_argument("--modal-volume", default="grpo-flow")
     clear.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     clear.add_argument("--storage-root", default=default_storage_root)

@@ -57,8 +57,8 @@ from prefect.runtime import flow_run
 from schemas.config import GRPOFlowConfig
 from schemas.records import REWARD_PREFIX, RolloutBatch
 from tasks.observability import artifact_key
-from workers.storage import RunStorage, list_runs
-from workers.tracking import wandb_dir
+from workers.state.storage import RunStorage, list_runs
+from workers.state.tracking import wandb_dir
 
 EVAL_METADATA_KEY = b"grpo_flow.eval"
 DEFAULT_K = 8
@@ -149,7 +149,7 @@ def resolve_checkpoint(storage: RunStorage, checkpoint: int | None) -> int:
         raise EvaluationError(
             f"run {storage.run_id!r} has no checkpoint of step {checkpoint}; checkpoints: {steps or 'none'}"
         )
-    from workers.storage import DamagedCheckpointError
+    from workers.state.storage import DamagedCheckpointError
 
     try:
         storage.verify_checkpoint(checkpoint)
@@ -172,8 +172,9 @@ class EvalSettings:
     greedy: bool
 
 
-def settings_for(config: GRPOFlowConfig, k: int, prompts: int | None, temperature: float | None,
-                 seed: int, greedy: bool) -> EvalSettings:
+def settings_for(
+    config: GRPOFlowConfig, k: int, prompts: int | None, temperature: float | None, seed: int, greedy: bool
+) -> EvalSettings:
     if k < 1:
         raise EvaluationError(f"k: must be at least 1, got {k}")
     if prompts is not None and prompts < 1:
@@ -189,10 +190,20 @@ def settings_for(config: GRPOFlowConfig, k: int, prompts: int | None, temperatur
     )
 
 
-def _scored_batch(engine: Any, rows: Any, result: Any, n: int, run_id: str, step: int, extra: list[str],
-                  funcs: dict, weights: list[float] | None, state: Any) -> RolloutBatch:
+def _scored_batch(
+    engine: Any,
+    rows: Any,
+    result: Any,
+    n: int,
+    run_id: str,
+    step: int,
+    extra: list[str],
+    funcs: dict,
+    weights: list[float] | None,
+    state: Any,
+) -> RolloutBatch:
     """The completions of one generate call as a RolloutBatch, scored by `funcs` (training's scorer)."""
-    from workers.rewards import score_batch
+    from workers.rewards.functions import score_batch
 
     repeat = lambda values: [v for v in values for _ in range(n)]  # noqa: E731 - prompt-major, as generated
     batch = RolloutBatch(
@@ -241,7 +252,7 @@ def _batch_rows(batch: RolloutBatch, mode: str, correct: list[bool | None]) -> l
 def _correct(batch: RolloutBatch, accuracy_name: str | None, accuracy_func: Any, state: Any) -> list[bool | None]:
     """0/1 correctness by the data set's accuracy reward; reuses its column when the run trains on it
     (code rewards run sandboxes: never twice)."""
-    from workers.rewards import score_batch
+    from workers.rewards.functions import score_batch
 
     if accuracy_name is None:
         return [None] * len(batch)
@@ -262,7 +273,8 @@ def summarize(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, f
     for j in pass_k_values(settings.k):
         metrics[f"pass@{j}"] = (
             float(np.mean([pass_at_k(len(r), sum(map(bool, r)), j) for r in per_prompt.values()]))
-            if defined else math.nan
+            if defined
+            else math.nan
         )
     greedy = [r["correct"] for r in rows if r["mode"] == "greedy"]
     metrics["greedy_accuracy"] = (
@@ -270,7 +282,9 @@ def summarize(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, f
     )
     rewards = [r["reward"] for r in sampled if r["reward"] is not None]
     metrics["mean_reward"] = float(np.mean(rewards)) if rewards else math.nan
-    metrics["mean_completion_length"] = float(np.mean([r["completion_tokens"] for r in sampled])) if sampled else math.nan
+    metrics["mean_completion_length"] = (
+        float(np.mean([r["completion_tokens"] for r in sampled])) if sampled else math.nan
+    )
     return metrics
 
 
@@ -280,15 +294,21 @@ def checkpoint_model(storage: RunStorage, step: int) -> Path:
     folder = storage.checkpoint_dir(step)
     if (folder / "model").is_dir():
         return folder / "model"
-    from workers.modal_backend import checkpoint_model_dir
+    from workers.backends.modal_backend import checkpoint_model_dir
 
     return checkpoint_model_dir(folder, storage.root / "cache")
 
 
 @task(name="evaluate-checkpoint", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def evaluate_checkpoint(
-    run_id: str, storage_root: str, step: int, k: int, prompts: int | None, temperature: float | None,
-    seed: int, greedy: bool,
+    run_id: str,
+    storage_root: str,
+    step: int,
+    k: int,
+    prompts: int | None,
+    temperature: float | None,
+    seed: int,
+    greedy: bool,
 ) -> dict[str, Any]:
     """Sample, score and store one checkpoint's evaluation; returns its summary.
 
@@ -297,9 +317,10 @@ def evaluate_checkpoint(
     """
     import torch
 
-    from workers.data import load_task
-    from workers.rewards import BUILTIN_REWARDS, RewardTrainerState, resolve_reward_funcs
-    from workers.rollout import SamplingParams, TransformersRolloutEngine
+    from workers.data.loaders import load_task
+    from workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, resolve_reward_funcs
+    from workers.rollout.base import SamplingParams
+    from workers.rollout.transformers_engine import TransformersRolloutEngine
 
     storage = RunStorage(storage_root, run_id)
     path = eval_path(storage, step)
@@ -330,8 +351,12 @@ def evaluate_checkpoint(
         chunk_seed = int(np.random.SeedSequence([settings.seed, start]).generate_state(1)[0])
         for mode, n, is_greedy in modes:
             params = SamplingParams(
-                n=n, max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p,
-                greedy=is_greedy, seed=chunk_seed,
+                n=n,
+                max_tokens=settings.max_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                greedy=is_greedy,
+                seed=chunk_seed,
             )
             result = engine.generate(chunk["prompt"], params, config.max_prompt_length)
             batch = _scored_batch(engine, chunk, result, n, run_id, step, extra, funcs, config.reward_weights, state)
@@ -389,8 +414,9 @@ def publish_evaluation(run_id: str, storage_root: str, summary: dict[str, Any]) 
         except Exception as error:
             # The eval file is the record and is already stored; failing here would not bring the
             # wandb entry back (the nightly sweep skips an evaluated checkpoint), so say it and go on.
-            get_run_logger().warning("run %s: evaluation not logged to wandb: %s: %s", run_id,
-                                     type(error).__name__, error)
+            get_run_logger().warning(
+                "run %s: evaluation not logged to wandb: %s: %s", run_id, type(error).__name__, error
+            )
 
 
 def wandb_log_evaluation(config: GRPOFlowConfig, run_id: str, summary: dict[str, Any]) -> None:
@@ -399,8 +425,13 @@ def wandb_log_evaluation(config: GRPOFlowConfig, run_id: str, summary: dict[str,
     import wandb
 
     run = wandb.init(
-        project=config.wandb_project, id=run_id, name=run_id, resume="allow", reinit="create_new",
-        config=config.model_dump(mode="json"), dir=wandb_dir(),
+        project=config.wandb_project,
+        id=run_id,
+        name=run_id,
+        resume="allow",
+        reinit="create_new",
+        config=config.model_dump(mode="json"),
+        dir=wandb_dir(),
     )
     try:
         run.define_metric("eval/checkpoint_step")
@@ -434,8 +465,9 @@ def needs_evaluation(storage: RunStorage) -> tuple[int | None, str]:
     return newest, ""
 
 
-def evaluate_all(storage_root: str, k: int, prompts: int | None, temperature: float | None,
-                 seed: int, greedy: bool) -> dict[str, Any]:
+def evaluate_all(
+    storage_root: str, k: int, prompts: int | None, temperature: float | None, seed: int, greedy: bool
+) -> dict[str, Any]:
     """The sweep: each run that needs it in a child `evaluate` flow run; the others skipped, with why."""
     logger = get_run_logger()
     evaluated: dict[str, dict[str, Any]] = {}
@@ -449,8 +481,15 @@ def evaluate_all(storage_root: str, k: int, prompts: int | None, temperature: fl
             logger.info("skipping run %s: %s", info.run_id, reason)
             continue
         state = evaluate(
-            run_id=info.run_id, storage_root=storage_root, checkpoint=step, k=k, prompts=prompts,
-            temperature=temperature, seed=seed, greedy=greedy, return_state=True,
+            run_id=info.run_id,
+            storage_root=storage_root,
+            checkpoint=step,
+            k=k,
+            prompts=prompts,
+            temperature=temperature,
+            seed=seed,
+            greedy=greedy,
+            return_state=True,
         )
         if state.is_completed():
             evaluated[info.run_id] = state.result()
@@ -459,8 +498,12 @@ def evaluate_all(storage_root: str, k: int, prompts: int | None, temperature: fl
     from prefect.artifacts import create_table_artifact
 
     table = [
-        {"run_id": run, "action": "evaluated", "checkpoint_step": s["checkpoint_step"],
-         **{name: s[name] for name in metric_names(s)}}
+        {
+            "run_id": run,
+            "action": "evaluated",
+            "checkpoint_step": s["checkpoint_step"],
+            **{name: s[name] for name in metric_names(s)},
+        }
         for run, s in evaluated.items()
     ]
     table += [{"run_id": run, "action": "skipped", "reason": why} for run, why in skipped.items()]

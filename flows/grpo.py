@@ -10,7 +10,7 @@
     evaluate_heldout (final) → finish_run
 
 Resuming is the same flow on an existing run id: `prepare_run` finds the newest valid
-checkpoint and the logged steps after it (workers/resume.py). Retrying a failed flow run in
+checkpoint and the logged steps after it (workers/state/resume.py). Retrying a failed flow run in
 Prefect does the same.
 
 Runs on Prefect's ephemeral server when PREFECT_API_URL is unset, on a real server otherwise.
@@ -58,8 +58,8 @@ from tasks.rollout import (
 )
 from tasks.run import evaluate_heldout, finish_run, prepare_run
 from tasks.train import actor_step, log_metrics, restore_workers, save_checkpoint, sync_weights
-from workers.faults import parse_fail_at
-from workers.storage import RunStorage
+from workers.state.faults import parse_fail_at
+from workers.state.storage import RunStorage
 
 
 def new_run_id(config: GRPOFlowConfig) -> str:
@@ -156,16 +156,26 @@ def in_background(function: Any, *args: Any) -> Future:
 # step's result (Prefect reuses a finished subflow run only when its result was persisted).
 @flow(name="grpo-step", flow_run_name="{plan.run_id}-step-{step}", validate_parameters=False, persist_result=False)
 def grpo_step(
-    config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: int, rollout_version: int,
-    fail_at: str | None = None, rollout_stats: dict[str, float] | None = None,
+    config: GRPOFlowConfig,
+    plan: RunPlan,
+    step: int,
+    policy_version: int,
+    rollout_version: int,
+    fail_at: str | None = None,
+    rollout_stats: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """One training step as its own subflow run (`<run>-step-N` in the UI); see `run_step`."""
     return run_step(config, plan, step, policy_version, rollout_version, fail_at, rollout_stats)
 
 
 def run_step(
-    config: GRPOFlowConfig, plan: RunPlan, step: int, policy_version: int, rollout_version: int,
-    fail_at: str | None = None, rollout_stats: dict[str, float] | None = None,
+    config: GRPOFlowConfig,
+    plan: RunPlan,
+    step: int,
+    policy_version: int,
+    rollout_version: int,
+    fail_at: str | None = None,
+    rollout_stats: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """One training step; returns its metrics row (also logged as Parquet). Called by the
     `grpo-step` subflow, or directly in the run's flow when `config.step_subflows` is off.
@@ -225,7 +235,7 @@ def grpo(
     run's summary (also in summary.json).
 
     allow_config_change: resume even if a field that alters training differs from the run's.
-    fail_at: testing aid, `stage@step` or `stage@step:kill` (see workers/faults.py).
+    fail_at: testing aid, `stage@step` or `stage@step:kill` (see workers/state/faults.py).
     """
     started = time.perf_counter()
     if config.run_id is None:

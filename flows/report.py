@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.storage import RunStorage
+from workers.state.storage import RunStorage
 
 # (metrics column, panel title, band column drawn as +/- one value around the line)
 PANELS: tuple[tuple[str, str, str | None], ...] = (
@@ -45,7 +45,7 @@ def _series(table: Any, column: str) -> tuple[list[int], list[float]]:
         return [], []
     pairs = [
         (step, float(value))
-        for step, value in zip(table["step"].to_pylist(), table[column].to_pylist())
+        for step, value in zip(table["step"].to_pylist(), table[column].to_pylist(), strict=True)
         if value is not None and not math.isnan(float(value))
     ]
     return [p[0] for p in pairs], [p[1] for p in pairs]
@@ -94,13 +94,17 @@ def write_report(storage_root: str | os.PathLike, run_id: str, out: str | os.Pat
     rows = math.ceil(count / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.4 * rows), squeeze=False)
     flat = list(axes.flat)
-    for axis, (column, title, band) in zip(flat, panels):
+    for axis, (column, title, band) in zip(flat, panels, strict=False):
         steps, values = _series(table, column)
         axis.plot(steps, values, marker="." if len(steps) < 60 else None, linewidth=1.2)
         band_steps, band_values = _series(table, band) if band else ([], [])
         if band_steps == steps and band_steps:
-            axis.fill_between(steps, [v - s for v, s in zip(values, band_values)],
-                              [v + s for v, s in zip(values, band_values)], alpha=0.2)
+            axis.fill_between(
+                steps,
+                [v - s for v, s in zip(values, band_values, strict=True)],
+                [v + s for v, s in zip(values, band_values, strict=True)],
+                alpha=0.2,
+            )
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers

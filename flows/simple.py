@@ -20,15 +20,15 @@ from flows.grpo import grpo_run_name, new_run_id
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
 from tasks.run import finish_run, prepare_run
-from workers.data import load_task
-from workers.rewards import resolve_reward_funcs
-from workers.storage import RunStorage
+from workers.data.loaders import load_task
+from workers.rewards.functions import resolve_reward_funcs
+from workers.state.storage import RunStorage
 
 
 @task(name="trl-train", cache_policy=NO_CACHE)
 def trl_train(config: GRPOFlowConfig, plan: RunPlan) -> dict[str, Any]:
     """GRPOTrainer.train() on the run's data and rewards. No retries: TRL's loop is not resumable here."""
-    from workers.simple_mode import train_with_trl
+    from workers.actor.simple_mode import train_with_trl
 
     funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names), plan.run_id)
     return train_with_trl(config, plan, list(funcs.values()), load_task(config.dataset).train)

@@ -43,7 +43,7 @@ class GRPOFlowTrainer:
         eval_dataset: Any = None,
         **config_fields: Any,
     ):
-        from workers.environments import as_reward_function, is_reward_environment, snake_case
+        from workers.rewards.environments import as_reward_function, is_reward_environment, snake_case
 
         funcs = [] if reward_funcs is None else reward_funcs
         if isinstance(funcs, (str, bytes)) or callable(funcs) or is_reward_environment(funcs):
@@ -74,7 +74,7 @@ class GRPOFlowTrainer:
             )
         self.task = None
         if train_dataset is not None:
-            from workers.data import task_from_dataset
+            from workers.data.loaders import task_from_dataset
 
             self.task = task_from_dataset(train_dataset, eval_dataset, name="api")  # names a missing column
             config_fields["dataset"] = "registered:" + self._dataset_key(train_dataset, eval_dataset)
@@ -103,8 +103,8 @@ class GRPOFlowTrainer:
     def train(self, allow_config_change: bool = False) -> dict[str, Any]:
         """Run (or resume) the `grpo` flow; returns the run's summary."""
         from flows.grpo import grpo
-        from workers.data import register_task
-        from workers.rewards import register_reward_funcs
+        from workers.data.loaders import register_task
+        from workers.rewards.functions import register_reward_funcs
 
         if self.task is not None:
             register_task(self.config.dataset.removeprefix("registered:"), self.task)

@@ -25,16 +25,39 @@ WeightSyncMethod = Literal["reload", "volume", "direct", "checkpoint", "lora"]
 MODAL_GPU_TYPES = ("T4", "L4", "A10G", "A10", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
 
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_publish")
-TASK_NAMES = ("last_digit", "gsm8k", "math", "math500", "mbpp")  # workers/data.py builds each
+TASK_NAMES = ("last_digit", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 # Fields that do not change what a run computes; everything else is part of the config hash.
 NON_TRAINING_FIELDS = frozenset(
-    {"run_id", "storage_root", "max_steps", "save_steps", "report_to", "wandb_project", "backend", "actor_gpu",
-     "actor_gpu_count", "rollout_gpu", "weight_sync_method", "gpu_memory_utilization", "modal_volume",
-     "modal_secrets", "detach", "save_total_limit", "keep_checkpoint_every", "generate_retries", "score_retries",
-     "actor_retries", "retry_delay_seconds", "eval_prompts", "reward_concurrency", "gradient_checkpointing",
-     "max_tokens_per_microbatch", "step_subflows"}
+    {
+        "run_id",
+        "storage_root",
+        "max_steps",
+        "save_steps",
+        "report_to",
+        "wandb_project",
+        "backend",
+        "actor_gpu",
+        "actor_gpu_count",
+        "rollout_gpu",
+        "weight_sync_method",
+        "gpu_memory_utilization",
+        "modal_volume",
+        "modal_secrets",
+        "detach",
+        "save_total_limit",
+        "keep_checkpoint_every",
+        "generate_retries",
+        "score_retries",
+        "actor_retries",
+        "retry_delay_seconds",
+        "eval_prompts",
+        "reward_concurrency",
+        "gradient_checkpointing",
+        "max_tokens_per_microbatch",
+        "step_subflows",
+    }
 )
 
 
@@ -200,7 +223,8 @@ class GRPOFlowConfig(BaseModel):
         "there.",
     )
     vllm_importance_sampling_mode: ImportanceSamplingMode = Field(
-        default="sequence_mask", description="TRL's IS correction mode: ratios per token or sequence, truncated or masked."
+        default="sequence_mask",
+        description="TRL's IS correction mode: ratios per token or sequence, truncated or masked.",
     )
     vllm_importance_sampling_clip_min: float | None = Field(
         default=None, ge=0, description="Lower bound of the IS correction ratio (None: no lower bound)."
@@ -255,7 +279,9 @@ class GRPOFlowConfig(BaseModel):
         default=None, ge=1, description="Keep only the newest N checkpoints (TRL's name); None keeps all."
     )
     keep_checkpoint_every: int | None = Field(
-        default=None, ge=1, description="With save_total_limit, also keep every checkpoint whose step is a multiple of M."
+        default=None,
+        ge=1,
+        description="With save_total_limit, also keep every checkpoint whose step is a multiple of M.",
     )
 
     # Retries of transient failures (per task run; a failure that persists fails the step)
@@ -267,7 +293,9 @@ class GRPOFlowConfig(BaseModel):
     retry_delay_seconds: float = Field(default=1.0, ge=0, description="Delay between retries.")
 
     # Modal backend (the seeds' option names); ignored by the local backend
-    actor_gpu: str = Field(default="A100", description=f"Modal GPU type of the actor: one of {', '.join(MODAL_GPU_TYPES)}.")
+    actor_gpu: str = Field(
+        default="A100", description=f"Modal GPU type of the actor: one of {', '.join(MODAL_GPU_TYPES)}."
+    )
     actor_gpu_count: int = Field(default=1, ge=1, le=8, description="GPUs for the actor container.")
     rollout_gpu: str = Field(default="A10G", description="Modal GPU type of each vLLM rollout worker.")
     weight_sync_method: WeightSyncMethod = Field(
@@ -309,9 +337,7 @@ class GRPOFlowConfig(BaseModel):
             raise ValueError(f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ValueError(f"max_steps ({self.max_steps}) must be a positive number of steps, or -1")
-        if self.reward_weights is not None and self.reward_funcs and len(self.reward_weights) != len(
-            self.reward_funcs
-        ):
+        if self.reward_weights is not None and self.reward_funcs and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights has {len(self.reward_weights)} values but reward_funcs has "
                 f"{len(self.reward_funcs)} functions"
@@ -320,8 +346,11 @@ class GRPOFlowConfig(BaseModel):
             raise ValueError("loss_type 'luspo' needs importance_sampling_level 'sequence' (TRL's rule)")
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
             raise ValueError("loss_type 'vespo' needs importance_sampling_level 'token' (TRL's rule)")
-        if (self.vllm_importance_sampling_clip_min is not None and self.vllm_importance_sampling_clip_max is not None
-                and self.vllm_importance_sampling_clip_min > self.vllm_importance_sampling_clip_max):
+        if (
+            self.vllm_importance_sampling_clip_min is not None
+            and self.vllm_importance_sampling_clip_max is not None
+            and self.vllm_importance_sampling_clip_min > self.vllm_importance_sampling_clip_max
+        ):
             raise ValueError(
                 f"vllm_importance_sampling_clip_min ({self.vllm_importance_sampling_clip_min}) must be <= "
                 f"vllm_importance_sampling_clip_max ({self.vllm_importance_sampling_clip_max})"

@@ -9,7 +9,7 @@ from schemas.config import GRPOFlowConfig
 PRESETS: dict[str, dict[str, Any]] = {
     # Offline, CPU, about a minute: the project's tiny Qwen2 model learns to answer `35060=`
     # with the last digit. Held-out accuracy starts near 0.3 (after the format warm start,
-    # see workers/tiny_model.py) and ends near 1.0.
+    # see workers/data/tiny_model.py) and ends near 1.0.
     "tiny": {
         "model": "tiny",
         "dataset": "last_digit",

@@ -111,7 +111,10 @@ class RolloutBatch:
 
     def extend(self, other: RolloutBatch) -> RolloutBatch:
         """This batch followed by `other` (same worker and columns); timings add up."""
-        changes: dict[str, Any] = {"generate_s": self.generate_s + other.generate_s, "score_s": self.score_s + other.score_s}
+        changes: dict[str, Any] = {
+            "generate_s": self.generate_s + other.generate_s,
+            "score_s": self.score_s + other.score_s,
+        }
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, list) and len(value) == len(self):

@@ -5,7 +5,7 @@ source, so a task that is run again for a stage already done gets its small resu
 back instead of doing it again. The run uid is written when the run is created, so a deleted
 and recreated run of the same name never hits the old run's cache. The resume count is in
 the key because across resumes the files decide, not the cache: a cache cannot see that a
-damaged file was moved to quarantine and must be written again (workers/resume.py).
+damaged file was moved to quarantine and must be written again (workers/state/resume.py).
 Stages that return tensors or whole batches are not cached: results are cloudpickled, and
 what they produce is on disk anyway.
 """

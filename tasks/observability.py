@@ -48,8 +48,18 @@ logger = logging.getLogger("grpo_flow.observability")
 
 # Shown first, in this order, when the row has them; every other numeric metric follows.
 HEADLINE_METRICS = (
-    "reward", "reward_std", "frac_reward_zero_std", "loss", "kl", "grad_norm", "learning_rate", "entropy",
-    "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "step_s",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "loss",
+    "kl",
+    "grad_norm",
+    "learning_rate",
+    "entropy",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "clip_ratio/region_mean",
+    "step_s",
 )
 SAMPLE_COUNT = 3
 MAX_PROMPT_CHARS = 300
@@ -85,7 +95,7 @@ def rollout_rows(
             return []
         import pyarrow.dataset as ds
 
-        from workers.storage import RunStorage
+        from workers.state.storage import RunStorage
 
         storage = RunStorage(plan_or_run_id.storage_root, plan_or_run_id.run_id)
         # Only what the artifact shows: token ids and logprobs are most of a step's bytes.
@@ -149,7 +159,8 @@ def _fenced(text: str) -> str:
 def step_markdown(run_id: str, step: int, metrics_row: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]) -> str:
     """The artifact's text: headline metrics, the other metrics, then the sample completions."""
     numbers = {
-        k: v for k, v in metrics_row.items()
+        k: v
+        for k, v in metrics_row.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step",)
     }
     headline = [k for k in HEADLINE_METRICS if k in numbers]

@@ -11,7 +11,6 @@ import math
 import threading
 
 import numpy as np
-import pyarrow as pa
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -20,12 +19,12 @@ from schemas.config import GRPOFlowConfig
 from schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
 from tasks.caching import STEP_STAGE
 from workers import backends
-from workers.advantages import multi_objective_advantages
-from workers.faults import maybe_fail
-from workers.data import load_task
-from workers.rewards import RewardTrainerState, resolve_reward_funcs, score_batch
-from workers.rollout import SamplingParams
-from workers.storage import RunStorage
+from workers.actor.advantages import multi_objective_advantages
+from workers.state.faults import maybe_fail
+from workers.data.loaders import load_task
+from workers.rewards.functions import RewardTrainerState, resolve_reward_funcs, score_batch
+from workers.rollout.base import SamplingParams
+from workers.state.storage import RunStorage
 
 
 def step_seed(seed: int, step: int, shard: int = 0, refill_round: int = 0) -> int:
@@ -59,7 +58,10 @@ def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int, refill_round:
     per_shard = config.prompts_per_step // config.num_rollout_workers
     return [
         PromptShard(
-            step=step, shard=s, group_offset=s * per_shard, rows=tuple(rows[s * per_shard : (s + 1) * per_shard]),
+            step=step,
+            shard=s,
+            group_offset=s * per_shard,
+            rows=tuple(rows[s * per_shard : (s + 1) * per_shard]),
             refill_round=refill_round,
         )
         for s in range(config.num_rollout_workers)
@@ -151,7 +153,7 @@ def keep_informative_groups(
     quota = config.prompts_per_step // config.num_rollout_workers
     g = config.num_generations
     out, dropped = [], 0
-    for shard, (have, batch) in enumerate(zip(kept, new)):
+    for shard, (have, batch) in enumerate(zip(kept, new, strict=True)):
         groups = informative_groups(batch, g)
         dropped += len(batch) // g - len(groups)
         room = quota - (len(have) // g if have is not None else 0)
@@ -163,7 +165,9 @@ def keep_informative_groups(
     return out, dropped
 
 
-def step_advantages(config: GRPOFlowConfig, per_function: dict[str, list[float | None]]) -> tuple[torch.Tensor, torch.Tensor]:
+def step_advantages(
+    config: GRPOFlowConfig, per_function: dict[str, list[float | None]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """TRL's advantages from each reward function's scores (None: not applicable), weighted and
     aggregated by the run's reward_weights and multi_objective_aggregation."""
     matrix = torch.tensor(
@@ -229,7 +233,9 @@ def logged_reward_stats(config: GRPOFlowConfig, plan: RunPlan, step: int) -> tup
     columns = {name: table.column("reward_" + name).to_pylist() for name in plan.reward_names}
     _, std_is_zero = step_advantages(config, columns)
     lengths = table.column("completion_tokens").to_pylist()
-    return table.num_rows, reward_stats(rewards, std_is_zero, columns, lengths, table.column("finish_reason").to_pylist())
+    return table.num_rows, reward_stats(
+        rewards, std_is_zero, columns, lengths, table.column("finish_reason").to_pylist()
+    )
 
 
 @task(name="write-rollouts", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)

@@ -13,13 +13,13 @@ from prefect.cache_policies import NO_CACHE
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
 from workers import backends
-from workers.data import load_task
-from workers.evaluation import heldout_accuracy
-from workers.resume import check_config_change, find_resume_point, record_resume
-from workers.rewards import resolve_reward_funcs
-from workers.storage import RunStorage
-from workers.tiny_model import read_build_info, resolve_model_path
-from workers.tracking import wandb_finish
+from workers.data.loaders import load_task
+from workers.rollout.heldout import heldout_accuracy
+from workers.state.resume import check_config_change, find_resume_point, record_resume
+from workers.rewards.functions import resolve_reward_funcs
+from workers.state.storage import RunStorage
+from workers.data.tiny_model import read_build_info, resolve_model_path
+from workers.state.tracking import wandb_finish
 
 
 def check_run_start(config: GRPOFlowConfig, allow_config_change: bool = False) -> RunStorage:
@@ -57,7 +57,10 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False) -> Ru
         }
         get_run_logger().info(
             "resuming run %s: checkpoint %s, replaying logged steps %s, then from step %d",
-            storage.run_id, point.checkpoint_step, list(point.replay_steps), point.first_step + len(point.replay_steps),
+            storage.run_id,
+            point.checkpoint_step,
+            list(point.replay_steps),
+            point.first_step + len(point.replay_steps),
         )
     else:
         storage.write_config(config.model_dump(mode="json"))

@@ -12,8 +12,8 @@ from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan, metrics_table
 from tasks.caching import STEP_STAGE
 from workers import backends
-from workers.faults import maybe_fail
-from workers.storage import RunStorage
+from workers.state.faults import maybe_fail
+from workers.state.storage import RunStorage
 
 
 @task(name="restore-workers", cache_policy=NO_CACHE)
@@ -90,7 +90,7 @@ def log_metrics(
         return str(storage.metrics_path(step))
     path = storage.write_metrics(step, metrics_table(row))
     if config.report_to == "wandb":
-        from workers.tracking import wandb_log
+        from workers.state.tracking import wandb_log
 
         wandb_log(config, plan.run_id, step, row)
     return str(path)

@@ -12,7 +12,7 @@ from benchmarks.instant_workers import instant_model_dir, instant_workers
 from benchmarks.memory import rollouts_table
 from benchmarks.steps import ApiCounter, StepClock, run_steps_directly
 from schemas.presets import preset_config
-from workers.storage import RunStorage
+from workers.state.storage import RunStorage
 
 
 def test_instant_workers_run_the_real_flow_and_direct_steps_continue_it(prefect_server, tmp_path):
@@ -20,8 +20,13 @@ def test_instant_workers_run_the_real_flow_and_direct_steps_continue_it(prefect_
     from workers.backends import release
 
     config = preset_config(
-        "tiny", model=instant_model_dir(tmp_path / "model"), storage_root=str(tmp_path / "storage"),
-        run_id="instant", max_steps=2, save_steps=1, eval_prompts=0,
+        "tiny",
+        model=instant_model_dir(tmp_path / "model"),
+        storage_root=str(tmp_path / "storage"),
+        run_id="instant",
+        max_steps=2,
+        save_steps=1,
+        eval_prompts=0,
     )
     counter = ApiCounter()
     clock = StepClock(counter, count_from=2)
@@ -50,7 +55,9 @@ def test_memory_rollouts_table_has_the_requested_shape():
 
 
 def test_model_flops_count_forward_backward_and_attention():
-    assert model_flops_per_step(parameters=10, layers=1, hidden=2, rows=1, sequence=3) == pytest.approx(6 * 10 * 3 + 12 * 2 * 3 * 3)
+    assert model_flops_per_step(parameters=10, layers=1, hidden=2, rows=1, sequence=3) == pytest.approx(
+        6 * 10 * 3 + 12 * 2 * 3 * 3
+    )
 
 
 def test_gpu_benchmark_refuses_without_cuda():

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from flows.grpo import grpo
 from schemas.presets import preset_config
-from workers import local
-from workers.storage import RunStorage
+from workers.backends import local
+from workers.state.storage import RunStorage
 
 FIELDS = dict(max_steps=4, save_steps=2, prompts_per_step=4, num_generations=4, eval_prompts=0, max_staleness=1)
 

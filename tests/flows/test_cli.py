@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from flows.cli import build_config, main, make_parser, parse_overrides, UsageError
+from flows.cli import build_config, main, make_parser, parse_overrides
 
 
 def run_cli(*args, env_extra=None, timeout=600):
@@ -65,12 +65,14 @@ def test_storage_root_that_cannot_be_a_folder_is_refused(tmp_path, capsys):
 
 
 def test_resume_refuses_an_unknown_run_and_a_changed_model_before_writing(tmp_path, capsys):
-    from workers.storage import RunStorage
+    from workers.state.storage import RunStorage
 
     assert main(["train", "--resume", "--run-id", "nope", "--storage-root", str(tmp_path)]) == 2
     assert "--resume: no run 'nope'" in capsys.readouterr().err
     storage = RunStorage(tmp_path, "mine")
-    storage.write_config(build_config("tiny", {"run_id": "mine", "storage_root": str(tmp_path)}).model_dump(mode="json"))
+    storage.write_config(
+        build_config("tiny", {"run_id": "mine", "storage_root": str(tmp_path)}).model_dump(mode="json")
+    )
     before = sorted(p.name for p in tmp_path.rglob("*"))
     assert main(["train", "--run-id", "mine", "--model", "other/model", "--storage-root", str(tmp_path)]) == 2
     assert "run 'mine' belongs to model 'tiny', not 'other/model'" in capsys.readouterr().err
@@ -91,8 +93,19 @@ def test_train_then_list_then_read_rollouts(tmp_path):
     root = tmp_path / "store"
     env = {"PREFECT_HOME": str(tmp_path / "prefect-home")}
     trained = run_cli(
-        "train", "--preset", "tiny", "--max-steps", "2", "--run-id", "cli-run", "--eval-prompts", "16",
-        "--storage-root", str(root), "--no-progress", env_extra=env,
+        "train",
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "2",
+        "--run-id",
+        "cli-run",
+        "--eval-prompts",
+        "16",
+        "--storage-root",
+        str(root),
+        "--no-progress",
+        env_extra=env,
     )
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "held-out accuracy, after RL" in trained.stdout
@@ -100,15 +113,17 @@ def test_train_then_list_then_read_rollouts(tmp_path):
 
     listed = run_cli("runs", "--storage-root", str(root))
     assert listed.returncode == 0
-    line = next(l for l in listed.stdout.splitlines() if l.startswith("cli-run"))
+    line = next(line for line in listed.stdout.splitlines() if line.startswith("cli-run"))
     assert line.split()[1:] == ["completed", "2"]
 
     shown = run_cli("rollouts", "cli-run", "--step", "1", "--limit", "3", "--storage-root", str(root))
     assert shown.returncode == 0, shown.stderr
-    rows = [json.loads(l) for l in shown.stdout.splitlines()[1:]]
+    rows = [json.loads(line) for line in shown.stdout.splitlines()[1:]]
     assert len(rows) == 3 and all("completion" in r and "reward" in r for r in rows)
 
-    again = run_cli("train", "--run-id", "cli-run", "--storage-root", str(root), "--learning-rate", "0.5", env_extra=env)
+    again = run_cli(
+        "train", "--run-id", "cli-run", "--storage-root", str(root), "--learning-rate", "0.5", env_extra=env
+    )
     assert again.returncode == 2 and "learning_rate: 0.005 -> 0.5" in again.stderr
     missing_step = run_cli("rollouts", "cli-run", "--step", "9", "--storage-root", str(root))
     assert missing_step.returncode == 2 and "--step" in missing_step.stderr

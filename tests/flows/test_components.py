@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from flows.cli import main
-from workers.tiny_model import ensure_tiny_model
+from workers.data.tiny_model import ensure_tiny_model
 
 
 def json_lines(text):
@@ -15,8 +15,21 @@ def json_lines(text):
 
 
 def test_test_rollout_generates_n_completions_per_prompt(storage_root, capsys):
-    code = main(["test-rollout", "--storage-root", str(storage_root), "--prompt", "12 + 7 =", "--prompt", "3 + 4 =",
-                 "--n", "3", "--max-tokens", "5"])
+    code = main(
+        [
+            "test-rollout",
+            "--storage-root",
+            str(storage_root),
+            "--prompt",
+            "12 + 7 =",
+            "--prompt",
+            "3 + 4 =",
+            "--n",
+            "3",
+            "--max-tokens",
+            "5",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     rows = json_lines(out)
@@ -29,8 +42,9 @@ def test_test_rollout_generates_n_completions_per_prompt(storage_root, capsys):
 def test_test_rollout_through_the_modal_rollout_worker(storage_root, capsys, monkeypatch):
     monkeypatch.setenv("GRPO_FLOW_MODAL_MODE", "local")
     warnings.filterwarnings("ignore", message=".*executing locally and will not have access to the mounted Volume")
-    code = main(["test-rollout", "--backend", "modal", "--storage-root", str(storage_root), "--n", "2",
-                 "--max-tokens", "4"])
+    code = main(
+        ["test-rollout", "--backend", "modal", "--storage-root", str(storage_root), "--n", "2", "--max-tokens", "4"]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "Modal RolloutWorker (.local(), CPU)" in out and len(json_lines(out)) == 2
@@ -51,8 +65,18 @@ def test_test_reward_calls_the_function_as_a_run_does(tmp_path, monkeypatch, cap
         "    return [None for _ in completions]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    code = main(["test-reward", "component_rewards:mentions_answer", "component_rewards:not_for_me", "math_accuracy",
-                 "--completion", "so it is \\boxed{19}", "--column", "answer=19"])
+    code = main(
+        [
+            "test-reward",
+            "component_rewards:mentions_answer",
+            "component_rewards:not_for_me",
+            "math_accuracy",
+            "--completion",
+            "so it is \\boxed{19}",
+            "--column",
+            "answer=19",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "mentions_answer: 1.0000" in out
@@ -77,10 +101,18 @@ def test_test_reward_shows_the_failing_function_and_refuses_bad_names(tmp_path, 
 def test_checkpoints_lists_each_with_its_verification(prefect_server, tmp_path, capsys):
     from flows.grpo import grpo
     from schemas.presets import preset_config
-    from workers.storage import RunStorage
+    from workers.state.storage import RunStorage
 
-    config = preset_config("tiny", run_id="listed", storage_root=str(tmp_path), max_steps=2, save_steps=1,
-                           prompts_per_step=2, num_generations=2, eval_prompts=0)
+    config = preset_config(
+        "tiny",
+        run_id="listed",
+        storage_root=str(tmp_path),
+        max_steps=2,
+        save_steps=1,
+        prompts_per_step=2,
+        num_generations=2,
+        eval_prompts=0,
+    )
     grpo(config)
     storage = RunStorage(tmp_path, "listed")
     (storage.checkpoint_dir(1) / "optimizer.pt").write_bytes(b"torn")  # damage the first

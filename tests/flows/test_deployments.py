@@ -20,7 +20,7 @@ from deployments.grpo import DeploymentConfigError, grpo_preset, resolve_config,
 from deployments.serve import DeploymentSettingsError, build_deployments, nightly_schedule
 from schemas.config import GRPOFlowConfig
 from schemas.presets import PRESETS, preset_config
-from workers.storage import RunStorage
+from workers.state.storage import RunStorage
 
 
 def schema() -> dict:
@@ -50,12 +50,21 @@ def test_every_config_field_is_a_deployment_parameter():
 def test_single_params_override_one_field_of_the_preset(tmp_path):
     parameters = deployment_run_parameters(
         {"preset": "tiny", "storage_root": str(tmp_path)},
-        "max_steps=3", "prompts_per_step=8", "num_generations=4", "run_id=dep-1", "learning_rate=1e-3",
+        "max_steps=3",
+        "prompts_per_step=8",
+        "num_generations=4",
+        "run_id=dep-1",
+        "learning_rate=1e-3",
     )
     preset, overrides, allow, fail_at = split_parameters(parameters)
     config = resolve_config(preset, overrides)
     expected = preset_config(
-        "tiny", max_steps=3, prompts_per_step=8, num_generations=4, run_id="dep-1", learning_rate=1e-3,
+        "tiny",
+        max_steps=3,
+        prompts_per_step=8,
+        num_generations=4,
+        run_id="dep-1",
+        learning_rate=1e-3,
         storage_root=str(tmp_path),
     )
     assert config == expected  # every other field is the preset's
@@ -65,7 +74,8 @@ def test_single_params_override_one_field_of_the_preset(tmp_path):
 def test_a_config_object_merges_over_the_preset_and_wins_over_single_fields(tmp_path):
     parameters = deployment_run_parameters(
         {"preset": "gsm8k", "storage_root": str(tmp_path)},
-        'config={"max_steps": 7, "epsilon_high": null, "storage_root": "elsewhere"}', "max_steps=3",
+        'config={"max_steps": 7, "epsilon_high": null, "storage_root": "elsewhere"}',
+        "max_steps=3",
         "fail_at=score@2",
     )
     preset, overrides, _, fail_at = split_parameters(parameters)
@@ -118,11 +128,16 @@ def test_storage_root_falls_back_to_the_environment(monkeypatch):
 
 def test_the_wrapper_runs_the_grpo_flow_under_the_run_id(prefect_server, storage_root, tmp_path):
     from prefect.client.orchestration import get_client
-    from workers.tiny_model import ensure_tiny_model
+    from workers.data.tiny_model import ensure_tiny_model
 
     model = str(ensure_tiny_model(storage_root))  # built once per session; this test's runs are its own
     summary = grpo_preset(
-        preset="tiny", model=model, max_steps=2, prompts_per_step=8, num_generations=4, eval_prompts=0,
+        preset="tiny",
+        model=model,
+        max_steps=2,
+        prompts_per_step=8,
+        num_generations=4,
+        eval_prompts=0,
         storage_root=str(tmp_path),
     )
     assert summary["status"] == "completed" and summary["steps_completed"] == 2
@@ -182,10 +197,16 @@ def test_entrypoints_load_from_any_working_directory(tmp_path, monkeypatch):
     "args, env, expected",
     [
         (["serve"], {}, "needs a Prefect server"),
-        (["serve", "--timezone", "Mars/Olympus"], {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
-         "grpo serve: --timezone: 'Mars/Olympus' is not an IANA time zone"),
-        (["serve", "--nightly-cron", "daily"], {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
-         "grpo serve: --nightly-cron: 'daily' is not a valid cron"),
+        (
+            ["serve", "--timezone", "Mars/Olympus"],
+            {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
+            "grpo serve: --timezone: 'Mars/Olympus' is not an IANA time zone",
+        ),
+        (
+            ["serve", "--nightly-cron", "daily"],
+            {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
+            "grpo serve: --nightly-cron: 'daily' is not a valid cron",
+        ),
         (["serve", "--eval-k", "0"], {"PREFECT_API_URL": "http://127.0.0.1:9/api"}, "--eval-k: must be at least 1"),
     ],
 )
@@ -194,7 +215,10 @@ def test_serve_refuses_bad_input_before_registering_anything(tmp_path, args, env
     environment.update(PREFECT_HOME=str(tmp_path / "home"), **env)  # a profile without an API URL
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", *args, "--storage-root", str(tmp_path)],
-        env=environment, capture_output=True, text=True, timeout=120,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert expected in done.stderr
@@ -203,7 +227,7 @@ def test_serve_refuses_bad_input_before_registering_anything(tmp_path, args, env
 # -- presets ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, dataset, reward", [("math", "math", "math_accuracy"), ("mbpp", "mbpp", "mbpp_tests")])
 def test_math_and_mbpp_presets(name, dataset, reward):
-    from workers.rewards import resolve_reward_funcs
+    from workers.rewards.functions import resolve_reward_funcs
 
     config = preset_config(name)
     assert config.dataset == dataset and config.reward_funcs == [reward]

@@ -2,13 +2,22 @@
 
 from flows.grpo import grpo
 from schemas.presets import preset_config
-from workers.storage import RunStorage
+from workers.state.storage import RunStorage
 
 
 def test_logged_groups_all_carry_signal_and_the_filtered_count_is_logged(prefect_server, storage_root):
-    config = preset_config("tiny", run_id="dynamic-sampling", storage_root=str(storage_root), max_steps=2,
-                           prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0,
-                           dynamic_sampling=True, dynamic_sampling_max_rounds=2)
+    config = preset_config(
+        "tiny",
+        run_id="dynamic-sampling",
+        storage_root=str(storage_root),
+        max_steps=2,
+        prompts_per_step=8,
+        num_generations=4,
+        num_rollout_workers=2,
+        eval_prompts=0,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=2,
+    )
     assert grpo(config)["status"] == "completed"
     storage = RunStorage(storage_root, config.run_id)
     rows = storage.read_metrics().to_pylist()

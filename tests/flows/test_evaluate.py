@@ -24,7 +24,7 @@ from flows.evaluate import (
 )
 from schemas.presets import preset_config
 from tasks.observability import artifact_key
-from workers.storage import RunStorage
+from workers.state.storage import RunStorage
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
 
@@ -88,7 +88,7 @@ def eval_root(prefect_server, storage_root, tmp_path_factory, monkeypatch_module
     """Its own storage root (the nightly sweep takes every run under it) holding run `evaluated`
     (checkpoints 1 and 2, wandb offline) and run `no-checkpoint` (failed in step 1)."""
     from flows.grpo import grpo
-    from workers.tiny_model import ensure_tiny_model
+    from workers.data.tiny_model import ensure_tiny_model
 
     root = tmp_path_factory.mktemp("eval-root")
     wandb_dir = tmp_path_factory.mktemp("wandb")
@@ -96,13 +96,32 @@ def eval_root(prefect_server, storage_root, tmp_path_factory, monkeypatch_module
     monkeypatch_module.setenv("WANDB_DIR", str(wandb_dir))
     monkeypatch_module.setenv("WANDB_SILENT", "true")
     model = str(ensure_tiny_model(storage_root))  # the session's tiny model, built once
-    grpo(preset_config(
-        "tiny", model=model, run_id="evaluated", storage_root=str(root), max_steps=2, save_steps=1,
-        report_to="wandb", wandb_project="grpo-flow-tests", **SMALL,
-    ))
+    grpo(
+        preset_config(
+            "tiny",
+            model=model,
+            run_id="evaluated",
+            storage_root=str(root),
+            max_steps=2,
+            save_steps=1,
+            report_to="wandb",
+            wandb_project="grpo-flow-tests",
+            **SMALL,
+        )
+    )
     with pytest.raises(Exception, match="injected failure"):
-        grpo(preset_config("tiny", model=model, run_id="no-checkpoint", storage_root=str(root), max_steps=2,
-                           generate_retries=0, **SMALL), fail_at="generate@1")
+        grpo(
+            preset_config(
+                "tiny",
+                model=model,
+                run_id="no-checkpoint",
+                storage_root=str(root),
+                max_steps=2,
+                generate_retries=0,
+                **SMALL,
+            ),
+            fail_at="generate@1",
+        )
     return root, wandb_dir
 
 
@@ -217,8 +236,9 @@ def test_checkpoint_resolution_and_cli_refusals(eval_root, capsys):
 
 def test_grpo_eval_prints_the_summary(eval_root, capsys):
     root, _ = eval_root
-    assert main(["eval", "evaluated", "--checkpoint", "1", "--k", "4", "--prompts", "8",
-                 "--storage-root", str(root)]) == 0
+    assert (
+        main(["eval", "evaluated", "--checkpoint", "1", "--k", "4", "--prompts", "8", "--storage-root", str(root)]) == 0
+    )
     out = capsys.readouterr().out
     assert "pass@4" in out and "greedy accuracy" in out and "step-000001.parquet" in out
 
@@ -233,7 +253,7 @@ class FakeVolume:
     def read_file(self, path: str):
         self.reads += 1
         data = self.files[path]
-        yield from (data[i:i + 1000] for i in range(0, len(data), 1000))
+        yield from (data[i : i + 1000] for i in range(0, len(data), 1000))
 
 
 def as_modal_checkpoint(run_dir, step: int) -> FakeVolume:
@@ -242,9 +262,9 @@ def as_modal_checkpoint(run_dir, step: int) -> FakeVolume:
     import json
     import shutil
 
-    from workers.modal_app import VOLUME_PATH
-    from workers.modal_backend import VOLUME_CHECKPOINT_POINTER
-    from workers.storage import MANIFEST, file_manifest
+    from workers.backends.modal_app import VOLUME_PATH
+    from workers.backends.modal_backend import VOLUME_CHECKPOINT_POINTER
+    from workers.state.storage import MANIFEST, file_manifest
 
     folder = run_dir / "checkpoints" / f"step-{step:06d}"
     remote = f"runs/{run_dir.name}/checkpoints/step-{step:06d}"
@@ -264,7 +284,7 @@ def test_a_modal_runs_checkpoint_is_fetched_from_its_volume_checked_and_evaluate
 ):
     import shutil
 
-    import workers.modal_backend as modal_backend
+    import workers.backends.modal_backend as modal_backend
 
     root, _ = eval_root
     local_root, modal_root = tmp_path / "local-root", tmp_path / "modal-root"
@@ -289,7 +309,7 @@ def test_a_modal_runs_checkpoint_is_fetched_from_its_volume_checked_and_evaluate
     assert all(str(p).startswith("eval") for p in added) and added
 
     # A second look downloads nothing: the cached files match the pointer.
-    from workers.modal_backend import checkpoint_model_dir
+    from workers.backends.modal_backend import checkpoint_model_dir
 
     assert checkpoint_model_dir(run_dir / "checkpoints" / "step-000002", modal_root / "cache").is_dir()
     assert volume.reads == len(volume.files)
@@ -298,8 +318,8 @@ def test_a_modal_runs_checkpoint_is_fetched_from_its_volume_checked_and_evaluate
 def test_a_volume_file_that_no_longer_matches_its_pointer_is_refused(eval_root, tmp_path, monkeypatch):
     import shutil
 
-    import workers.modal_backend as modal_backend
-    from workers.modal_backend import checkpoint_model_dir
+    import workers.backends.modal_backend as modal_backend
+    from workers.backends.modal_backend import checkpoint_model_dir
 
     root, _ = eval_root
     shutil.copytree(root / "runs" / "evaluated", tmp_path / "runs" / "evaluated", ignore=shutil.ignore_patterns("eval"))

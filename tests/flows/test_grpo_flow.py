@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from flows.grpo import grpo
 from schemas.presets import preset_config
-from workers.storage import RunStorage
+from workers.state.storage import RunStorage
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +143,15 @@ def test_a_failing_step_fails_the_run_and_keeps_what_was_logged(prefect_server, 
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     config = preset_config(
-        "tiny", run_id="fails-at-2", storage_root=str(storage_root), max_steps=3, prompts_per_step=2,
-        num_generations=2, num_rollout_workers=1, eval_prompts=4, reward_funcs=["flaky_rewards:breaks_at_step_2"],
+        "tiny",
+        run_id="fails-at-2",
+        storage_root=str(storage_root),
+        max_steps=3,
+        prompts_per_step=2,
+        num_generations=2,
+        num_rollout_workers=1,
+        eval_prompts=4,
+        reward_funcs=["flaky_rewards:breaks_at_step_2"],
     )
     with pytest.raises(RuntimeError, match="reward service down"):
         grpo(config)
@@ -159,7 +166,7 @@ def test_a_failing_step_fails_the_run_and_keeps_what_was_logged(prefect_server, 
     assert storage.read_rollouts(step=1).column("reward_breaks_at_step_2").to_pylist() == [0.5] * 4
     assert not storage.rollout_dir(2).exists()
 
-    from workers.storage import list_runs
+    from workers.state.storage import list_runs
 
     assert ("fails-at-2", "failed", 1) in [(r.run_id, r.status, r.last_step) for r in list_runs(storage_root)]
 
@@ -185,8 +192,15 @@ def test_steps_without_subflows_train_the_same_and_make_no_step_subflow_runs(pre
     runs = {}
     for step_subflows in (True, False):
         config = preset_config(
-            "tiny", run_id=f"subflows-{str(step_subflows).lower()}", storage_root=str(storage_root), max_steps=2,
-            prompts_per_step=4, num_generations=4, num_rollout_workers=2, save_steps=2, eval_prompts=0,
+            "tiny",
+            run_id=f"subflows-{str(step_subflows).lower()}",
+            storage_root=str(storage_root),
+            max_steps=2,
+            prompts_per_step=4,
+            num_generations=4,
+            num_rollout_workers=2,
+            save_steps=2,
+            eval_prompts=0,
             step_subflows=step_subflows,
         )
         assert grpo(config)["status"] == "completed"
@@ -201,5 +215,7 @@ def test_steps_without_subflows_train_the_same_and_make_no_step_subflow_runs(pre
 
     with get_client(sync_client=True) as client:
         names = [f"{run.run_id}-step-1" for run in (with_subflows, without)]
-        found = {r.name for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))}
+        found = {
+            r.name for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))
+        }
     assert found == {"subflows-true-step-1"}

@@ -7,7 +7,7 @@ import pytest
 
 from flows.grpo import grpo
 from schemas.presets import preset_config
-from workers.storage import RunStorage
+from workers.state.storage import RunStorage
 
 
 @pytest.mark.parametrize("method", ["direct", "volume"])
@@ -15,9 +15,17 @@ def test_a_run_on_the_modal_backend_logs_gpu_seconds_and_sync_bytes(prefect_serv
     monkeypatch.setenv("GRPO_FLOW_MODAL_MODE", "local")
     warnings.filterwarnings("ignore", message=".*executing locally and will not have access to the mounted Volume")
     config = preset_config(
-        "tiny", run_id=f"modal-local-{method}", storage_root=str(storage_root), backend="modal",
-        weight_sync_method=method, max_steps=2, prompts_per_step=4, num_generations=4, num_rollout_workers=2,
-        eval_prompts=8, save_steps=1,
+        "tiny",
+        run_id=f"modal-local-{method}",
+        storage_root=str(storage_root),
+        backend="modal",
+        weight_sync_method=method,
+        max_steps=2,
+        prompts_per_step=4,
+        num_generations=4,
+        num_rollout_workers=2,
+        eval_prompts=8,
+        save_steps=1,
     )
     summary = grpo(config)
     assert summary["status"] == "completed"
@@ -51,12 +59,20 @@ def test_a_failed_modal_run_resumes_from_its_checkpoint_and_ends_where_an_unbrok
     import torch
     from safetensors.torch import load_file
 
-    from workers import modal_backend
+    from workers.backends import modal_backend
 
     monkeypatch.setenv("GRPO_FLOW_MODAL_MODE", "local")
     warnings.filterwarnings("ignore", message=".*executing locally and will not have access to the mounted Volume")
-    fields = dict(storage_root=str(storage_root), backend="modal", weight_sync_method="volume", max_steps=4,
-                  save_steps=2, prompts_per_step=2, num_generations=4, eval_prompts=0)
+    fields = dict(
+        storage_root=str(storage_root),
+        backend="modal",
+        weight_sync_method="volume",
+        max_steps=4,
+        save_steps=2,
+        prompts_per_step=2,
+        num_generations=4,
+        eval_prompts=0,
+    )
     unbroken = preset_config("tiny", run_id="modal-unbroken", **fields)
     assert grpo(unbroken)["status"] == "completed"
 

@@ -3,14 +3,24 @@ batch, micro-batches, and a checkpoint that resumes."""
 
 from flows.grpo import grpo
 from schemas.presets import preset_config
-from workers.storage import RunStorage
+from workers.state.storage import RunStorage
 
 
 def test_a_lora_run_publishes_the_adapter_and_logs_its_size(prefect_server, storage_root):
     config = preset_config(
-        "tiny", run_id="lora-adapter", storage_root=str(storage_root), max_steps=2, save_steps=1,
-        prompts_per_step=4, num_generations=4, eval_prompts=0, use_lora=True, lora_r=4,
-        lora_publish="adapter", num_iterations=2, max_tokens_per_microbatch=64,
+        "tiny",
+        run_id="lora-adapter",
+        storage_root=str(storage_root),
+        max_steps=2,
+        save_steps=1,
+        prompts_per_step=4,
+        num_generations=4,
+        eval_prompts=0,
+        use_lora=True,
+        lora_r=4,
+        lora_publish="adapter",
+        num_iterations=2,
+        max_tokens_per_microbatch=64,
     )
     assert grpo(config)["status"] == "completed"
     storage = RunStorage(storage_root, config.run_id)

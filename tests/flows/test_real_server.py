@@ -26,7 +26,10 @@ def running_prefect_server(home):
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     process = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}/api"
     try:
@@ -55,27 +58,54 @@ def real_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_model(storage_root) -> str:
     """The session's tiny model (built once); each test's runs and storage root are its own."""
-    from workers.tiny_model import ensure_tiny_model
+    from workers.data.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model(storage_root))
 
 
 def client_env(url: str, home) -> dict[str, str]:
-    return {**os.environ, "PREFECT_API_URL": url, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    return {
+        **os.environ,
+        "PREFECT_API_URL": url,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
 
 
 def test_a_run_is_recorded_by_the_server_in_prefect_api_url(real_server, tiny_model, tmp_path):
     env = client_env(real_server, tmp_path / "client-home")
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", "--model", tiny_model, "--max-steps", "2",
-         "--prompts-per-step", "8", "--num-generations", "4", "--run-id", "on-server",
-         "--eval-prompts", "8", "--storage-root", str(tmp_path / "store"), "--no-progress"],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "train",
+            "--model",
+            tiny_model,
+            "--max-steps",
+            "2",
+            "--prompts-per-step",
+            "8",
+            "--num-generations",
+            "4",
+            "--run-id",
+            "on-server",
+            "--eval-prompts",
+            "8",
+            "--storage-root",
+            str(tmp_path / "store"),
+            "--no-progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     names = ["on-server", "on-server-step-1", "on-server-step-2"]
-    runs = httpx.post(f"{real_server}/flow_runs/filter", json={"flow_runs": {"name": {"any_": names}}},
-                      timeout=10).json()
+    runs = httpx.post(
+        f"{real_server}/flow_runs/filter", json={"flow_runs": {"name": {"any_": names}}}, timeout=10
+    ).json()
     by_name = {run["name"]: run for run in runs}
     assert set(names) == set(by_name)
     assert all(by_name[name]["state_type"] == "COMPLETED" for name in names)
@@ -107,8 +137,13 @@ def deployment_run(env: dict[str, str], name: str, *params: str) -> subprocess.C
     argv = [sys.executable, "-m", "prefect", "deployment", "run", name]
     for param in params:
         argv += ["--param", param]
-    return subprocess.run([*argv, "--watch", "--watch-interval", "2", "--watch-timeout", "300"], env=env,
-                          capture_output=True, text=True, timeout=400)
+    return subprocess.run(
+        [*argv, "--watch", "--watch-interval", "2", "--watch-timeout", "300"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
 
 
 def artifacts(url: str, key: str) -> list:
@@ -157,16 +192,28 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
     """`grpo serve`, then `prefect deployment run` as a user types it: a run, a run failed at step 2
     on purpose and resumed there, the nightly evaluation by hand; checked on disk and through the API."""
     from flows.evaluate import eval_path, read_eval_summary
-    from workers.storage import RunStorage
+    from workers.state.storage import RunStorage
 
     url, store = real_server, tmp_path / "store"
     env = client_env(url, tmp_path / "client-home")
     log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "serve", "--storage-root", str(store), "--timezone", "Europe/Berlin",
-         "--eval-k", "4"],
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "serve",
+            "--storage-root",
+            str(store),
+            "--timezone",
+            "Europe/Berlin",
+            "--eval-k",
+            "4",
+        ],
         # The runner looks for scheduled work every 10 s by default; every 2 s here.
-        env={**env, "PREFECT_RUNNER_POLL_FREQUENCY": "2"}, stdout=log, stderr=subprocess.STDOUT,
+        env={**env, "PREFECT_RUNNER_POLL_FREQUENCY": "2"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
@@ -203,8 +250,9 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         assert progress.type == "progress" and float(progress.data) == 100.0 and progress.description == "step 3 / 3"
 
         # A run that fails at step 2 on purpose, then the same deployment with its run id resumes it.
-        done = deployment_run(env, "grpo/tiny", *small, "run_id=dep-resume", "save_steps=1", "score_retries=0",
-                              "fail_at=score@2")
+        done = deployment_run(
+            env, "grpo/tiny", *small, "run_id=dep-resume", "save_steps=1", "score_retries=0", "fail_at=score@2"
+        )
         assert done.returncode == 1 and "Failed" in done.stdout, done.stdout[-3000:]
         resumed = RunStorage(store, "dep-resume")
         assert resumed.read_summary()["status"] == "failed" and resumed.read_summary()["failed_step"] == 2
@@ -217,8 +265,10 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         assert resumed.logged_steps() == [1, 2, 3] and resumed.read_rollouts().num_rows == 3 * 8 * 4
         # Step 1 ran once; the second flow run started at step 2.
         assert step_flow_runs(url, "dep-resume", 3) == [
-            ("dep-resume-step-1", "COMPLETED"), ("dep-resume-step-2", "FAILED"),
-            ("dep-resume-step-2", "COMPLETED"), ("dep-resume-step-3", "COMPLETED"),
+            ("dep-resume-step-1", "COMPLETED"),
+            ("dep-resume-step-2", "FAILED"),
+            ("dep-resume-step-2", "COMPLETED"),
+            ("dep-resume-step-3", "COMPLETED"),
         ]
         assert artifact_steps(url, "grpo-step-dep-resume") == [1, 2, 3]
         first, second = artifacts(url, "grpo-progress-dep-resume")  # one per flow run
@@ -226,14 +276,20 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         with prefect_client(url) as client:
             runs = [client.read_flow_run(a.flow_run_id) for a in artifacts(url, "grpo-summary-dep-resume")]
         assert [(r.name, r.state.type.value, r.deployment_id) for r in runs] == [
-            ("dep-resume", "FAILED", tiny.id), ("dep-resume", "COMPLETED", tiny.id)]
+            ("dep-resume", "FAILED", tiny.id),
+            ("dep-resume", "COMPLETED", tiny.id),
+        ]
 
         # The nightly evaluation: registered on its cron in its time zone; run once by hand.
         with prefect_client(url) as client:
             nightly = client.read_deployment_by_name("evaluate/nightly")
             (schedule,) = client.read_deployment_schedules(nightly.id)
         assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active, nightly.paused) == (
-            "0 2 * * *", "Europe/Berlin", True, False)
+            "0 2 * * *",
+            "Europe/Berlin",
+            True,
+            False,
+        )
         done = deployment_run(env, "evaluate/nightly", "prompts=16")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         for run_id in ("dep-run", "dep-resume"):
@@ -254,7 +310,10 @@ def test_deployments_on_a_process_work_pool_run_on_a_worker(real_server, tmp_pat
     env = client_env(url, tmp_path / "client-home")
     done = subprocess.run(
         [sys.executable, "-m", "deployments.work_pool", "--pool", "grpo-test-pool", "--storage-root", str(store)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     with prefect_client(url) as client:
@@ -267,7 +326,11 @@ def test_deployments_on_a_process_work_pool_run_on_a_worker(real_server, tmp_pat
     # A process worker picks the run up once, runs it from the module entrypoint, and exits.
     worker = subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", "grpo-test-pool", "--run-once"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         output, _ = worker.communicate(timeout=300)

@@ -20,7 +20,7 @@ from tasks.observability import (
     step_markdown,
     update_run_progress,
 )
-from workers.storage import RunStorage
+from workers.state.storage import RunStorage
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -54,21 +54,43 @@ def test_markdown_fences_survive_backticks_in_completions():
 
 
 def test_step_and_progress_artifacts_inside_a_flow(prefect_server, tmp_path):
-    plan = RunPlan(run_id="Obs_Run", storage_root=str(tmp_path), model_path="tiny", total_steps=2,
-                   reward_names=("last_digit",), extra_columns=("answer",), num_train_prompts=10)
+    plan = RunPlan(
+        run_id="Obs_Run",
+        storage_root=str(tmp_path),
+        model_path="tiny",
+        total_steps=2,
+        reward_names=("last_digit",),
+        extra_columns=("answer",),
+        num_train_prompts=10,
+    )
     batch = RolloutBatch(
-        run_id="Obs_Run", step=2, policy_version=1, worker_id="rollout-0", prompt_id=["p0"] * 4,
-        group_index=[0] * 4, sample_index=[0, 1, 2, 3], prompt=["35060="] * 4,
-        completion=["0", "7", "1", "0 "], prompt_token_ids=[[1]] * 4, completion_token_ids=[[2]] * 4,
-        sampling_logprobs=[[-0.1]] * 4, finish_reason=["stop"] * 4, rewards={"last_digit": [1.0, 0.0, 0.0, 0.5]},
-        reward=[1.0, 0.0, 0.0, 0.5], advantage=[1.2, -0.8, -0.8, 0.4],
+        run_id="Obs_Run",
+        step=2,
+        policy_version=1,
+        worker_id="rollout-0",
+        prompt_id=["p0"] * 4,
+        group_index=[0] * 4,
+        sample_index=[0, 1, 2, 3],
+        prompt=["35060="] * 4,
+        completion=["0", "7", "1", "0 "],
+        prompt_token_ids=[[1]] * 4,
+        completion_token_ids=[[2]] * 4,
+        sampling_logprobs=[[-0.1]] * 4,
+        finish_reason=["stop"] * 4,
+        rewards={"last_digit": [1.0, 0.0, 0.0, 0.5]},
+        reward=[1.0, 0.0, 0.0, 0.5],
+        advantage=[1.2, -0.8, -0.8, 0.4],
     )
 
     @flow(name="observability-test")
     def observed() -> list:
         progress = create_run_progress(plan, total_steps=2)
-        step_artifact(plan, 1, {"step": 1, "reward": 0.25, "loss": -0.01, "kl": 0.002},
-                      pa.table({"prompt": ["12="], "completion": ["2"], "reward": [1.0]}))
+        step_artifact(
+            plan,
+            1,
+            {"step": 1, "reward": 0.25, "loss": -0.01, "kl": 0.002},
+            pa.table({"prompt": ["12="], "completion": ["2"], "reward": [1.0]}),
+        )
         update_run_progress(progress, 1, 2)
         # As the grpo flow does it: on the artifact thread, in order, then flushed.
         published = [
@@ -98,8 +120,16 @@ def write_metrics(root, run_id: str, steps: int, with_kl: bool) -> RunStorage:
     storage = RunStorage(root, run_id)
     storage.write_config(preset_config("tiny", run_id=run_id).model_dump(mode="json"))
     for step in range(1, steps + 1):
-        row = {"run_id": run_id, "step": step, "policy_version": step, "num_completions": 64,
-               "reward": step / steps, "reward_std": 0.1, "loss": 0.01 * step, "completions/mean_length": 2.0}
+        row = {
+            "run_id": run_id,
+            "step": step,
+            "policy_version": step,
+            "num_completions": 64,
+            "reward": step / steps,
+            "reward_std": 0.1,
+            "loss": 0.01 * step,
+            "completions/mean_length": 2.0,
+        }
         if with_kl:
             row["kl"] = 0.001 * step
         storage.write_metrics(step, metrics_table(row))
@@ -118,8 +148,10 @@ def test_report_plots_what_the_run_logged(tmp_path):
 
     storage = write_metrics(tmp_path, "with-kl", 3, with_kl=True)
     summary = {"checkpoint_step": 3, "pass@1": 0.4, "pass@8": 0.9, "greedy_accuracy": 0.5}
-    write_once(eval_path(storage, 3), pa.table({"x": [1]}).replace_schema_metadata(
-        {EVAL_METADATA_KEY: json.dumps(summary).encode()}))
+    write_once(
+        eval_path(storage, 3),
+        pa.table({"x": [1]}).replace_schema_metadata({EVAL_METADATA_KEY: json.dumps(summary).encode()}),
+    )
     report = write_report(tmp_path, "with-kl", tmp_path / "out" / "curves.png")
     assert report.panels == ("reward", "loss", "kl", "completions/mean_length", "eval")
     assert (tmp_path / "out" / "curves.png").read_bytes().startswith(PNG_SIGNATURE)

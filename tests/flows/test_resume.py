@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from flows.grpo import grpo
 from schemas.presets import preset_config
-from workers import local
-from workers.storage import RunStorage
+from workers.backends import local
+from workers.state.storage import RunStorage
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
 CLI_SMALL = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
@@ -39,8 +39,10 @@ def assert_one_set_of_rows_per_step(storage: RunStorage, steps: int, per_step: i
     counts = table.group_by("step").aggregate([("step", "count")]).sort_by("step").to_pylist()
     assert [(c["step"], c["step_count"]) for c in counts] == [(s, per_step) for s in range(1, steps + 1)]
     keys = pc.binary_join_element_wise(
-        pc.cast(table["step"], "string"), pc.cast(table["group_index"], "string"),
-        pc.cast(table["sample_index"], "string"), "/",
+        pc.cast(table["step"], "string"),
+        pc.cast(table["group_index"], "string"),
+        pc.cast(table["sample_index"], "string"),
+        "/",
     )
     assert len(pc.unique(keys)) == table.num_rows
     assert storage.logged_steps() == list(range(1, steps + 1))
@@ -53,8 +55,18 @@ def cli(storage_root, run_id, *args, fail_at=None):
     env.pop(("GRPO_FLOW_FAIL_AT"), None)
     if fail_at:
         env["GRPO_FLOW_FAIL_AT"] = fail_at
-    argv = [sys.executable, "-m", "flows.cli", "train", "--run-id", run_id, "--storage-root", str(storage_root),
-            "--no-progress", *args]
+    argv = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--run-id",
+        run_id,
+        "--storage-root",
+        str(storage_root),
+        "--no-progress",
+        *args,
+    ]
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -94,7 +106,9 @@ def test_a_killed_run_resumes_to_the_same_weights_and_rows(uninterrupted, storag
     ours = storage.read_rollouts(columns=["step", "completion", "advantage"])
     theirs = uninterrupted.read_rollouts(columns=["step", "completion", "advantage"])
     assert ours.equals(theirs)  # regenerated steps sample exactly what the uninterrupted run sampled
-    assert not list((storage.run_dir / "rollouts").glob(".*")) and not list((storage.run_dir / "checkpoints").glob(".*"))
+    assert not list((storage.run_dir / "rollouts").glob(".*")) and not list(
+        (storage.run_dir / "checkpoints").glob(".*")
+    )
 
 
 # -- in-process: damage, self-healing, Prefect retries ---------------------------------------------
@@ -131,8 +145,8 @@ def test_damaged_checkpoint_and_truncated_rollouts_are_set_aside_and_redone(six_
 
 def test_replaced_workers_heal_and_the_run_ends_where_it_would_have(six_steps, storage_root, monkeypatch):
     """After step 3 the actor and rollout worker 1 are swapped for fresh, unloaded objects."""
-    from workers.actor import Actor
-    from workers.rollout import TransformersRolloutEngine
+    from workers.actor.actor import Actor
+    from workers.rollout.transformers_engine import TransformersRolloutEngine
 
     original_sync = local.LocalWorkers.sync_weights
 
@@ -149,9 +163,11 @@ def test_replaced_workers_heal_and_the_run_ends_where_it_would_have(six_steps, s
     assert_same_weights(final_weights(RunStorage(storage_root, "healed"), 6), final_weights(six_steps, 6))
 
 
-def test_a_prefect_retry_of_the_failed_flow_run_resumes_at_the_failed_step(six_steps, storage_root, tmp_path, monkeypatch):
+def test_a_prefect_retry_of_the_failed_flow_run_resumes_at_the_failed_step(
+    six_steps, storage_root, tmp_path, monkeypatch
+):
     (tmp_path / "flaky_reward.py").write_text(
-        "from workers.rewards import last_digit\n"
+        "from workers.rewards.functions import last_digit\n"
         "calls = []\n"
         "def flaky(completions, answer, **kwargs):\n"
         "    calls.append(1)\n"
@@ -168,13 +184,15 @@ def test_a_prefect_retry_of_the_failed_flow_run_resumes_at_the_failed_step(six_s
     assert resume["run_id"] == "retried" and len(list((storage.run_dir / "resumes").iterdir())) == 1
     assert_one_set_of_rows_per_step(storage, steps=6, per_step=32)
     baseline = six_steps.read_rollouts(columns=["completion", "reward"])
-    assert storage.read_rollouts(columns=["completion", "reward_flaky"]).column("completion").equals(
-        baseline.column("completion")
+    assert (
+        storage.read_rollouts(columns=["completion", "reward_flaky"])
+        .column("completion")
+        .equals(baseline.column("completion"))
     )
 
 
 def test_changing_a_training_field_on_resume_is_refused_unless_allowed(six_steps, storage_root):
-    from workers.resume import ResumeError
+    from workers.state.resume import ResumeError
 
     storage = RunStorage(storage_root, "six-baseline")
     before = sorted(p.name for p in storage.run_dir.rglob("*"))

@@ -7,8 +7,8 @@ import pytest
 from datasets import Dataset
 
 from flows.trainer import GRPOFlowTrainer
-from workers.environments import RewardEnvironment
-from workers.storage import RunStorage
+from workers.rewards.environments import RewardEnvironment
+from workers.state.storage import RunStorage
 
 SEEN_STATES: list[int] = []
 
@@ -16,7 +16,7 @@ SEEN_STATES: list[int] = []
 def exact_digit(prompts, completions, answer, trainer_state, **kwargs):
     """A module-level function: the config names it `module:function`, usable from any process."""
     SEEN_STATES.append(trainer_state.global_step)
-    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
 async def only_odd_answers(completions, answer, log_extra, **kwargs):
@@ -34,8 +34,16 @@ def digits_dataset(n=40):
     return Dataset.from_dict({"prompt": prompts, "answer": [p[-2] for p in prompts]})
 
 
-SMALL = dict(max_steps=2, prompts_per_step=4, num_generations=4, num_rollout_workers=1, eval_prompts=0,
-             max_completion_length=2, max_prompt_length=32, learning_rate=5e-3)
+SMALL = dict(
+    max_steps=2,
+    prompts_per_step=4,
+    num_generations=4,
+    num_rollout_workers=1,
+    eval_prompts=0,
+    max_completion_length=2,
+    max_prompt_length=32,
+    learning_rate=5e-3,
+)
 
 
 def test_train_runs_the_flow_with_functions_async_functions_and_environments(prefect_server, storage_root):
@@ -50,7 +58,9 @@ def test_train_runs_the_flow_with_functions_async_functions_and_environments(pre
         **SMALL,
     )
     assert trainer.config.reward_funcs == [
-        "test_trainer_api:exact_digit", "test_trainer_api:only_odd_answers", "registered:is_digit"
+        "test_trainer_api:exact_digit",
+        "test_trainer_api:only_odd_answers",
+        "registered:is_digit",
     ]
     summary = trainer.train()
     assert summary["status"] == "completed" and summary["steps_completed"] == 2
@@ -71,8 +81,9 @@ def test_train_runs_the_flow_with_functions_async_functions_and_environments(pre
 def test_bad_api_input_is_refused_before_anything_loads(tmp_path):
     root = tmp_path / "never"
     with pytest.raises(ValueError, match="prompt"):
-        GRPOFlowTrainer(reward_funcs=[exact_digit], train_dataset=Dataset.from_dict({"question": ["1="]}),
-                        storage_root=str(root))
+        GRPOFlowTrainer(
+            reward_funcs=[exact_digit], train_dataset=Dataset.from_dict({"question": ["1="]}), storage_root=str(root)
+        )
     with pytest.raises(ValueError, match="reward_weights has 1 values but reward_funcs has 2 functions"):
         GRPOFlowTrainer(reward_funcs=[exact_digit, IsDigit()], reward_weights=[1.0], storage_root=str(root))
     with pytest.raises(TypeError, match=r"reward_funcs\[1\]: 42 is neither callable nor a reward environment"):
@@ -83,19 +94,28 @@ def test_bad_api_input_is_refused_before_anything_loads(tmp_path):
 
 
 def test_a_reward_that_keeps_failing_fails_the_step_naming_it_and_keeps_the_log(prefect_server, storage_root):
-    from workers.rewards import RewardFunctionError
+    from workers.rewards.functions import RewardFunctionError
 
     def breaks_on_answer_7(completions, answer, trainer_state, **kwargs):
         if trainer_state.global_step == 1 and "7" in answer:
             raise KeyError("no score for 7")
         return [0.0] * len(completions)
 
-    dataset = Dataset.from_dict({"prompt": [f"{i}{i % 10}=" for i in range(100, 140)],
-                                 "answer": [str(i % 10) for i in range(100, 140)]})
-    trainer = GRPOFlowTrainer(reward_funcs=[breaks_on_answer_7], train_dataset=dataset, run_id="api-fails",
-                              storage_root=str(storage_root), score_retries=1, retry_delay_seconds=0,
-                              **{**SMALL, "max_steps": 3, "prompts_per_step": 40})
-    with pytest.raises(RewardFunctionError, match=r"'breaks_on_answer_7' raised on sample \d+ \(prompt_id '.+'\) of step 2"):
+    dataset = Dataset.from_dict(
+        {"prompt": [f"{i}{i % 10}=" for i in range(100, 140)], "answer": [str(i % 10) for i in range(100, 140)]}
+    )
+    trainer = GRPOFlowTrainer(
+        reward_funcs=[breaks_on_answer_7],
+        train_dataset=dataset,
+        run_id="api-fails",
+        storage_root=str(storage_root),
+        score_retries=1,
+        retry_delay_seconds=0,
+        **{**SMALL, "max_steps": 3, "prompts_per_step": 40},
+    )
+    with pytest.raises(
+        RewardFunctionError, match=r"'breaks_on_answer_7' raised on sample \d+ \(prompt_id '.+'\) of step 2"
+    ):
         trainer.train()
     storage = RunStorage(storage_root, "api-fails")
     assert storage.logged_steps() == [1] and storage.read_rollouts(1).num_rows == 160

@@ -25,12 +25,16 @@ def problems(**fields) -> str:
         ({"scale_rewards": "std"}, "scale_rewards: Input should be 'group', 'batch' or 'none'"),
         ({"max_steps": "abc"}, "max_steps: Input should be a valid integer"),
         ({"no_such_field": 1}, "no_such_field: Extra inputs are not permitted"),
-        ({"prompts_per_step": 6, "num_rollout_workers": 4},
-         "prompts_per_step (6) must split into whole groups across num_rollout_workers (4)"),
+        (
+            {"prompts_per_step": 6, "num_rollout_workers": 4},
+            "prompts_per_step (6) must split into whole groups across num_rollout_workers (4)",
+        ),
         ({"epsilon": 0.3, "epsilon_high": 0.2}, "epsilon_high (0.2) must be >= epsilon (0.3)"),
         ({"max_steps": 0}, "max_steps (0) must be a positive number of steps, or -1"),
-        ({"reward_funcs": ["last_digit"], "reward_weights": [1.0, 2.0]},
-         "reward_weights has 2 values but reward_funcs has 1 functions"),
+        (
+            {"reward_funcs": ["last_digit"], "reward_weights": [1.0, 2.0]},
+            "reward_weights has 2 values but reward_funcs has 1 functions",
+        ),
         ({"backend": "modal", "rollout_gpu": "Z80"}, "rollout_gpu: unknown Modal GPU type 'Z80'"),
     ],
 )
@@ -42,8 +46,18 @@ def test_defaults_are_trl_defaults_where_trl_has_the_option():
     from trl import GRPOConfig
 
     ours, theirs = GRPOFlowConfig(), GRPOConfig(output_dir="unused", use_cpu=True)
-    for name in ("learning_rate", "num_generations", "loss_type", "beta", "epsilon", "epsilon_high",
-                 "scale_rewards", "temperature", "top_p", "max_grad_norm"):
+    for name in (
+        "learning_rate",
+        "num_generations",
+        "loss_type",
+        "beta",
+        "epsilon",
+        "epsilon_high",
+        "scale_rewards",
+        "temperature",
+        "top_p",
+        "max_grad_norm",
+    ):
         assert getattr(ours, name) == getattr(theirs, name), name
 
 

@@ -11,14 +11,26 @@ from schemas.records import RolloutBatch, metrics_table, rollout_schema
 
 def batch(n=4):
     return RolloutBatch(
-        run_id="r", step=3, policy_version=2, worker_id="rollout-1",
-        prompt_id=[f"p{i // 2}" for i in range(n)], group_index=[i // 2 for i in range(n)],
-        sample_index=[i % 2 for i in range(n)], prompt=["35060="] * n, completion=["0", "6", "0", ""][:n],
-        prompt_token_ids=[[18, 20, 15, 21, 15, 28]] * n, completion_token_ids=[[15, 257], [21, 257], [15, 257], [15, 15]][:n],
+        run_id="r",
+        step=3,
+        policy_version=2,
+        worker_id="rollout-1",
+        prompt_id=[f"p{i // 2}" for i in range(n)],
+        group_index=[i // 2 for i in range(n)],
+        sample_index=[i % 2 for i in range(n)],
+        prompt=["35060="] * n,
+        completion=["0", "6", "0", ""][:n],
+        prompt_token_ids=[[18, 20, 15, 21, 15, 28]] * n,
+        completion_token_ids=[[15, 257], [21, 257], [15, 257], [15, 15]][:n],
         sampling_logprobs=[[-0.5, -0.01], [-2.25, -0.02], [-0.5, -0.01], [-0.75, -3.5]][:n],
-        finish_reason=["stop", "stop", "stop", "length"][:n], extra_columns={"answer": ["0"] * n},
-        rewards={"last_digit": [1.0, 0.0, 1.0, None][:n]}, reward=[1.0, 0.0, 1.0, math.nan][:n],
-        reward_error=[None] * n, advantage=[0.7, -0.7, 0.7, 0.0][:n], generate_s=0.25, score_s=0.001,
+        finish_reason=["stop", "stop", "stop", "length"][:n],
+        extra_columns={"answer": ["0"] * n},
+        rewards={"last_digit": [1.0, 0.0, 1.0, None][:n]},
+        reward=[1.0, 0.0, 1.0, math.nan][:n],
+        reward_error=[None] * n,
+        advantage=[0.7, -0.7, 0.7, 0.0][:n],
+        generate_s=0.25,
+        score_s=0.001,
     )
 
 
@@ -55,8 +67,9 @@ def test_a_dataset_column_may_not_shadow_a_rollout_field():
 
 
 def test_metrics_row_types():
-    table = metrics_table({"run_id": "r", "step": 1, "policy_version": 1, "num_completions": 8, "loss": 0.5,
-                           "clip_ratio/high_mean": 0.0})
+    table = metrics_table(
+        {"run_id": "r", "step": 1, "policy_version": 1, "num_completions": 8, "loss": 0.5, "clip_ratio/high_mean": 0.0}
+    )
     assert table.schema.field("step").type == pa.int32()
     assert table.schema.field("clip_ratio/high_mean").type == pa.float64()
     with pytest.raises(ValueError, match="lacks"):

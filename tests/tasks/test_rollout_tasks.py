@@ -8,7 +8,7 @@ import pytest
 from schemas.presets import preset_config
 from schemas.records import RolloutBatch, RunPlan
 from tasks.rollout import compute_advantages, sample_batch, write_rollouts
-from workers.data import load_task
+from workers.data.loaders import load_task
 
 
 @pytest.fixture
@@ -49,7 +49,9 @@ def test_sample_batch_splits_whole_prompts_across_workers(config, plan):
 
 
 def test_an_epoch_visits_every_prompt_once(tmp_path):
-    small = preset_config("tiny", run_id="epochs", storage_root=str(tmp_path), prompts_per_step=1000, num_rollout_workers=1)
+    small = preset_config(
+        "tiny", run_id="epochs", storage_root=str(tmp_path), prompts_per_step=1000, num_rollout_workers=1
+    )
     size = len(load_task("last_digit").train)
     plan = RunPlan("epochs", str(tmp_path), "unused", 10, ("last_digit",), ("answer",), size)
     seen = [pid for step in range(1, size // 1000 + 1) for pid in prompt_ids(sample_batch.fn(small, plan, step))]
@@ -59,12 +61,22 @@ def test_an_epoch_visits_every_prompt_once(tmp_path):
 def scored_batch(rewards, offset=0, group_size=4):
     n = len(rewards)
     return RolloutBatch(
-        run_id="tasks", step=1, policy_version=0, worker_id="rollout-0",
+        run_id="tasks",
+        step=1,
+        policy_version=0,
+        worker_id="rollout-0",
         prompt_id=[f"p{offset + i // group_size}" for i in range(n)],
-        group_index=[offset + i // group_size for i in range(n)], sample_index=[i % group_size for i in range(n)],
-        prompt=["12="] * n, completion=["2"] * n, prompt_token_ids=[[1, 2, 3]] * n,
-        completion_token_ids=[[4, 5]] * n, sampling_logprobs=[[-0.1, -0.2]] * n, finish_reason=["stop"] * n,
-        extra_columns={"answer": ["2"] * n}, rewards={"last_digit": list(rewards)}, reward=list(rewards),
+        group_index=[offset + i // group_size for i in range(n)],
+        sample_index=[i % group_size for i in range(n)],
+        prompt=["12="] * n,
+        completion=["2"] * n,
+        prompt_token_ids=[[1, 2, 3]] * n,
+        completion_token_ids=[[4, 5]] * n,
+        sampling_logprobs=[[-0.1, -0.2]] * n,
+        finish_reason=["stop"] * n,
+        extra_columns={"answer": ["2"] * n},
+        rewards={"last_digit": list(rewards)},
+        reward=list(rewards),
         reward_error=[None] * n,
     )
 
@@ -88,7 +100,7 @@ def test_write_rollouts_enforces_the_schema_and_never_overwrites(config, plan):
     assert table.num_rows == 4
     assert table.schema.field("completion_token_ids").type.value_type.bit_width == 32
     assert table.column("reward_last_digit").to_pylist() == [1.0, 0.0, 1.0, 0.0]
-    from workers.storage import RunStorage
+    from workers.state.storage import RunStorage
 
     storage = RunStorage(plan.storage_root, plan.run_id)
     committed = storage.commit_rollouts(batch[0].step, num_shards=1) / "shard-00.parquet"
@@ -100,25 +112,41 @@ def test_write_rollouts_enforces_the_schema_and_never_overwrites(config, plan):
 def test_dynamic_sampling_keeps_only_groups_with_a_reward_spread_up_to_the_quota(config):
     from tasks.rollout import keep_informative_groups
 
-    cfg = config.model_copy(update={"num_generations": 2, "prompts_per_step": 4, "num_rollout_workers": 2,
-                                    "dynamic_sampling": True})
+    cfg = config.model_copy(
+        update={"num_generations": 2, "prompts_per_step": 4, "num_rollout_workers": 2, "dynamic_sampling": True}
+    )
 
     def shard(rewards, tag):
         n = len(rewards)
         return RolloutBatch(
-            run_id="r", step=1, policy_version=0, worker_id="w", prompt_id=[f"{tag}{i // 2}" for i in range(n)],
-            group_index=[i // 2 for i in range(n)], sample_index=[i % 2 for i in range(n)], prompt=["p"] * n,
-            completion=[f"{tag}{i}" for i in range(n)], prompt_token_ids=[[1]] * n, completion_token_ids=[[2]] * n,
-            sampling_logprobs=[[-0.1]] * n, finish_reason=["stop"] * n, rewards={"f": rewards}, reward=rewards,
+            run_id="r",
+            step=1,
+            policy_version=0,
+            worker_id="w",
+            prompt_id=[f"{tag}{i // 2}" for i in range(n)],
+            group_index=[i // 2 for i in range(n)],
+            sample_index=[i % 2 for i in range(n)],
+            prompt=["p"] * n,
+            completion=[f"{tag}{i}" for i in range(n)],
+            prompt_token_ids=[[1]] * n,
+            completion_token_ids=[[2]] * n,
+            sampling_logprobs=[[-0.1]] * n,
+            finish_reason=["stop"] * n,
+            rewards={"f": rewards},
+            reward=rewards,
             extra_columns={"answer": ["0"] * n},
         )
 
     # shard 0: groups (1,1) tie and (0,1) spread; shard 1: both groups tie
-    kept, dropped = keep_informative_groups.fn(cfg, [None, None], [shard([1.0, 1.0, 0.0, 1.0], "a"), shard([0.0] * 4, "b")])
+    kept, dropped = keep_informative_groups.fn(
+        cfg, [None, None], [shard([1.0, 1.0, 0.0, 1.0], "a"), shard([0.0] * 4, "b")]
+    )
     assert dropped == 3 and [len(b) for b in kept] == [2, 0]
     assert kept[0].completion == ["a2", "a3"] and kept[0].group_index == [0, 0]
     # a refill round tops each shard up to its quota of 2 groups, in order, renumbering groups
-    kept, dropped = keep_informative_groups.fn(cfg, kept, [shard([0.0, 1.0, 1.0, 0.0], "c"), shard([1.0, 0.5, 0.0, 0.0], "d")])
+    kept, dropped = keep_informative_groups.fn(
+        cfg, kept, [shard([0.0, 1.0, 1.0, 0.0], "c"), shard([1.0, 0.5, 0.0, 0.0], "d")]
+    )
     assert dropped == 1 and [len(b) for b in kept] == [4, 2]
     assert kept[0].completion == ["a2", "a3", "c0", "c1"] and kept[0].group_index == [0, 0, 1, 1]
     assert kept[1].completion == ["d0", "d1"] and kept[1].group_index == [2, 2]

@@ -1,0 +1,206 @@
+"""The actor's options beyond one plain step: micro-batches by token budget, gradient checkpointing,
+num_iterations, the importance-sampling correction's trigger, and LoRA (only adapters train, merged
+or adapter-only publishing, checkpoints)."""
+
+import pyarrow as pa
+import pytest
+import torch
+from pydantic import ValidationError
+
+from schemas.presets import preset_config
+from workers.actor import trl_objective
+from workers.actor.actor import Actor, loss_inputs, micro_batches
+from workers.data.loaders import load_task
+from workers.rollout.base import SamplingParams
+from workers.rollout.transformers_engine import TransformersRolloutEngine
+from workers.data.tiny_model import ensure_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_path(storage_root):
+    return ensure_tiny_model(storage_root)
+
+
+@pytest.fixture(scope="module")
+def rollouts(model_path):
+    """Real completions of uneven lengths (so micro-batches differ in size), fixed advantages."""
+    engine = TransformersRolloutEngine(model_path)
+    engine.load()
+    rows = load_task("last_digit").train.select(range(6))
+    result = engine.generate(rows["prompt"], SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=3))
+    generator = torch.Generator().manual_seed(3)
+    return pa.table(
+        {
+            "prompt_token_ids": [ids for ids in result.prompt_token_ids for _ in range(4)],
+            "completion_token_ids": result.completion_token_ids,
+            "sampling_logprobs": result.sampling_logprobs,
+            "finish_reason": result.finish_reasons,
+            "policy_version": [0] * len(result.texts),
+            "advantage": torch.randn(len(result.texts), generator=generator).tolist(),
+        }
+    )
+
+
+def actor_for(model_path, **overrides):
+    actor = Actor(
+        preset_config("tiny", run_id="options", prompts_per_step=6, num_generations=4, **overrides), model_path
+    )
+    actor.load()
+    assert actor.sampling_matches_actor  # the local backend's fp32 engine computes the actor's log-probs
+    return actor
+
+
+def weights(actor):
+    return {k: v.detach().clone() for k, v in actor.policy_state_dict().items()}
+
+
+def assert_same_weights(a, b, atol=1e-5):
+    """Gradients agree to ~4e-8 here; Adam's first step (lr 5e-3, update ~ lr * sign) turns that into
+    differences of a few 1e-6 on parameters whose gradients are tiny."""
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_micro_batches_by_token_budget_give_the_whole_batchs_update(model_path, rollouts, loss_type):
+    whole = actor_for(model_path, loss_type=loss_type)
+    whole_metrics = whole.step(0, rollouts)
+    split = actor_for(model_path, loss_type=loss_type, max_tokens_per_microbatch=60)
+    split_metrics = split.step(0, rollouts)
+    assert whole_metrics["actor/micro_batches"] == 1 and split_metrics["actor/micro_batches"] >= 3
+    assert split_metrics["loss"] == pytest.approx(whole_metrics["loss"], abs=1e-6)
+    assert_same_weights(weights(whole), weights(split))
+
+
+def test_micro_batches_respect_the_budget_and_keep_every_row(model_path, rollouts):
+    inputs = loss_inputs(rollouts, pad_token_id=0)
+    parts = micro_batches(inputs, max_tokens=40)
+    assert sum(p["completion_ids"].size(0) for p in parts) == rollouts.num_rows
+    for part in parts:
+        tokens = part["completion_ids"].numel() + part["prompt_ids"].numel()
+        assert tokens <= 40 or part["completion_ids"].size(0) == 1
+        assert part["num_items_in_batch"] == inputs["num_items_in_batch"]
+
+
+def test_gradient_checkpointing_changes_memory_not_the_update(model_path, rollouts):
+    plain = actor_for(model_path)
+    plain.step(0, rollouts)
+    checkpointed = actor_for(model_path, gradient_checkpointing=True)
+    assert checkpointed.model.is_gradient_checkpointing
+    checkpointed.step(0, rollouts)
+    assert_same_weights(weights(plain), weights(checkpointed))
+
+
+def test_num_iterations_takes_that_many_optimizer_steps_per_batch(model_path, rollouts):
+    actor = actor_for(model_path, num_iterations=3, lr_scheduler_type="linear", max_steps=2)
+    metrics = actor.step(0, rollouts)
+    assert actor.policy_version == 1
+    assert actor.objective.lr_scheduler.last_epoch == 3  # three optimizer steps on one batch
+    assert metrics["learning_rate"] == pytest.approx(actor.config.learning_rate)
+
+
+def test_is_correction_applies_only_where_sampling_can_differ(model_path, rollouts):
+    matching = actor_for(model_path)
+    assert not any(name.startswith("sampling/") for name in matching.step(0, rollouts))
+
+    other_engine = actor_for(model_path)
+    other_engine.sampling_matches_actor = False  # e.g. vLLM
+    metrics = other_engine.step(0, rollouts)
+    assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["sampling/sampling_logp_difference/max"] < 1e-3
+
+    stale = actor_for(model_path)
+    stale.step(0, rollouts)  # now at version 1; rows sampled at version 0 are stale
+    stale_metrics = stale.step(1, rollouts)
+    assert stale_metrics["sampling/sampling_logp_difference/max"] > 0
+
+    off = actor_for(model_path, vllm_importance_sampling_correction=False)
+    off.sampling_matches_actor = False
+    assert not any(name.startswith("sampling/") for name in off.step(0, rollouts))
+
+
+def test_is_ratio_follows_trls_modes():
+    actor_logps = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]])
+    sampling = torch.tensor([[-1.5, -1.0, -0.5], [-1.0, -3.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+    class Options:
+        vllm_importance_sampling_clip_min = 0.5
+        vllm_importance_sampling_clip_max = 2.0
+
+    Options.vllm_importance_sampling_mode = "token_truncate"
+    ratio, _ = trl_objective.importance_sampling_ratio(Options, actor_logps, sampling, mask)
+    expected = torch.exp((actor_logps - sampling) * mask).clamp(0.5, 2.0)
+    torch.testing.assert_close(ratio, expected)
+    Options.vllm_importance_sampling_mode = "sequence_mask"
+    ratio, metrics = trl_objective.importance_sampling_ratio(Options, actor_logps, sampling, mask)
+    # row 0: exp(0.5 - 1.0) = 0.61 kept; row 1: exp(2.0) = 7.4 > 2.0 masked to 0
+    torch.testing.assert_close(ratio, torch.tensor([[torch.exp(torch.tensor(-0.5))], [0.0]]))
+    assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(float(torch.exp(torch.tensor(-0.5))))
+
+
+def test_lora_trains_only_adapters_and_publishes_merged_weights(model_path, rollouts):
+    actor = actor_for(
+        model_path, use_lora=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"], learning_rate=5e-2
+    )
+    trainable = [name for name, p in actor.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    base_before = {k: v.clone() for k, v in actor.model.get_base_model().state_dict().items() if "lora_" not in k}
+    merged_before = weights(actor)
+    actor.step(0, rollouts)
+    base_after = {k: v for k, v in actor.model.get_base_model().state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(base_before[k], base_after[k]) for k in base_before)  # base never changes
+    merged_after = weights(actor)
+    changed = {k for k in merged_after if not torch.equal(merged_before[k], merged_after[k])}
+    assert changed and all("q_proj" in k or "v_proj" in k for k in changed)
+
+    # A plain engine loading the merged weights computes the LoRA policy's log-probs.
+    engine = TransformersRolloutEngine(model_path)
+    engine.load()
+    engine.load_state_dict(merged_after, 1)
+    adapter_engine = TransformersRolloutEngine(model_path)
+    adapter_engine.load()
+    adapter = actor.adapter_state_dict()
+    adapter_engine.load_state_dict(adapter, 1, trl_objective.lora_config(actor.config))
+    prompts = load_task("last_digit").train.select(range(2))["prompt"]
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=5)
+    merged_out, adapter_out = engine.generate(prompts, params), adapter_engine.generate(prompts, params)
+    assert merged_out.completion_token_ids == adapter_out.completion_token_ids
+    for a, b in zip(merged_out.sampling_logprobs, adapter_out.sampling_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    assert adapter_bytes < sum(t.numel() * t.element_size() for t in merged_after.values()) / 10
+
+
+def test_lora_checkpoint_restores_the_adapter_and_writes_loadable_full_weights(model_path, rollouts, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    actor = actor_for(model_path, use_lora=True, lora_r=4, learning_rate=5e-2)
+    actor.step(0, rollouts)
+    actor.save_checkpoint(tmp_path)
+    saved = weights(actor)
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).state_dict()
+    torch.testing.assert_close(
+        full["model.layers.0.self_attn.q_proj.weight"], saved["model.layers.0.self_attn.q_proj.weight"]
+    )
+    fresh = actor_for(model_path, use_lora=True, lora_r=4, learning_rate=5e-2)
+    fresh.restore(tmp_path)
+    assert fresh.policy_version == 1
+    assert_same_weights(saved, weights(fresh), atol=0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"lora_r": 8}, "lora_r: LoRA options given without use_lora"),
+        ({"loss_type": "luspo"}, "luspo' needs importance_sampling_level 'sequence'"),
+        ({"vllm_importance_sampling_clip_min": 4.0}, "clip_min \\(4.0\\) must be <= vllm_importance_sampling_clip_max"),
+        ({"top_entropy_quantile": 0.0}, "top_entropy_quantile"),
+        ({"num_iterations": 0}, "num_iterations"),
+        ({"loss_type": "ppo"}, "loss_type"),
+    ],
+)
+def test_bad_objective_options_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(ValidationError, match=message):
+        preset_config("tiny", **overrides)

@@ -1,0 +1,502 @@
+"""The Modal app offline: it builds with no network and declares what a run asks for, and every
+wrapped method runs with `.local()` on the CPU engines (Modal runs `@modal.enter` and the method
+in this process). Modal's internals read here (`_function_info`, `_spec`, image layers) are
+modal 1.6.4's; nothing talks to Modal.
+"""
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pytest
+import torch
+from modal._image import _Image
+from modal._utils.async_utils import synchronizer
+from pydantic import ValidationError
+
+import modal
+from schemas.config import GRPOFlowConfig
+from schemas.presets import preset_config
+from workers.backends import modal_app
+from workers.actor.actor import loss_inputs
+from workers.data.loaders import load_task
+from workers.backends.modal_app import (
+    ACTOR_TIMEOUT_S,
+    CUDA_BASE_IMAGE,
+    ROLLOUT_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
+    VOLUME_PATH,
+    ActorWorker,
+    RolloutWorker,
+    VolumeSync,
+    build_app,
+    build_worker_app,
+    worker_config_json,
+)
+from workers.backends.modal_backend import (
+    BOOTSTRAP,
+    GpuMeter,
+    ModalNotReadyError,
+    ModalSandboxExecutor,
+    ModalWorkers,
+    SandboxLimits,
+    check_modal_ready,
+    modal_credentials_found,
+)
+from workers.rollout.base import GenerationResult, SamplingParams
+from workers.data.tiny_model import ensure_tiny_model
+from workers.backends.weight_sync import WeightPayload, WeightSyncError
+
+# `.local()` warns that no Volume is mounted; these tests mean it.
+pytestmark = pytest.mark.filterwarnings("ignore:.*executing locally.*:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def model_path(storage_root):
+    return str(ensure_tiny_model(storage_root))
+
+
+def service_function(cls):
+    return synchronizer._translate_in(cls._get_class_service_function())
+
+
+def image_layers(image):
+    """(repr, Dockerfile commands) of every layer of an image, top first (modal 1.6.4 internals)."""
+    layers, stack = [], [synchronizer._translate_in(image)]
+    while stack:
+        layer = stack.pop()
+        commands = []
+        for cell in layer._load.__closure__ or []:
+            if getattr(cell.cell_contents, "__name__", "") == "build_dockerfile":
+                commands = cell.cell_contents("2025.06").commands
+        layers.append((layer._rep, commands))
+        stack += [dep for dep in (layer._deps() if layer._deps else []) if isinstance(dep, _Image)]
+    return layers
+
+
+# -- the app as declared ------------------------------------------------------------------------------
+def modal_config(**overrides):
+    fields = dict(
+        actor_gpu="H100",
+        actor_gpu_count=2,
+        rollout_gpu="L4",
+        modal_volume="grpo-test",
+        modal_secrets=["huggingface-secret", "wandb-secret"],
+    )
+    return preset_config("gsm8k", run_id="modal-test", **{**fields, **overrides})
+
+
+def test_app_builds_offline_with_both_worker_classes():
+    worker_app = build_worker_app(modal_config())
+    assert isinstance(worker_app.app, modal.App) and worker_app.app.name == "grpo-flow"
+    assert isinstance(worker_app.actor_cls, modal.Cls) and isinstance(worker_app.rollout_cls, modal.Cls)
+    assert service_function(worker_app.actor_cls)._tag == "ActorWorker.*"
+    assert service_function(worker_app.rollout_cls)._tag == "RolloutWorker.*"
+    actor_methods = set(synchronizer._translate_in(worker_app.actor_cls)._get_partial_functions())
+    rollout_methods = set(synchronizer._translate_in(worker_app.rollout_cls)._get_partial_functions())
+    assert {"start", "load", "step", "save_checkpoint", "publish_weights"} <= actor_methods
+    assert {"start", "generate", "sync_weights", "policy_version"} <= rollout_methods
+    assert isinstance(build_app(modal_config()), modal.App)
+    assert isinstance(modal_app.app, modal.App)  # the module's own app, for `modal deploy`
+
+
+def test_gpus_come_from_the_config():
+    worker_app = build_worker_app(modal_config())
+    actor, rollout = service_function(worker_app.actor_cls), service_function(worker_app.rollout_cls)
+    assert actor._spec.gpus == "H100:2" and actor._function_info.gpus == [("H100", 2)]
+    assert rollout._spec.gpus == "L4" and rollout._function_info.gpus == [("L4", 1)]
+    single = service_function(build_worker_app(modal_config(actor_gpu="A100", actor_gpu_count=1)).actor_cls)
+    assert single._spec.gpus == "A100"
+
+
+def test_timeouts_and_retries_are_declared():
+    config = modal_config()
+    worker_app = build_worker_app(config)
+    actor, rollout = service_function(worker_app.actor_cls), service_function(worker_app.rollout_cls)
+    assert actor._function_info.timeout == ACTOR_TIMEOUT_S and rollout._function_info.timeout == ROLLOUT_TIMEOUT_S
+    assert actor._function_info.startup_timeout == rollout._function_info.startup_timeout == STARTUP_TIMEOUT_S
+    assert actor._function_info.max_retries == getattr(config, "actor_retries", 1) >= 1
+    assert rollout._function_info.max_retries == getattr(config, "generate_retries", 2) >= 1
+    assert worker_app.options["RolloutWorker"]["max_containers"] == 1
+    assert worker_app.options["ActorWorker"]["scaledown_window"] >= 60
+    short = service_function(build_worker_app(config, actor_timeout_s=120).actor_cls)
+    assert short._function_info.timeout == 120
+
+
+def test_the_run_volume_is_mounted_and_secrets_come_by_name():
+    worker_app = build_worker_app(modal_config())
+    for cls in (worker_app.actor_cls, worker_app.rollout_cls):
+        function = service_function(cls)
+        mount = function._function_info.volumes[VOLUME_PATH]
+        assert mount.name == "grpo-test" and not mount.read_only
+        assert function._spec.volumes[VOLUME_PATH] is synchronizer._translate_in(worker_app.volume)
+        assert [repr(s) for s in function._spec.secrets] == [
+            "modal.Secret.from_name('huggingface-secret')",
+            "modal.Secret.from_name('wandb-secret')",
+        ]
+
+
+def test_the_gpu_image_is_cuda_with_pinned_packages_hf_cache_on_the_volume_and_our_source():
+    worker_app = build_worker_app(modal_config())
+    for cls in (worker_app.actor_cls, worker_app.rollout_cls):
+        assert service_function(cls)._spec.image is synchronizer._translate_in(worker_app.gpu_image)
+    layers = image_layers(worker_app.gpu_image)
+    reprs = " ".join(rep for rep, _ in layers)
+    commands = [c for _, cmds in layers for c in cmds]
+    assert f"from_registry('{CUDA_BASE_IMAGE}')" in reprs
+    install = next(c for c in commands if "uv pip install" in c)
+    for pin in ("vllm==0.31.0", "torch==2.13.0", "trl==1.16.0", "transformers==5.17.0", "peft==0.21.2"):
+        assert pin in install
+    assert f"ENV HF_HOME={VOLUME_PATH}/hf-cache" in commands
+    mounts = repr(synchronizer._translate_in(worker_app.gpu_image)._deps())
+    assert "module_name='schemas'" in mounts and "module_name='workers'" in mounts
+
+
+def test_unknown_gpu_is_refused_by_the_config():
+    with pytest.raises(ValidationError, match="actor_gpu: unknown Modal GPU type 'X'"):
+        GRPOFlowConfig(actor_gpu="X")
+    with pytest.raises(ValidationError, match="rollout_gpu: unknown Modal GPU type 'T1000'"):
+        GRPOFlowConfig(rollout_gpu="T1000")
+
+
+def test_workers_get_a_config_they_can_validate():
+    config = modal_config().model_copy(update={"backend": "modal"})  # as the flow will hold it
+    parsed = GRPOFlowConfig.model_validate_json(worker_config_json(config))
+    assert parsed.backend == "local" and parsed.actor_gpu == "H100" and parsed.run_id == "modal-test"
+    assert len(worker_config_json(config)) < 16 * 1024  # Modal's limit on class parameters
+
+
+# -- the wrapped methods, run with .local() --------------------------------------------------------------
+def local_config(tmp_path, **overrides):
+    return preset_config("tiny", run_id="modal-local", storage_root=str(tmp_path), **overrides)
+
+
+def rollouts_table(result, n):
+    generator = torch.Generator().manual_seed(0)
+    return pa.table(
+        {
+            "prompt_token_ids": [ids for ids in result.prompt_token_ids for _ in range(n)],
+            "completion_token_ids": result.completion_token_ids,
+            "sampling_logprobs": result.sampling_logprobs,
+            "advantage": torch.randn(len(result.texts), generator=generator).tolist(),
+        }
+    )
+
+
+def test_wrapped_methods_run_locally_on_cpu(model_path, tmp_path):
+    config = local_config(tmp_path, weight_sync_method="volume")
+    worker_app = build_worker_app(config)
+    config_json = worker_config_json(config)
+    actor = worker_app.actor_cls(
+        config_json=config_json, model_path=model_path, device="cpu", storage_root=str(tmp_path)
+    )
+    rollout = worker_app.rollout_cls(
+        config_json=config_json, model_path=model_path, worker_index=1, backend="cpu", storage_root=str(tmp_path)
+    )
+    assert actor.load.local() == {"policy_version": 0}
+    assert rollout.policy_version.local() == 0
+
+    prompts = load_task("last_digit").train.select(range(4))["prompt"]
+    params = SamplingParams(n=4, max_tokens=2, seed=3)
+    result = rollout.generate.local(prompts, params, 32)
+    assert isinstance(result, GenerationResult) and len(result.completion_token_ids) == 16
+    assert result.extra["worker_id"] == "rollout-1" and result.extra["policy_version"] == 0
+    assert result.extra["prompt_texts"] == prompts
+
+    metrics = actor.step.local(0, rollouts_table(result, 4))
+    assert "loss" in metrics
+    assert actor.step.local(0, rollouts_table(result, 4)) == metrics  # a retried step is answered, not re-run
+
+    payload = actor.publish_weights.local("volume")
+    assert isinstance(payload, WeightPayload) and payload.version == 1
+    assert payload.path.startswith(str(tmp_path / "runs" / "modal-local" / "weights" / "v000001"))
+    report = rollout.sync_weights.local(payload.method, payload.version, payload.path, payload.data, payload.nbytes)
+    assert report["version"] == 1 and report["bytes"] == payload.nbytes
+    assert rollout.policy_version.local() == 1
+    assert rollout.sync_weights.local("volume", 1, payload.path)["skipped"]  # a retried sync does nothing
+
+    saved = actor.save_checkpoint.local("runs/modal-local/checkpoints/.staging")
+    assert saved["state"]["policy_version"] == 1
+    assert {"optimizer.pt", "actor_state.json", "model/model.safetensors"} <= set(saved["files"])
+    assert all(len(entry["sha256"]) == 64 for entry in saved["files"].values())
+
+
+def test_rollout_worker_samples_what_the_actor_would_after_a_direct_sync(model_path, tmp_path):
+    config = local_config(tmp_path)
+    worker_app = build_worker_app(config)
+    config_json = worker_config_json(config)
+    actor = worker_app.actor_cls(
+        config_json=config_json, model_path=model_path, device="cpu", storage_root=str(tmp_path)
+    )
+    rollout = worker_app.rollout_cls(
+        config_json=config_json, model_path=model_path, backend="cpu", storage_root=str(tmp_path)
+    )
+    prompts = load_task("last_digit").train.select(range(6))["prompt"]
+    result = rollout.generate.local(prompts, SamplingParams(n=4, max_tokens=3, seed=1), 32)
+    actor.step.local(0, rollouts_table(result, 4))
+    payload = actor.publish_weights.local("direct")
+    rollout.sync_weights.local(payload.method, payload.version, payload.path, payload.data, payload.nbytes)
+
+    after = rollout.generate.local(prompts, SamplingParams(n=4, max_tokens=3, seed=5), 32)
+    # The actor itself: Modal forwards attribute access to the instance it built for `.local()` calls.
+    local_actor = actor.actor
+    inputs = loss_inputs(rollouts_table(after, 4), local_actor.tokenizer.pad_token_id)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = local_actor.objective._get_per_token_logps_and_entropies(
+            local_actor.model, ids, mask, inputs["completion_ids"].size(1)
+        )
+    sampled = torch.zeros_like(logps)
+    for i, row in enumerate(after.sampling_logprobs):
+        sampled[i, : len(row)] = torch.tensor(row)
+    completion_mask = inputs["completion_mask"].bool()
+    torch.testing.assert_close(logps[completion_mask], sampled[completion_mask], atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_rollout_backend_is_refused(model_path, tmp_path):
+    config = local_config(tmp_path)
+    worker_app = build_worker_app(config)
+    rollout = worker_app.rollout_cls(
+        config_json=worker_config_json(config), model_path=model_path, backend="tpu", storage_root=str(tmp_path)
+    )
+    with pytest.raises(ValueError, match="rollout backend must be 'vllm' or 'cpu'"):
+        rollout.policy_version.local()
+
+
+def test_volume_sync_is_a_no_op_outside_a_container():
+    sync = VolumeSync("grpo-test")
+    sync.commit()
+    sync.reload()
+    assert sync._volume is None
+
+
+# -- ModalWorkers: the LocalWorkers surface ------------------------------------------------------------------
+class TickingClock:
+    """Each reading is one second after the last: every call lasts exactly one second."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+
+def test_modal_workers_have_the_local_workers_surface(model_path, tmp_path):
+    config = local_config(tmp_path, weight_sync_method="checkpoint", actor_gpu_count=2)
+    workers = ModalWorkers(
+        config, model_path, mode="local", rollout_backend="cpu", actor_device="cpu", clock=TickingClock()
+    )
+    assert len(workers.rollout) == config.num_rollout_workers == 2
+    # Starting: one load call per worker, 1 s each, times the GPUs of each container.
+    assert workers.gpu_seconds() == {"gpu_seconds/actor": 2.0, "gpu_seconds/rollout": 2.0}
+
+    prompts = load_task("last_digit").train.select(range(4))["prompt"]
+    result = workers.rollout[0].generate(prompts, SamplingParams(n=4, max_tokens=2, seed=1), 32)
+    assert workers.rollout[0].worker_id == "rollout-0" and workers.rollout[0].policy_version == 0
+    assert workers.rollout[0].tokenizer.batch_decode(result.prompt_token_ids) == prompts
+
+    metrics = workers.actor.step(0, rollouts_table(result, 4))
+    assert metrics["gpu_seconds/actor"] == 4.0 and metrics["gpu_seconds/rollout"] == 3.0
+    assert workers.actor.policy_version == 1
+
+    # LocalWorkers' healing surface, as far as Modal has it: a lagging worker is synced on demand.
+    assert workers.save_rollout_weights(tmp_path) == {"rollout_policy_version": 0}
+    assert workers.ensure_rollout_version(1, 1, storage=None) is workers.rollout[1]
+    assert [engine.policy_version for engine in workers.rollout] == [0, 1]
+
+    assert workers.sync_weights() == 1
+    assert [engine.policy_version for engine in workers.rollout] == [1, 1]
+    assert workers.last_sync["method"] == "checkpoint" and workers.last_sync["bytes"] > 0
+
+    staging = tmp_path / "runs" / "modal-local" / "checkpoints" / ".step-000001.tmp"
+    state = workers.actor.save_checkpoint(staging)
+    assert state["policy_version"] == 1 and (staging / "optimizer.pt").exists()
+    with pytest.raises(ValueError, match="is not under the run's storage_root"):
+        workers.actor.save_checkpoint(tmp_path.parent / "elsewhere")
+
+    # Back to the start (a resumed run without a checkpoint): the actor and every engine hold version 0.
+    assert workers.restore(None, None) == 0
+    assert workers.actor.policy_version == 0 and [engine.policy_version for engine in workers.rollout] == [0, 0]
+    workers.close()
+
+
+def test_gpu_meter_counts_seconds_times_gpus():
+    meter = GpuMeter(clock=TickingClock())
+    with meter.timed("actor", 4):
+        pass
+    with pytest.raises(RuntimeError):
+        with meter.timed("rollout", 1):
+            raise RuntimeError("a failed call still used the GPU")
+    assert meter.metrics() == {"gpu_seconds/actor": 4.0, "gpu_seconds/rollout": 1.0}
+
+
+# -- before anything starts ----------------------------------------------------------------------------
+def test_missing_credentials_are_a_clear_error(tmp_path):
+    with pytest.raises(ModalNotReadyError, match="no Modal credentials found.*modal token new"):
+        check_modal_ready(modal_config(), env={}, config_path=tmp_path / "absent.toml", secret_lookup=lambda name: None)
+    only_id = {"MODAL_TOKEN_ID": "ak-1"}
+    assert not modal_credentials_found(only_id, tmp_path / "absent.toml")
+
+
+def test_credentials_from_env_or_modal_toml(tmp_path):
+    assert modal_credentials_found({"MODAL_TOKEN_ID": "ak-1", "MODAL_TOKEN_SECRET": "as-1"}, tmp_path / "absent")
+    toml_file = tmp_path / ".modal.toml"
+    toml_file.write_text('[default]\ntoken_id = "ak-1"\ntoken_secret = "as-1"\nactive = true\n')
+    assert modal_credentials_found({}, toml_file)
+    toml_file.write_text("[default]\nactive = true\n")
+    assert not modal_credentials_found({}, toml_file)
+    toml_file.write_text("not toml [")
+    assert not modal_credentials_found({}, toml_file)
+
+
+def test_missing_secret_is_named(tmp_path):
+    env = {"MODAL_TOKEN_ID": "ak-1", "MODAL_TOKEN_SECRET": "as-1"}
+    looked_up = []
+
+    def lookup(name):
+        looked_up.append(name)
+        if name == "wandb-secret":
+            raise modal.exception.NotFoundError(f"Secret '{name}' not found")
+
+    with pytest.raises(ModalNotReadyError, match="modal_secrets: Modal Secret 'wandb-secret' not found"):
+        check_modal_ready(modal_config(), env=env, secret_lookup=lookup)
+    assert looked_up == ["huggingface-secret", "wandb-secret"]
+    check_modal_ready(modal_config(modal_secrets=["huggingface-secret"]), env=env, secret_lookup=lookup)
+
+
+def test_lora_sync_without_lora_is_refused_before_anything_starts(tmp_path):
+    env = {"MODAL_TOKEN_ID": "ak-1", "MODAL_TOKEN_SECRET": "as-1"}
+    with pytest.raises(WeightSyncError, match="use_lora"):
+        check_modal_ready(modal_config(weight_sync_method="lora"), env=env, secret_lookup=lambda name: None)
+
+
+# -- the sandbox executor, against a fake Sandbox.create -------------------------------------------------
+class FakeStream:
+    def __init__(self, text=""):
+        self.text, self.written, self.eof = text, "", False
+
+    def read(self):
+        return self.text
+
+    def write(self, data):
+        self.written += data
+
+    def write_eof(self):
+        self.eof = True
+
+    def drain(self):
+        pass
+
+
+class FakeProcess:
+    def __init__(self, returncode, stdout="", stderr=""):
+        self.returncode = returncode
+        self.stdout, self.stderr, self.stdin = FakeStream(stdout), FakeStream(stderr), FakeStream()
+
+    def wait(self):
+        return self.returncode
+
+
+class FakeSandbox:
+    @staticmethod
+    def stdin_of(sandbox, index):
+        """(payload line, the program's stdin) written to exec number `index`."""
+        written = sandbox.processes[index].stdin.written
+        payload, _, rest = written.partition("\n")
+        return payload, rest
+
+    def __init__(self, results):
+        self.results, self.execs, self.processes, self.terminated = list(results), [], [], False
+
+    def exec(self, *args, timeout=None):
+        self.execs.append((args, timeout))
+        self.processes.append(self.results.pop(0))
+        return self.processes[-1]
+
+    def terminate(self):
+        self.terminated = True
+
+
+def test_sandbox_runs_code_without_network_and_maps_the_result():
+    created = []
+    sandbox = FakeSandbox(
+        [
+            FakeProcess(0, "4\n", ""),
+            FakeProcess(-1, "", ""),
+            FakeProcess(1, "", "Traceback"),
+            FakeProcess(137, "", ""),
+            FakeProcess(0, "x" * 100, ""),
+        ]
+    )
+
+    def create(**kwargs):
+        created.append(kwargs)
+        return sandbox
+
+    executor = ModalSandboxExecutor(
+        app="APP", image="IMAGE", sandbox_timeout_s=300, create=create, limits=SandboxLimits(output_bytes=10)
+    )
+    ok = executor.run("print(int(input()) * 2)", stdin="2", timeout_s=2.5)
+    assert (ok.stdout, ok.exit_code, ok.signal, ok.timed_out, ok.ok) == ("4\n", 0, None, False, True)
+    assert sandbox.execs[0] == (("python", "-I", "-B", "-c", BOOTSTRAP), 3)
+    payload, program_stdin = FakeSandbox.stdin_of(sandbox, 0)
+    assert json.loads(payload) == {"code": "print(int(input()) * 2)", "files": {}, "script": "main.py"}
+    assert program_stdin == "2"
+    slow = executor.run("while True: pass", timeout_s=1)
+    assert (slow.timed_out, slow.exit_code, slow.signal, slow.ok) == (True, None, "SIGKILL", False)
+    failed = executor.run("raise SystemExit(1)")
+    assert failed.exit_code == 1 and not failed.timed_out and failed.stderr == "Traceback"
+    killed = executor.run("import os; os.kill(os.getpid(), 9)")
+    assert (killed.exit_code, killed.signal, killed.timed_out) == (None, "SIGKILL", False)
+    chatty = executor.run("print('x' * 100)")
+    assert chatty.stdout == "x" * 10 and chatty.stdout_truncated and not chatty.stderr_truncated
+    assert created == [dict(app="APP", image="IMAGE", timeout=300, block_network=True, cpu=1.0, memory=1024)]
+    executor.close()
+    assert sandbox.terminated
+
+
+def test_sandbox_batch_keeps_order_and_fresh_sandboxes_are_terminated():
+    sandboxes = []
+
+    def create(**kwargs):
+        sandboxes.append(FakeSandbox([FakeProcess(0, "ok")]))
+        return sandboxes[-1]
+
+    executor = ModalSandboxExecutor(app="APP", image="IMAGE", reuse=False, create=create, max_workers=2)
+    results = executor.run_batch(["print(1)", "print(2)", "print(3)"], stdins=["a", "b", "c"], timeout_s=5)
+    assert [r.stdout for r in results] == ["ok"] * 3 and len(sandboxes) == 3
+    assert all(sb.terminated for sb in sandboxes)
+    assert sorted(FakeSandbox.stdin_of(sb, 0)[1] for sb in sandboxes) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="2 stdins for 3 programs"):
+        executor.run_batch(["1", "2", "3"], stdins=["a", "b"])
+
+
+def test_the_bootstrap_runs_main_py_with_its_files_and_stdin(tmp_path):
+    """What runs inside the sandbox, run here with this interpreter."""
+    payload = json.dumps(
+        {
+            "code": "import helper, sys\nprint(helper.double(int(sys.stdin.read())))\nraise SystemExit(3)",
+            "files": {"helper.py": "def double(x):\n    return 2 * x\n", "data/n.txt": "7"},
+            "script": "main.py",
+        }
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-B", "-c", BOOTSTRAP],
+        input=payload + "\n21",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert (done.stdout, done.returncode) == ("42\n", 3), done.stderr
+
+
+def test_the_plain_classes_stay_undecorated():
+    """build_app decorates copies of the registration, never the module's classes, so it can run per config."""
+    build_worker_app(modal_config())
+    build_worker_app(modal_config(actor_gpu="B200"))
+    assert isinstance(ActorWorker, type) and isinstance(RolloutWorker, type)
+    assert json.loads(worker_config_json(modal_config()))["actor_gpu"] == "H100"

@@ -1,0 +1,215 @@
+"""Rewards are called as TRL calls them; bad scores are errors that name the function and sample."""
+
+import json
+import math
+import textwrap
+
+import pytest
+
+from schemas.records import RolloutBatch
+from workers.data.loaders import clear_task_cache, extract_final_number, gsm8k_answer, gsm8k_rows, load_task
+from workers.rewards.functions import check_scores, gsm8k_accuracy, last_digit, resolve_reward_funcs, score_batch
+
+
+def batch(completions, answers):
+    n = len(completions)
+    return RolloutBatch(
+        run_id="r",
+        step=1,
+        policy_version=0,
+        worker_id="w",
+        prompt_id=["p"] * n,
+        group_index=[0] * n,
+        sample_index=list(range(n)),
+        prompt=["35060="] * n,
+        completion=completions,
+        prompt_token_ids=[[1]] * n,
+        completion_token_ids=[[2, 3]] * n,
+        sampling_logprobs=[[-0.1, -0.1]] * n,
+        finish_reason=["stop"] * n,
+        extra_columns={"answer": answers},
+    )
+
+
+def test_builtin_rewards():
+    assert last_digit(completions=["0", " 0 ", "00", "6"], answer=["0"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    messages = [[{"role": "assistant", "content": "so #### 1,234"}]]
+    assert gsm8k_accuracy(completions=["The answer is 42.", "#### 41"], answer=["42", "42"]) == [1.0, 0.0]
+    assert gsm8k_accuracy(completions=messages, answer=["1234"]) == [1.0]
+
+
+def test_reward_functions_get_trl_arguments_and_dataset_columns(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent("""
+        calls = []
+        def shaped(prompts, completions, completion_ids, answer, **kwargs):
+            calls.append((prompts, completions, completion_ids, answer))
+            return [None if c == "skip" else float(len(c)) for c in completions]
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    funcs = resolve_reward_funcs(["last_digit", "my_rewards:shaped"])
+    assert list(funcs) == ["last_digit", "shaped"]
+    scored = score_batch(batch(["0", "skip", "12"], ["0", "0", "2"]), funcs, [2.0, 0.5])
+    import my_rewards
+
+    prompts, completions, ids, answer = my_rewards.calls[0]
+    assert completions == ["0", "skip", "12"] and answer == ["0", "0", "2"] and ids == [[2, 3]] * 3
+    assert scored.rewards == {"last_digit": [1.0, 0.0, 0.0], "shaped": [1.0, None, 2.0]}
+    # TRL's rule: a function that returns None for a sample is left out of that sample's sum
+    assert scored.reward == [2.0 * 1 + 0.5 * 1, 0.0, 0.5 * 2]
+
+
+def test_a_sample_no_function_applies_to_has_no_reward(tmp_path, monkeypatch):
+    (tmp_path / "none_rewards.py").write_text("def never(completions, **kw):\n    return [None] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    scored = score_batch(batch(["1"], ["1"]), resolve_reward_funcs(["none_rewards:never"]), None)
+    assert math.isnan(scored.reward[0])
+
+
+@pytest.mark.parametrize(
+    "scores, message",
+    [
+        ([1.0], "returned 1 scores for 2 completions"),
+        ([1.0, float("nan")], "returned nan for sample 1"),
+        ([float("inf"), 1.0], "returned inf for sample 0"),
+        (["1", 1.0], "returned '1' for sample 0"),
+        ([True, 1.0], "returned True for sample 0"),
+        (None, "returned NoneType scores"),
+    ],
+)
+def test_bad_scores_name_the_function_and_sample(scores, message):
+    with pytest.raises(ValueError, match=f"reward function 'mine' {message}"):
+        check_scores("mine", scores, 2)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("nonsense", r"reward_funcs\[0\]: 'nonsense' is neither"),
+        ("no_module_here:f", r"reward_funcs\[0\]: cannot import"),
+        ("math:pi", r"reward_funcs\[0\]: 'math:pi' is neither callable"),
+    ],
+)
+def test_unknown_reward_names_are_errors(name, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_reward_funcs([name])
+
+
+def test_last_digit_task_is_fixed_and_its_splits_disjoint():
+    task = load_task("last_digit")
+    assert set(task.train["prompt"]).isdisjoint(task.heldout["prompt"])
+    for prompt, answer in zip(task.heldout["prompt"][:50], task.heldout["answer"][:50], strict=True):
+        assert prompt.endswith("=") and prompt[-2] == answer
+    clear_task_cache()
+    assert load_task("last_digit").train["prompt"][:20] == task.train["prompt"][:20]
+
+
+def test_gsm8k_rows_from_hub_format():
+    from datasets import Dataset
+
+    hub = Dataset.from_dict(
+        {
+            "question": ["Tom has 3 apples and buys 1,231 more. How many?"],
+            "answer": ["3 + 1231 = <<3+1231=1234>>1234\n#### 1,234"],
+        }
+    )
+    rows = gsm8k_rows(hub, "gsm8k-test")
+    assert rows[0]["answer"] == "1234" and rows[0]["prompt_id"] == "gsm8k-test-00000"
+    assert rows[0]["prompt"][0]["role"] == "user" and "####" in rows[0]["prompt"][0]["content"]
+    with pytest.raises(ValueError, match="no '####'"):
+        gsm8k_answer("no marker here")
+    assert extract_final_number("first 3, then 4.5 and finally 1,000.") == "1000"
+    assert extract_final_number("#### -7") == "-7" and extract_final_number("none") is None
+
+
+def test_conversational_prompts_and_completions_reach_rewards_as_messages():
+    from workers.rewards.functions import reward_inputs
+
+    seen = {}
+
+    def capture(prompts, completions, **kwargs):
+        seen.update(prompts=prompts, completions=completions, state=kwargs["trainer_state"])
+        return [1.0] * len(completions)
+
+    conversational = [{"role": "user", "content": "2+2?"}]
+    b = batch(["4", "5"], ["4", "4"]).replace(raw_prompt=[conversational, conversational])
+    from workers.rewards.functions import RewardTrainerState
+
+    score_batch(b, {"capture": capture}, None, RewardTrainerState(global_step=3, max_steps=10, epoch=0.5))
+    assert seen["prompts"] == [conversational, conversational]
+    assert seen["completions"] == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
+    assert seen["state"].global_step == 3
+    assert reward_inputs(batch(["x"], ["0"]))[1] == ["x"]  # plain data: strings
+
+
+def test_async_rewards_numpy_scores_log_metric_and_per_function_time():
+    import numpy as np
+
+    async def later(completions, log_metric, **kwargs):
+        log_metric("judge/calls", len(completions))
+        return [None, np.float32(0.5)]
+
+    scored = score_batch(batch(["a", "b"], ["0", "0"]), {"later": later}, None)
+    assert scored.rewards["later"] == [None, 0.5] and math.isnan(scored.reward[0])
+    assert scored.logged_metrics == {"judge/calls": 2.0} and scored.reward_seconds["later"] >= 0
+
+
+def test_log_extra_values_land_per_row_as_json_and_a_wrong_count_names_the_function():
+    from workers.rewards.functions import RewardFunctionError
+
+    def judged(completions, log_extra, **kwargs):
+        log_extra("verdict", [f"saw {c}" for c in completions])
+        log_extra("length", [len(c) for c in completions])
+        return [1.0] * len(completions)
+
+    def quiet(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    scored = score_batch(batch(["a", "bb"], ["0", "0"]), {"judged": judged}, None)
+    assert [json.loads(row) for row in scored.logged_extra] == [
+        {"verdict": "saw a", "length": 1},
+        {"verdict": "saw bb", "length": 2},
+    ]
+    assert score_batch(batch(["a", "bb"], ["0", "0"]), {"quiet": quiet}, None).logged_extra == [None, None]
+
+    def short(completions, log_extra, **kwargs):
+        log_extra("verdict", ["only one"])
+        return [1.0] * len(completions)
+
+    with pytest.raises(
+        RewardFunctionError, match="'short' logged 1 values for log_extra column 'verdict' in a batch of 2"
+    ):
+        score_batch(batch(["a", "bb"], ["0", "0"]), {"short": short}, None)
+
+
+def test_a_raising_reward_names_the_function_the_sample_and_the_traceback():
+    from workers.rewards.functions import RewardFunctionError
+
+    def picky(completions, **kwargs):
+        return [1.0 / (c != "boom") for c in completions]
+
+    b = batch(["ok", "ok", "boom"], ["0"] * 3).replace(prompt_id=["p0", "p1", "p2"])
+    with pytest.raises(RewardFunctionError) as raised:
+        score_batch(b, {"picky": picky}, None)
+    message = str(raised.value)
+    assert "reward function 'picky' raised on sample 2 (prompt_id 'p2') of step 1: ZeroDivisionError" in message
+    assert "Traceback" in message and '1.0 / (c != "boom")' in message
+
+
+def test_reward_environment_objects_resolve_from_module_paths(tmp_path, monkeypatch):
+    (tmp_path / "my_envs.py").write_text(
+        textwrap.dedent("""
+        from workers.rewards.environments import RewardEnvironment
+        class Echo(RewardEnvironment):
+            async def score(self, completion, prompt, answer, **columns):
+                return 1.0 if completion == answer else 0.0
+        echo = Echo()
+        not_a_reward = 42
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    funcs = resolve_reward_funcs(["my_envs:echo"])
+    assert score_batch(batch(["0", "1"], ["0", "0"]), funcs, None).rewards["echo"] == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"reward_funcs\[0\]: 'my_envs:not_a_reward' is neither callable"):
+        resolve_reward_funcs(["my_envs:not_a_reward"])

@@ -1,0 +1,39 @@
+"""What counts as a change of training fields when a run is resumed."""
+
+from schemas.presets import preset_config
+from workers.state.resume import changed_training_fields
+
+
+def stored_by_an_older_version(config, *missing):
+    """The config as a run started by a grpo-flow without `missing` fields stored it."""
+    stored = config.model_dump(mode="json")
+    for name in missing:
+        del stored[name]
+    return stored
+
+
+def test_a_field_an_older_run_lacks_counts_as_its_default():
+    config = preset_config("tiny")
+    stored = stored_by_an_older_version(
+        config, "use_bias_correction_kl", "sapo_temperature_neg", "off_policy_mask_threshold"
+    )
+    assert changed_training_fields(stored, config) == {}
+
+
+def test_a_field_an_older_run_lacks_set_to_another_value_is_a_change():
+    config = preset_config("tiny")
+    stored = stored_by_an_older_version(config, "use_bias_correction_kl", "off_policy_mask_threshold")
+    changed = config.model_copy(update={"use_bias_correction_kl": False, "off_policy_mask_threshold": 0.5})
+    assert changed_training_fields(stored, changed) == {
+        "use_bias_correction_kl": (True, False),
+        "off_policy_mask_threshold": (None, 0.5),
+    }
+
+
+def test_changes_to_fields_that_do_not_alter_training_are_not_listed():
+    config = preset_config("tiny")
+    stored = config.model_dump(mode="json")
+    assert changed_training_fields(stored, config.model_copy(update={"max_steps": 99, "save_steps": 7})) == {}
+    assert changed_training_fields(stored, config.model_copy(update={"learning_rate": 0.5})) == {
+        "learning_rate": (config.learning_rate, 0.5)
+    }

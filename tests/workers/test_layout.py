@@ -1,0 +1,84 @@
+"""The import rules the layout promises (workers/__init__.py, DESIGN.md), checked on the source.
+
+flows -> tasks -> workers -> schemas, never back; nothing under workers/ imports Prefect;
+worker packages import only the packages below them in workers/__init__.py's list.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# workers/__init__.py's list, top to bottom: a package may import those after it.
+WORKER_PACKAGES = ["backends", "actor", "rollout", "rewards", "data", "state"]
+# The one upward import, lazy and documented in workers/data/__init__.py: building the tiny model
+# records its held-out accuracy with a rollout engine.
+ALLOWED_UPWARD = {("workers/data/tiny_model.py", "workers.rollout")}
+
+
+def imports(path: Path) -> list[str]:
+    """Every module a file imports, at any depth (lazy imports inside functions included)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def files(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+@pytest.mark.parametrize("folder", ["workers", "schemas"])
+def test_no_prefect_and_no_upward_imports(folder):
+    for path in files(folder):
+        for name in imports(path):
+            top = name.split(".")[0]
+            assert top != "prefect", f"{rel(path)} imports {name}: {folder}/ knows nothing of Prefect"
+            assert top not in ("flows", "tasks", "deployments"), f"{rel(path)} imports {name}: imports point down"
+            if folder == "schemas":
+                assert top != "workers", f"{rel(path)} imports {name}: schemas/ is the bottom layer"
+
+
+def test_tasks_never_import_flows():
+    for path in files("tasks"):
+        for name in imports(path):
+            assert name.split(".")[0] not in ("flows", "deployments"), f"{rel(path)} imports {name}"
+
+
+def test_worker_packages_import_only_those_below_them():
+    for package in WORKER_PACKAGES:
+        below = WORKER_PACKAGES[WORKER_PACKAGES.index(package) :]
+        for path in files(f"workers/{package}"):
+            for name in imports(path):
+                parts = name.split(".")
+                if parts[0] != "workers" or len(parts) < 2:
+                    continue
+                target = f"workers.{parts[1]}"
+                if parts[1] in below or (rel(path), target) in ALLOWED_UPWARD:
+                    continue
+                pytest.fail(f"{rel(path)} imports {name}: workers.{package} may import only {below}")
+
+
+def test_every_worker_module_is_in_a_role_package():
+    loose = [rel(p) for p in (ROOT / "workers").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"modules outside a role package: {loose}"
+    for package in WORKER_PACKAGES:
+        doc = ast.get_docstring(ast.parse((ROOT / "workers" / package / "__init__.py").read_text()))
+        assert doc and "Imports" in doc, f"workers/{package}/__init__.py must say what it holds and may import"
+
+
+def test_cli_and_components_do_not_import_each_other():
+    cli, components = ROOT / "flows/cli.py", ROOT / "flows/components.py"
+    assert "flows.cli" not in imports(components)
+    # cli registers the component commands; the shared pieces live in flows/cli_common.py
+    assert "flows.components" in imports(cli)

@@ -1,0 +1,336 @@
+"""The actor: the policy being trained, its optimizer and TRL's GRPO objective.
+
+A plain class (no Prefect): `load()`, `step(expected_version, rollouts)`,
+`policy_state_dict()`, `save_checkpoint(folder)`, `restore(folder)`. `policy_version`
+counts the steps applied (after step N it is N; a step is num_iterations optimizer steps on
+its batch); every call says which version it expects, so a caller notices an actor that was
+replaced or restarted.
+
+With use_lora only peft adapters train; `policy_state_dict()` is then the merged weights (what
+a rollout engine runs) and `adapter_state_dict()` the adapter alone.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from schemas.config import GRPOFlowConfig
+from workers.actor import trl_objective
+
+
+class StaleActorError(RuntimeError):
+    """The actor holds a different policy version than the caller expects."""
+
+
+def pad(rows: list[list[int]], value: int, side: str) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if side == "left":
+            out[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        else:
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def loss_inputs(rollouts: pa.Table, pad_token_id: int, mask_truncated: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors TRL's objective takes, from logged rollout rows (prompts left padded, completions right).
+
+    `sampling_per_token_logps` (the rollout engine's log-probs) rides along for the IS correction.
+    With `mask_truncated`, completions cut off at the length limit leave the loss, as TRL's option.
+    """
+    prompts = rollouts.column("prompt_token_ids").to_pylist()
+    completions = rollouts.column("completion_token_ids").to_pylist()
+    prompt_ids = pad(prompts, pad_token_id, "left")
+    completion_ids = pad(completions, pad_token_id, "right")
+    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
+    if mask_truncated:
+        truncated = torch.tensor([reason == "length" for reason in rollouts.column("finish_reason").to_pylist()])
+        completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": pad([[1] * len(p) for p in prompts], 0, "left"),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor(rollouts.column("advantage").to_pylist(), dtype=torch.float32),
+        "num_items_in_batch": completion_mask.sum().float(),
+    }
+    if "sampling_logprobs" in rollouts.column_names:
+        sampled = rollouts.column("sampling_logprobs").to_pylist()
+        width = completion_ids.size(1)
+        inputs["sampling_per_token_logps"] = torch.tensor(
+            [list(row) + [0.0] * (width - len(row)) for row in sampled], dtype=torch.float32
+        ).reshape(len(sampled), width)
+    return inputs
+
+
+PER_ROW = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "advantages",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "importance_sampling_ratio",
+    "sampling_per_token_logps",
+)
+
+
+def micro_batches(inputs: dict[str, torch.Tensor], max_tokens: int | None) -> list[dict[str, torch.Tensor]]:
+    """Rows split in order into micro-batches of at most `max_tokens` padded tokens (one row at least),
+    each trimmed to its own padding; `num_items_in_batch` stays the whole batch's."""
+    rows = inputs["completion_ids"].size(0)
+    if max_tokens is None:
+        return [inputs]
+    prompt_lengths = inputs["prompt_mask"].sum(1).tolist()
+    completion_lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in inputs["completion_mask"]]
+    bounds, start, widest_prompt, widest_completion = [], 0, 0, 0
+    for row in range(rows):
+        prompt_width = max(widest_prompt, int(prompt_lengths[row]))
+        completion_width = max(widest_completion, completion_lengths[row])
+        if row > start and (row - start + 1) * (prompt_width + completion_width) > max_tokens:
+            bounds.append((start, row))
+            start, prompt_width, completion_width = row, int(prompt_lengths[row]), completion_lengths[row]
+        widest_prompt, widest_completion = prompt_width, completion_width
+    bounds.append((start, rows))
+    parts = []
+    for first, last in bounds:
+        part = {k: (v[first:last] if k in PER_ROW and v.size(0) == rows else v) for k, v in inputs.items()}
+        keep_prompt = int(part["prompt_mask"].sum(1).max())
+        keep_completion = max(1, max(completion_lengths[first:last]))
+        for key in ("prompt_ids", "prompt_mask"):
+            part[key] = part[key][:, part[key].size(1) - keep_prompt :]
+        for key in (
+            "completion_ids",
+            "completion_mask",
+            "old_per_token_logps",
+            "ref_per_token_logps",
+            "sampling_per_token_logps",
+        ):
+            if key in part:
+                part[key] = part[key][:, :keep_completion]
+        ratio = part.get("importance_sampling_ratio")
+        if ratio is not None and ratio.size(1) > 1:
+            part["importance_sampling_ratio"] = ratio[:, :keep_completion]
+        parts.append(part)
+    return parts
+
+
+class Actor:
+    def __init__(self, config: GRPOFlowConfig, model_path: str | Path, device: str = "cpu"):
+        self.config = config
+        self.model_path = str(model_path)
+        self.device = device
+        self.policy_version = 0
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.objective: Any = None
+        self._last_step: tuple[int, dict[str, float]] | None = None  # (version it produced, its metrics)
+        # Whether the rollout engine's log-probs equal this actor's at the same weights: the local
+        # backend's fp32 transformers engine does. Otherwise (vLLM on Modal, bf16) the IS correction
+        # applies to every step; set in load().
+        self.sampling_matches_actor = False
+
+    @property
+    def loaded(self) -> bool:
+        return self.model is not None
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.config.use_lora
+
+    def load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(self.config.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model = model.to(self.device)
+        self.objective = trl_objective.make_objective(model, self.tokenizer, self.config)
+        self.model = self.objective.model  # the PeftModel with use_lora
+        self.sampling_matches_actor = self.config.backend == "local" and not self.objective.args.bf16
+        if self.config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # The scheduler counts optimizer steps: num_iterations per step. max_steps may be -1 (epochs);
+        # then it only needs an upper bound for linear/cosine decay.
+        steps = self.config.max_steps if self.config.max_steps > 0 else 10**6
+        self.objective.create_optimizer_and_scheduler(num_training_steps=steps * self.config.num_iterations)
+        self.model.eval()
+
+    def _corrects_sampling(self, rollouts: pa.Table) -> bool:
+        """The IS correction applies where the sampling log-probs can differ from the actor's: another
+        engine's numerics, or rows sampled from older weights than the actor holds."""
+        if not self.config.vllm_importance_sampling_correction:
+            return False
+        if not self.sampling_matches_actor:
+            return True
+        if "policy_version" not in rollouts.column_names:
+            return False
+        return any(v != self.policy_version for v in rollouts.column("policy_version").to_pylist())
+
+    def step(self, expected_version: int, rollouts: pa.Table) -> dict[str, float]:
+        """num_iterations optimizer steps of TRL's GRPO objective on a step's logged rollouts."""
+        if self._last_step and self._last_step[0] == expected_version + 1 == self.policy_version:
+            # A retry of a step that did finish (the failure came after it): the same answer, no second update.
+            return self._last_step[1]
+        if expected_version != self.policy_version:
+            raise StaleActorError(
+                f"actor holds policy version {self.policy_version}, caller expects {expected_version}"
+            )
+        started = time.perf_counter()
+        config, objective = self.config, self.objective
+        inputs = loss_inputs(rollouts, self.tokenizer.pad_token_id, config.mask_truncated_completions)
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        sampling = inputs.pop("sampling_per_token_logps", None)
+        self.model.train()
+        extra: dict[str, float] = {}
+        correct = sampling is not None and self._corrects_sampling(rollouts)
+        if config.num_iterations > 1 or correct:  # TRL computes the old log-probs in these cases only
+            inputs["old_per_token_logps"] = trl_objective.old_logprobs(objective, inputs)
+        if correct and sampling is not None:
+            ratio, extra = trl_objective.importance_sampling_ratio(
+                objective, inputs["old_per_token_logps"], sampling, inputs["completion_mask"]
+            )
+            inputs["importance_sampling_ratio"] = ratio
+            inputs["sampling_per_token_logps"] = sampling
+        if objective.beta != 0.0:
+            inputs["ref_per_token_logps"] = trl_objective.reference_logprobs(objective, inputs)
+        parts = micro_batches(inputs, config.max_tokens_per_microbatch)
+        losses, grad_norms, learning_rates = [], [], []
+        logged: dict[str, list[float]] = {}
+        for _ in range(config.num_iterations):
+            loss = torch.zeros((), device=self.device)
+            for part in parts:
+                normalizer = trl_objective.accumulation_normalizer(config.loss_type, part, inputs)
+                part_loss, metrics = trl_objective.compute_loss(objective, self.model, part, normalizer)
+                part_loss.backward()
+                loss += part_loss.detach()
+                for name, value in metrics.items():
+                    logged.setdefault(name, []).append(value)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)))
+            learning_rates.append(objective.lr_scheduler.get_last_lr()[0])
+            objective.optimizer.step()
+            objective.lr_scheduler.step()
+            objective.optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+        self.model.eval()
+        self.policy_version += 1
+        tokens = int(inputs["completion_mask"].sum()) + int(inputs["prompt_mask"].sum())
+        seconds = time.perf_counter() - started
+        result = {
+            "loss": sum(losses) / len(losses),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "learning_rate": float(learning_rates[0]),
+            "actor/tokens_per_second": tokens * config.num_iterations / seconds,
+            "actor/micro_batches": float(len(parts)),
+            **{name: sum(values) / len(values) for name, values in logged.items()},
+            **extra,
+        }
+        self._last_step = (self.policy_version, result)
+        return result
+
+    # -- what rollout workers get --------------------------------------------------------------
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights a rollout engine runs (with use_lora: base + adapter deltas, by peft's own
+        get_delta_weight; the actor's base weights are never merged in place, so they do not drift)."""
+        if not self.uses_lora:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        from peft.tuners.lora import LoraLayer
+
+        base = self.model.get_base_model()
+        weights: dict[str, torch.Tensor] = {}
+        for name, tensor in base.state_dict().items():
+            if "lora_" in name:
+                continue
+            weights[name.replace(".base_layer.", ".")] = tensor.detach().clone()
+        with torch.no_grad():
+            for name, module in base.named_modules():
+                if isinstance(module, LoraLayer):
+                    for adapter in module.active_adapters:
+                        # peft's LoRA layers define get_delta_weight; the LoraLayer base class does not declare it.
+                        delta = module.get_delta_weight(adapter)  # type: ignore[attr-defined]
+                        weights[f"{name}.weight"] += delta.to(weights[f"{name}.weight"].dtype)
+        return weights
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter alone (what `lora_publish='adapter'` sends)."""
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """What this run publishes to rollout workers: full (merged) weights, or the adapter alone."""
+        if self.uses_lora and self.config.lora_publish == "adapter":
+            return self.adapter_state_dict()
+        return self.policy_state_dict()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, folder: Path) -> dict[str, Any]:
+        """Weights, tokenizer, optimizer, scheduler and RNG states into `folder` (the caller commits it).
+
+        `model/` always holds full weights any loader can open (merged with use_lora); a LoRA run also
+        keeps its trainable adapter in `adapter/`, which is what restore loads.
+        """
+        if self.uses_lora:
+            from safetensors.torch import save_file
+
+            self.model.save_pretrained(folder / "adapter")
+            base = self.model.get_base_model()
+            base.config.save_pretrained(folder / "model")
+            save_file(
+                {k: v.contiguous() for k, v in self.policy_state_dict().items()}, folder / "model" / "model.safetensors"
+            )
+        else:
+            self.model.save_pretrained(folder / "model")
+        self.tokenizer.save_pretrained(folder / "model")
+        torch.save(self.objective.optimizer.state_dict(), folder / "optimizer.pt")
+        torch.save(self.objective.lr_scheduler.state_dict(), folder / "scheduler.pt")
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        torch.save(rng, folder / "rng.pt")
+        state = {"policy_version": self.policy_version, "trl_version": trl_objective.TRL_VERSION}
+        (folder / "actor_state.json").write_text(json.dumps(state))
+        return state
+
+    def restore(self, folder: Path) -> None:
+        """Back to a checkpoint's state: weights, optimizer, scheduler, RNG states and policy version.
+
+        Parameters are updated in place, so the optimizer keeps pointing at them.
+        """
+        if not self.loaded:
+            self.load()
+        if self.uses_lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(self.model, load_file(folder / "adapter" / "adapter_model.safetensors"))
+        else:
+            from transformers import AutoModelForCausalLM
+
+            saved = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+            self.model.load_state_dict(saved.state_dict())
+        self.objective.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        self.objective.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        rng = torch.load(folder / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        self.policy_version = json.loads((folder / "actor_state.json").read_text())["policy_version"]
+        self._last_step = None
+        self.model.eval()
+
+    def reset(self) -> None:
+        """Back to the initial model (a run that has no checkpoint yet)."""
+        self.load()
+        self.policy_version = 0
+        self._last_step = None

@@ -1,0 +1,90 @@
+"""Single-node ("simple") mode: TRL's own GRPOTrainer loop on the same config, data and rewards.
+
+For users who want TRL's exact behaviour: generation, scoring, batching and the optimizer
+loop are all TRL's. grpo-flow adds the storage layout: one metrics Parquet row per step (TRL's
+logged names) and checkpoints in the same manifest-last format, so `grpo runs`, pandas and
+the evaluation flow read a simple-mode run like any other. Rollouts are not logged (TRL's
+loop does not hand them out), and a simple-mode run does not resume.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+from schemas.config import GRPOFlowConfig
+from schemas.records import RunPlan, metrics_table
+from workers.state.storage import RunStorage
+
+
+def storage_callback(storage: RunStorage, config: GRPOFlowConfig, plan: RunPlan) -> Any:
+    """A transformers TrainerCallback writing TRL's logs and our checkpoints into the run's folder."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StorageCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.step_started = time.perf_counter()
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.step_started = time.perf_counter()
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any):
+            step = state.global_step
+            if not logs or step == 0 or storage.metrics_path(step).exists() or "loss" not in logs:
+                return  # the end-of-training summary log repeats no step; a step is logged once
+            numbers = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            row = {
+                "run_id": plan.run_id,
+                "step": step,
+                "policy_version": step,
+                "num_completions": config.completions_per_step,
+                **numbers,
+                "step_s": time.perf_counter() - self.step_started,
+            }
+            storage.write_metrics(step, metrics_table(row))
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            step = state.global_step
+            if step % config.save_steps and step != plan.total_steps:
+                return
+            staging = storage.staging_checkpoint_dir(step)
+            kwargs["model"].save_pretrained(staging / "model")
+            kwargs["processing_class"].save_pretrained(staging / "model")
+            torch.save(kwargs["optimizer"].state_dict(), staging / "optimizer.pt")
+            torch.save(kwargs["lr_scheduler"].state_dict(), staging / "scheduler.pt")
+            storage.commit_checkpoint(
+                step, staging, {"policy_version": step, "mode": "simple", "config_hash": config.training_hash()}
+            )
+
+    return StorageCallback()
+
+
+def train_with_trl(
+    config: GRPOFlowConfig, plan: RunPlan, reward_funcs: list[Any], train_dataset: Any
+) -> dict[str, Any]:
+    """Run GRPOTrainer.train() for the run's steps; returns TRL's final training output as numbers."""
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+
+    from workers.rollout.base import load_generation_tokenizer
+    from workers.actor.trl_objective import grpo_args
+
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    args = grpo_args(config, tempfile.mkdtemp(prefix="grpo-flow-simple-"))
+    args.max_steps = plan.total_steps
+    args.logging_steps = 1
+    args.report_to = ["wandb"] if config.report_to == "wandb" else []
+    tokenizer = load_generation_tokenizer(plan.model_path)
+    args.reward_weights = config.reward_weights  # TRL's GRPOConfig field, same rule as ours
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(plan.model_path),
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        callbacks=[storage_callback(storage, config, plan)],
+    )
+    output = trainer.train()
+    return {k: float(v) for k, v in output.metrics.items() if isinstance(v, (int, float))}

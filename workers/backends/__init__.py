@@ -1,0 +1,55 @@
+"""Backends: where the workers run. The only code that knows it.
+
+- `local`: the actor and rollout engines in this process (engines in child processes with
+  one-step-off pipelining).
+- `modal_app`: the Modal app, each worker class wrapped in a few lines; `modal_backend`: the
+  same surface as `local` over those remote classes, the Modal sandbox for reward code.
+- `weight_sync`: how a rollout engine gets the actor's new policy (five methods).
+- this module: which backend a run uses (`run_workers`, `release`, `check_backend_ready`).
+
+Imports every other worker package; `modal` only in the Modal modules.
+
+Which workers a run uses: the local backend (this process) or Modal (GPUs in Modal's cloud).
+
+Both expose the same surface (`actor.step`, `rollout[i].generate`, `sync_weights`,
+`restore`, `ensure_actor_version`, `ensure_rollout_version`, `save_rollout_weights`), so the
+tasks do not care which one they talk to.
+
+GRPO_FLOW_MODAL_MODE=local runs the Modal classes in this process through `.local()` on
+CPU engines: the offline tests drive the whole flow through the Modal wrappers that way.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from schemas.config import GRPOFlowConfig
+from workers.backends import local
+
+
+def run_workers(config: GRPOFlowConfig, model_path: str | Path) -> Any:
+    if config.backend == "modal":
+        from workers.backends.modal_backend import modal_workers
+
+        if os.environ.get("GRPO_FLOW_MODAL_MODE") == "local":
+            return modal_workers(config, model_path, mode="local", rollout_backend="cpu", actor_device="cpu")
+        return modal_workers(config, model_path)
+    return local.local_workers(config, model_path)
+
+
+def release(config: GRPOFlowConfig, run_id: str) -> None:
+    if config.backend == "modal":
+        from workers.backends.modal_backend import release as release_modal
+
+        release_modal(run_id)
+    local.release(run_id)
+
+
+def check_backend_ready(config: GRPOFlowConfig) -> None:
+    """Modal credentials and named secrets present (a clear error before anything starts)."""
+    if config.backend == "modal" and os.environ.get("GRPO_FLOW_MODAL_MODE") != "local":
+        from workers.backends.modal_backend import check_modal_ready
+
+        check_modal_ready(config)

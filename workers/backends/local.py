@@ -1,0 +1,157 @@
+"""The embedded backend: the actor and the rollout engines live in this process.
+
+Workers are caches of the run's state, keyed by run id; `release` drops them at the end.
+They heal themselves: an actor asked for a policy version it does not hold restores the
+newest checkpoint before it and replays the logged rollouts since; a rollout engine asked
+for a version it does not hold loads it. So a replaced or restarted worker costs time, never
+correctness. The Modal backend provides the same methods on remote classes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from schemas.config import GRPOFlowConfig
+from workers.actor import trl_objective
+from workers.actor.actor import Actor
+from workers.rollout.process_engine import ProcessRolloutEngine
+from workers.state.resume import replay_actor_to
+from workers.rollout.transformers_engine import TransformersRolloutEngine
+from workers.state.storage import RunStorage
+
+ROLLOUT_WEIGHTS = "rollout_model.safetensors"  # in a checkpoint, when the rollout workers lag the actor
+logger = logging.getLogger("grpo_flow.workers")
+
+_LOCK = threading.Lock()
+_WORKERS: dict[str, LocalWorkers] = {}
+
+
+class LocalWorkers:
+    def __init__(self, config: GRPOFlowConfig, model_path: str | Path):
+        self.config = config
+        self.model_path = str(model_path)
+        self.actor = Actor(config, model_path)
+        self.rollout: list[Any]
+        if config.max_staleness:
+            # One-step-off pipelining: each rollout engine in its own process, so generating the next
+            # step really overlaps the actor's step; the cores are shared out between them.
+            threads = max(1, (os.cpu_count() or 2) // (config.num_rollout_workers + 1))
+            torch.set_num_threads(threads)
+            self.rollout = [
+                ProcessRolloutEngine(model_path, worker_id=f"rollout-{i}", threads=threads)
+                for i in range(config.num_rollout_workers)
+            ]
+        else:
+            self.rollout = [
+                TransformersRolloutEngine(model_path, worker_id=f"rollout-{i}")
+                for i in range(config.num_rollout_workers)
+            ]
+        # The weights last published to the rollout workers, so a replaced worker can take them.
+        self.published: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._heal_lock = threading.Lock()  # shards heal on worker threads; one at a time
+        self.actor.load()
+        for engine in self.rollout:
+            engine.load()
+        # With use_lora and lora_publish='adapter', engines take the adapter alone over their base model.
+        self.adapter_config = (
+            trl_objective.lora_config(config) if config.use_lora and config.lora_publish == "adapter" else None
+        )
+        self.last_sync: dict[str, float] = {}
+
+    def _load(self, engine: TransformersRolloutEngine, weights: dict[str, torch.Tensor], version: int) -> None:
+        engine.load_state_dict(weights, version, self.adapter_config)
+
+    def sync_weights(self) -> int:
+        """Copy the actor's weights (or adapter) into every rollout engine (in memory); returns the version."""
+        weights = self.actor.published_weights()
+        self.published = (self.actor.policy_version, weights)
+        for engine in self.rollout:
+            self._load(engine, weights, self.actor.policy_version)
+        self.last_sync = {"bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+        return self.actor.policy_version
+
+    # -- resume and self-healing ---------------------------------------------------------------
+    def restore(self, storage: RunStorage, checkpoint_step: int | None) -> int:
+        """Actor and rollout engines as they were at a checkpoint (or the start); returns the rollout version."""
+        if checkpoint_step is None:
+            self.actor.reset()
+            self.published = None
+            for engine in self.rollout:
+                engine.load()
+            return 0
+        folder = storage.checkpoint_dir(checkpoint_step)
+        manifest = storage.verify_checkpoint(checkpoint_step)
+        self.actor.restore(folder)
+        rollout_version = manifest.get("rollout_policy_version", self.actor.policy_version)
+        if rollout_version == self.actor.policy_version:
+            weights = self.actor.published_weights()
+        else:
+            weights = load_file(folder / ROLLOUT_WEIGHTS)
+        self.published = (rollout_version, weights)
+        for engine in self.rollout:
+            self._load(engine, weights, rollout_version)
+        return rollout_version
+
+    def save_rollout_weights(self, folder: Path) -> dict[str, int]:
+        """What a checkpoint needs to restore the rollout workers when they lag the actor."""
+        version = self.published[0] if self.published else 0
+        if version != self.actor.policy_version:
+            if self.published is None:
+                raise RuntimeError("rollout workers hold the initial model; restore it from model_path instead")
+            save_file({k: v.contiguous() for k, v in self.published[1].items()}, folder / ROLLOUT_WEIGHTS)
+        return {"rollout_policy_version": version}
+
+    def ensure_actor_version(self, version: int, storage: RunStorage) -> None:
+        """Bring the actor to `version`: restore the newest checkpoint at or before it, replay the logged steps."""
+        with self._heal_lock:
+            if self.actor.loaded and self.actor.policy_version == version:
+                return
+            logger.warning(
+                "actor holds version %s, expected %d: restoring and replaying", self.actor.policy_version, version
+            )
+            replay_actor_to(self.actor, version, storage)
+
+    def ensure_rollout_version(self, index: int, version: int, storage: RunStorage) -> TransformersRolloutEngine:
+        """Rollout engine `index`, holding policy `version` (loaded from what was published if not)."""
+        engine = self.rollout[index]
+        if engine.model is not None and engine.policy_version == version:
+            return engine
+        with self._heal_lock:
+            logger.warning(
+                "rollout worker %d holds version %s, expected %d: loading it", index, engine.policy_version, version
+            )
+            if engine.model is None:
+                engine.load()
+            if version == 0 and self.published is None:
+                return engine  # a freshly loaded engine holds the initial model
+            if self.published and self.published[0] == version:
+                self._load(engine, self.published[1], version)
+                return engine
+        self.ensure_actor_version(version, storage)
+        with self._heal_lock:
+            self._load(engine, self.actor.published_weights(), version)
+        return engine
+
+
+def local_workers(config: GRPOFlowConfig, model_path: str | Path) -> LocalWorkers:
+    """The run's workers, created on first use."""
+    assert config.run_id is not None
+    with _LOCK:
+        if config.run_id not in _WORKERS:
+            _WORKERS[config.run_id] = LocalWorkers(config, model_path)
+        return _WORKERS[config.run_id]
+
+
+def release(run_id: str) -> None:
+    with _LOCK:
+        workers = _WORKERS.pop(run_id, None)
+    for engine in workers.rollout if workers else []:
+        if isinstance(engine, ProcessRolloutEngine):
+            engine.close()

@@ -1,0 +1,349 @@
+"""Weight sync: how a rollout engine gets the actor's new policy, five ways.
+
+Each method is two halves, so that on Modal they can run in different containers:
+`export_weights(method, actor, run_dir)` on the actor's side returns a small `WeightPayload`
+(a path on the storage root, or the serialized bytes themselves), and
+`apply_weights(engine, payload)` on the engine's side loads it. `sync_weights(method, actor,
+engines, run_dir)` does both in one process and returns a small report
+`{"method", "version", "bytes", "seconds", ...}`; `sync_reload`, `sync_volume`,
+`sync_direct`, `sync_checkpoint` and `sync_lora` are the same for one method and one engine.
+
+| method       | the actor writes / sends                                   | the engine                                    |
+|--------------|------------------------------------------------------------|-----------------------------------------------|
+| `reload`     | `weights/reload/model.safetensors` (a scratch file)        | sleep(level 2) → load in place → wake_up      |
+| `volume`     | `weights/v000042/` model.safetensors + config.json         | loads the versioned file in place             |
+| `direct`     | safetensors bytes in memory (what a Modal call carries)    | loads them in place                           |
+| `checkpoint` | `weights/checkpoint-v000042/`, a full `save_pretrained`    | is re-created from that folder                |
+| `lora`       | `weights/lora-v000042/`, the peft adapter only             | applies the adapter (vLLM: a new LoRARequest) |
+
+Folders are written under a hidden temporary name and renamed into place, and a version
+folder that already exists is reused: a retried or preempted export never leaves a partial
+folder and never writes a version twice (the actor's policy version names its weights).
+Paths are under the run folder (`<storage_root>/runs/<run_id>/`), which on Modal is the Volume:
+the writer commits it, the reader reloads it (see workers/backends/modal_app.py).
+
+The engines: `workers.rollout.transformers_engine.TransformersRolloutEngine` (CPU; it has no sleep mode, so
+sleep/wake are no-ops, and it is re-created in place by loading from the new folder) and
+`workers.rollout.vllm_engine.VLLMRolloutEngine` (GPU; its hooks are verified only against vLLM's
+documented API). tests/workers/backends/test_weight_sync.py runs every method on CPU between the
+real actor and the transformers engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from schemas.config import WeightSyncMethod
+
+METHODS: tuple[str, ...] = ("reload", "volume", "direct", "checkpoint", "lora")
+WEIGHTS_FILE = "model.safetensors"
+LORA_ADAPTER_FILE = "adapter_model.safetensors"
+
+
+class WeightSyncError(ValueError):
+    """The chosen weight_sync_method cannot work with this actor or config."""
+
+
+@dataclass(frozen=True)
+class WeightPayload:
+    """What travels from the actor to an engine: a path on the storage root, or bytes (`direct`)."""
+
+    method: str
+    version: int
+    path: str | None = None
+    data: bytes | None = None
+    nbytes: int = 0
+    export_s: float = 0.0
+
+    def file(self) -> str:
+        """The path this payload names (every method but `direct` has one)."""
+        if self.path is None:
+            raise WeightSyncError(f"a {self.method!r} weight payload (version {self.version}) carries no path")
+        return self.path
+
+    def bytes(self) -> bytes:
+        """The serialized weights of a `direct` payload."""
+        if self.data is None:
+            raise WeightSyncError(f"a {self.method!r} weight payload (version {self.version}) carries no bytes")
+        return self.data
+
+
+# -- layout ------------------------------------------------------------------------------------------
+def weights_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "weights"
+
+
+def version_dir(run_dir: str | os.PathLike, version: int, kind: str = "") -> Path:
+    """`weights/v000042` (volume), `weights/checkpoint-v000042`, `weights/lora-v000042`."""
+    prefix = f"{kind}-" if kind else ""
+    return weights_root(run_dir) / f"{prefix}v{version:06d}"
+
+
+def folder_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# -- checks ------------------------------------------------------------------------------------------
+def is_peft_model(model: Any) -> bool:
+    """True for a peft `PeftModel` (checked by attribute, so peft need not be installed)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def require_lora_actor(actor: Any) -> None:
+    if not is_peft_model(actor.model):
+        raise WeightSyncError(
+            "weight_sync_method='lora' sends only a LoRA adapter, but the actor trains the full model "
+            "(use_lora is off, so it has no peft adapter): set use_lora=True, or choose weight_sync_method "
+            "'reload', 'volume', 'direct' or 'checkpoint'"
+        )
+
+
+def check_weight_sync_config(config: Any) -> None:
+    """Refuse, before anything loads, a `lora` sync for a run that trains no adapter."""
+    if config.weight_sync_method == "lora" and not getattr(config, "use_lora", False):
+        raise WeightSyncError(
+            "weight_sync_method='lora' needs use_lora=True (the actor must train a peft adapter); "
+            "choose 'reload', 'volume', 'direct' or 'checkpoint' for full-model training"
+        )
+
+
+# -- atomic writes -----------------------------------------------------------------------------------
+def _atomic_folder(final: Path, write: Callable[[Path], None]) -> bool:
+    """Write a folder under a hidden name and rename it into place; False if it already existed."""
+    if final.exists():
+        return False
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    try:
+        write(staging)
+        os.replace(staging, final)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if final.exists():  # another writer (a retried call) got there first; theirs is the same version
+            return False
+        raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return True
+
+
+def _atomic_file(final: Path, write: Callable[[Path], None]) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _save_state_dict(actor: Any, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # policy_state_dict clones every tensor, so tied weights (embeddings / lm_head) are separate
+    # tensors here and safetensors accepts them; loaders take both names.
+    save_file({name: t.contiguous() for name, t in actor.policy_state_dict().items()}, str(path))
+
+
+# -- actor side --------------------------------------------------------------------------------------
+def _export_reload(actor: Any, run_dir: Path) -> WeightPayload:
+    path = weights_root(run_dir) / "reload" / WEIGHTS_FILE
+    _atomic_file(path, lambda tmp: _save_state_dict(actor, tmp))
+    return WeightPayload("reload", actor.policy_version, path=str(path), nbytes=path.stat().st_size)
+
+
+def _export_volume(actor: Any, run_dir: Path) -> WeightPayload:
+    version = actor.policy_version
+    final = version_dir(run_dir, version)
+
+    def write(folder: Path) -> None:
+        _save_state_dict(actor, folder / WEIGHTS_FILE)
+        actor.model.config.to_json_file(str(folder / "config.json"))
+        (folder / "version.json").write_text(json.dumps({"policy_version": version}))
+
+    _atomic_folder(final, write)
+    path = final / WEIGHTS_FILE
+    return WeightPayload("volume", version, path=str(path), nbytes=path.stat().st_size)
+
+
+def _export_direct(actor: Any, run_dir: Path) -> WeightPayload:
+    from safetensors.torch import save
+
+    data = save({name: t.contiguous() for name, t in actor.policy_state_dict().items()})
+    return WeightPayload("direct", actor.policy_version, data=data, nbytes=len(data))
+
+
+def _export_checkpoint(actor: Any, run_dir: Path) -> WeightPayload:
+    final = version_dir(run_dir, actor.policy_version, "checkpoint")
+
+    def write(folder: Path) -> None:
+        if is_peft_model(actor.model):  # a PeftModel would save its adapter alone: save the merged weights
+            actor.model.get_base_model().config.save_pretrained(folder)
+            _save_state_dict(actor, folder / WEIGHTS_FILE)
+        else:
+            actor.model.save_pretrained(folder)
+        actor.tokenizer.save_pretrained(folder)
+
+    _atomic_folder(final, write)
+    return WeightPayload("checkpoint", actor.policy_version, path=str(final), nbytes=folder_bytes(final))
+
+
+def _export_lora(actor: Any, run_dir: Path) -> WeightPayload:
+    require_lora_actor(actor)
+    final = version_dir(run_dir, actor.policy_version, "lora")
+    _atomic_folder(final, lambda folder: actor.model.save_pretrained(folder))  # a PeftModel saves the adapter only
+    return WeightPayload("lora", actor.policy_version, path=str(final), nbytes=folder_bytes(final))
+
+
+_EXPORTS: dict[str, Callable[[Any, Path], WeightPayload]] = {
+    "reload": _export_reload,
+    "volume": _export_volume,
+    "direct": _export_direct,
+    "checkpoint": _export_checkpoint,
+    "lora": _export_lora,
+}
+
+
+def export_weights(method: WeightSyncMethod | str, actor: Any, run_dir: str | os.PathLike) -> WeightPayload:
+    """The actor's half: write or serialize its current weights for `method`."""
+    if method not in _EXPORTS:
+        raise WeightSyncError(f"weight_sync_method: unknown method {method!r}; known: {', '.join(METHODS)}")
+    started = time.perf_counter()
+    payload = _EXPORTS[method](actor, Path(run_dir))
+    return WeightPayload(
+        payload.method, payload.version, payload.path, payload.data, payload.nbytes, time.perf_counter() - started
+    )
+
+
+# -- engine side -------------------------------------------------------------------------------------
+def _is_vllm_engine(engine: Any) -> bool:
+    return hasattr(engine, "reload_weights_from")
+
+
+def _load_file(engine: Any, path: str, version: int) -> None:
+    if _is_vllm_engine(engine):
+        engine.reload_weights_from(path, version)
+    else:
+        from safetensors.torch import load_file
+
+        engine.load_state_dict(load_file(path), version)
+
+
+def _apply_reload(engine: Any, payload: WeightPayload) -> None:
+    # vLLM's documented RLHF sequence: a level-2 sleep discards weights and KV cache, the weights'
+    # memory is mapped and written, then the KV cache comes back. The transformers engine has no
+    # sleep mode, so for it this is a plain load.
+    if hasattr(engine, "sleep"):
+        engine.sleep(level=2)
+    _load_file(engine, payload.file(), payload.version)
+    if hasattr(engine, "wake_up"):
+        engine.wake_up()
+
+
+def _apply_volume(engine: Any, payload: WeightPayload) -> None:
+    _load_file(engine, payload.file(), payload.version)
+
+
+def _apply_direct(engine: Any, payload: WeightPayload) -> None:
+    if _is_vllm_engine(engine):
+        engine.load_state_dict(payload.bytes(), payload.version)  # vLLM's workers deserialize the bytes
+    else:
+        from safetensors.torch import load
+
+        engine.load_state_dict(load(payload.bytes()), payload.version)
+
+
+def _apply_checkpoint(engine: Any, payload: WeightPayload) -> None:
+    if hasattr(engine, "recreate"):
+        engine.recreate(payload.file(), payload.version)
+    else:  # the transformers engine: point it at the new folder and load model and tokenizer anew
+        engine.model_path = payload.file()
+        engine.load()
+        engine.policy_version = payload.version
+
+
+def _apply_lora(engine: Any, payload: WeightPayload) -> None:
+    if hasattr(engine, "load_lora_adapter"):
+        engine.load_lora_adapter(payload.file(), payload.version)
+        return
+    # The transformers engine: the first adapter wraps its base model in peft (the same forward
+    # as the actor's PeftModel); later ones only replace the adapter's tensors.
+    from peft import PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if is_peft_model(engine.model):
+        set_peft_model_state_dict(engine.model, load_file(str(Path(payload.file()) / LORA_ADAPTER_FILE)))
+    else:
+        engine.model = PeftModel.from_pretrained(engine.model, payload.file())
+    engine.model.eval()
+    engine.policy_version = payload.version
+
+
+_APPLIES: dict[str, Callable[[Any, WeightPayload], None]] = {
+    "reload": _apply_reload,
+    "volume": _apply_volume,
+    "direct": _apply_direct,
+    "checkpoint": _apply_checkpoint,
+    "lora": _apply_lora,
+}
+
+
+def apply_weights(engine: Any, payload: WeightPayload) -> dict[str, Any]:
+    """The engine's half: load what the actor exported; returns the engine's report."""
+    started = time.perf_counter()
+    _APPLIES[payload.method](engine, payload)
+    return {
+        "method": payload.method,
+        "version": payload.version,
+        "bytes": payload.nbytes,
+        "seconds": time.perf_counter() - started,
+        "worker_id": getattr(engine, "worker_id", None),
+    }
+
+
+# -- both halves in one process ------------------------------------------------------------------------
+def sync_weights(
+    method: WeightSyncMethod | str, actor: Any, engines: Sequence[Any], run_dir: str | os.PathLike
+) -> dict[str, Any]:
+    """Export once, apply to every engine. `bytes` counts what reached the engines in all."""
+    started = time.perf_counter()
+    payload = export_weights(method, actor, run_dir)
+    reports = [apply_weights(engine, payload) for engine in engines]
+    return {
+        "method": payload.method,
+        "version": payload.version,
+        "bytes": payload.nbytes * len(engines),
+        "seconds": time.perf_counter() - started,
+        "export_s": payload.export_s,
+        "apply_s": sum(r["seconds"] for r in reports),
+    }
+
+
+def sync_reload(actor: Any, engine: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
+    return sync_weights("reload", actor, [engine], run_dir)
+
+
+def sync_volume(actor: Any, engine: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
+    return sync_weights("volume", actor, [engine], run_dir)
+
+
+def sync_direct(actor: Any, engine: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
+    return sync_weights("direct", actor, [engine], run_dir)
+
+
+def sync_checkpoint(actor: Any, engine: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
+    return sync_weights("checkpoint", actor, [engine], run_dir)
+
+
+def sync_lora(actor: Any, engine: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
+    return sync_weights("lora", actor, [engine], run_dir)

@@ -1,0 +1,10 @@
+"""Rewards: how completions are scored.
+
+- `functions`: reward functions called as TRL calls them, the built-ins, and the scoring of a
+  rollout shard (weights, `None` = does not apply, errors naming the function and sample).
+- `environments`: reward environments (`score` / `score_batch`, sync or async) as TRL reward
+  functions: math answers, code tests, an LLM judge, format rewards.
+- `sandbox`: untrusted code in a separate process with limits (kernel namespaces where they work).
+
+Imports no model library; from grpo-flow, `schemas` and `workers.data` (answer parsing) only.
+"""

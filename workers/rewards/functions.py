@@ -1,0 +1,258 @@
+"""Reward functions with TRL's signature, and the scoring of a rollout shard.
+
+A reward function is called as TRL calls it: `func(prompts=..., completions=...,
+completion_ids=..., **dataset_columns)` and returns one float (or None: "does not apply")
+per completion. The total reward is the weighted sum of the functions that apply
+(TRL's nansum rule).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.records import RolloutBatch
+from workers.data.loaders import extract_final_number
+
+RewardFunc = Callable[..., Sequence[float | None]]
+
+
+def last_digit(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+    """1.0 when the completion is exactly the expected digit."""
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def gsm8k_accuracy(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
+    """1.0 when the completion's final number equals the reference answer."""
+    scores = []
+    for completion, expected in zip(completions, answer, strict=True):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        found = extract_final_number(text)
+        try:
+            scores.append(1.0 if found is not None and float(found) == float(expected) else 0.0)
+        except ValueError:
+            scores.append(0.0)
+    return scores
+
+
+def _environment_rewards() -> dict[str, RewardFunc]:
+    from workers.rewards.environments import (
+        CodeTestsEnvironment,
+        MathAnswerEnvironment,
+        answer_tag_format,
+        as_reward_function,
+        think_answer_format,
+    )
+
+    return {
+        "math_accuracy": as_reward_function(MathAnswerEnvironment(), "math_accuracy"),
+        "mbpp_tests": as_reward_function(CodeTestsEnvironment(), "mbpp_tests"),
+        "mbpp_tests_partial": as_reward_function(CodeTestsEnvironment(partial_credit=True), "mbpp_tests_partial"),
+        "think_answer_format": think_answer_format,
+        "answer_tag_format": answer_tag_format,
+    }
+
+
+BUILTIN_REWARDS: dict[str, RewardFunc] = {
+    "last_digit": last_digit,
+    "gsm8k_accuracy": gsm8k_accuracy,
+    **_environment_rewards(),
+}
+
+
+# Reward functions given as Python objects (the GRPOFlowTrainer API), by run: a config holds
+# only names (`registered:<name>`), so these live in the process that runs the flow.
+_REGISTERED: dict[str, dict[str, RewardFunc]] = {}
+REGISTERED_PREFIX = "registered:"
+
+
+def register_reward_funcs(run_id: str, funcs: dict[str, RewardFunc]) -> list[str]:
+    """Make callables available to a run in this process; returns the names its config should list."""
+    _REGISTERED[run_id] = dict(funcs)
+    return [REGISTERED_PREFIX + name for name in funcs]
+
+
+def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dict[str, RewardFunc]:
+    """Built-in names, `module:function` paths (a function or a reward environment object), or names
+    registered for the run; resolved before anything loads."""
+    from workers.rewards.environments import as_reward_function, is_reward_environment
+
+    funcs: dict[str, RewardFunc] = {}
+    for index, name in enumerate(names):
+        if name in BUILTIN_REWARDS:
+            funcs[name] = BUILTIN_REWARDS[name]
+            continue
+        if name.startswith(REGISTERED_PREFIX):
+            registered = _REGISTERED.get(run_id or "", {})
+            key = name.removeprefix(REGISTERED_PREFIX)
+            if key not in registered:
+                raise ValueError(
+                    f"reward_funcs[{index}]: {name!r} was registered by the Python API in another process; "
+                    "run it through GRPOFlowTrainer, or name the function as 'module:function'"
+                )
+            funcs[key] = registered[key]
+            continue
+        module_name, _, attr = name.partition(":")
+        if not attr:
+            raise ValueError(
+                f"reward_funcs[{index}]: {name!r} is neither a built-in reward "
+                f"({', '.join(sorted(BUILTIN_REWARDS))}) nor a 'module:function' path"
+            )
+        try:
+            func = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"reward_funcs[{index}]: cannot import {name!r}: {error}") from error
+        if is_reward_environment(func):
+            func = as_reward_function(func, attr)
+        if not callable(func):
+            raise ValueError(f"reward_funcs[{index}]: {name!r} is neither callable nor a reward environment")
+        funcs[attr] = func
+    return funcs
+
+
+def check_scores(name: str, scores: Any, expected: int) -> list[float]:
+    """Scores as floats (None becomes NaN); a wrong count, a non-number, NaN or infinity is an error.
+
+    Stricter than TRL, which takes NaN silently: here None is the only way to say "does not apply".
+    """
+    if not isinstance(scores, (list, tuple)) or len(scores) != expected:
+        count = len(scores) if hasattr(scores, "__len__") else type(scores).__name__
+        raise ValueError(f"reward function {name!r} returned {count} scores for {expected} completions")
+    checked = []
+    for index, score in enumerate(scores):
+        if score is None:
+            checked.append(math.nan)
+            continue
+        if hasattr(score, "item") and getattr(score, "ndim", 1) == 0:  # numpy / torch scalars
+            score = score.item()
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            raise ValueError(
+                f"reward function {name!r} returned {score!r} for sample {index}; expected a finite number"
+            )
+        checked.append(float(score))
+    return checked
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised: names the function, the sample and the step, with the traceback."""
+
+
+@dataclass(frozen=True)
+class RewardTrainerState:
+    """What reward functions get as `trainer_state` (TRL passes its TrainerState): the fields used for
+    reward shaping over training."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
+
+
+def _call(func: RewardFunc, **kwargs: Any) -> Any:
+    from workers.rewards.environments import run_coroutine
+
+    result = func(**kwargs)
+    return run_coroutine(result) if inspect.isawaitable(result) else result
+
+
+def _failing_sample(func: RewardFunc, kwargs: dict[str, Any], n: int) -> tuple[int, str] | None:
+    """Call the function one sample at a time to find the first sample it fails on."""
+    for i in range(n):
+        one = {k: [v[i]] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+        try:
+            _call(func, **one)
+        except Exception:
+            return i, traceback.format_exc()
+    return None
+
+
+def reward_inputs(batch: RolloutBatch) -> tuple[list[Any], list[Any]]:
+    """Prompts and completions as TRL passes them: strings, or lists of messages for conversational data."""
+    prompts = batch.raw_prompt or batch.prompt
+    if prompts and isinstance(prompts[0], list):
+        return prompts, [[{"role": "assistant", "content": text}] for text in batch.completion]
+    return prompts, batch.completion
+
+
+def check_logged_extra(func_name: str, logged: dict[str, list[Any]], rows: int, step: int) -> None:
+    """TRL's `log_extra(column, values)` takes one value per sample; anything else names the function."""
+    for column, values in logged.items():
+        if len(values) != rows:
+            raise RewardFunctionError(
+                f"reward function {func_name!r} logged {len(values)} values for log_extra column {column!r} "
+                f"in a batch of {rows} completions (step {step}); log_extra takes one value per completion"
+            )
+
+
+def logged_extra_rows(logged: dict[str, list[Any]], rows: int) -> list[str | None]:
+    """Each row's `log_extra` values as a JSON object (values JSON cannot hold as they are, as text)."""
+    if not logged:
+        return [None] * rows
+    return [json.dumps({column: values[i] for column, values in logged.items()}, default=str) for i in range(rows)]
+
+
+def score_batch(
+    batch: RolloutBatch,
+    funcs: dict[str, RewardFunc],
+    weights: Sequence[float] | None,
+    state: RewardTrainerState | None = None,
+) -> RolloutBatch:
+    """Each function's scores and the weighted total (TRL's nansum rule), as new columns of the batch.
+
+    Functions are called as TRL calls them: prompts, completions, completion_ids, every data
+    set column, trainer_state, log_extra and log_metric; plain or async.
+    """
+    started = time.perf_counter()
+    weights = list(weights) if weights is not None else [1.0] * len(funcs)
+    prompts, completions = reward_inputs(batch)
+    logged_metrics: dict[str, float] = {}
+    logged_extra: dict[str, list[Any]] = {}
+    kwargs: dict[str, Any] = {
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": batch.completion_token_ids,
+        **batch.extra_columns,
+        "trainer_state": state,
+        "log_extra": lambda column, values: logged_extra.setdefault(str(column), []).extend(values),
+        "log_metric": lambda name, value: logged_metrics.__setitem__(name, float(value)),
+    }
+    per_func: dict[str, list[float]] = {}
+    seconds: dict[str, float] = {}
+    for name, func in funcs.items():
+        func_started = time.perf_counter()
+        try:
+            raw = _call(func, **kwargs)
+        except Exception as error:
+            found = _failing_sample(func, kwargs, len(batch))
+            where = f"sample {found[0]} (prompt_id {batch.prompt_id[found[0]]!r})" if found else "the batch"
+            trace = found[1] if found else traceback.format_exc()
+            raise RewardFunctionError(
+                f"reward function {name!r} raised on {where} of step {batch.step}: {type(error).__name__}: {error}\n"
+                f"{trace}"
+            ) from error
+        seconds[name] = time.perf_counter() - func_started
+        per_func[name] = check_scores(name, raw, len(batch))
+        check_logged_extra(name, logged_extra, len(batch), batch.step)
+    totals = []
+    for i in range(len(batch)):
+        applied = [
+            w * per_func[name][i]
+            for name, w in zip(per_func, weights, strict=True)
+            if not math.isnan(per_func[name][i])
+        ]
+        totals.append(sum(applied) if applied else math.nan)
+    return batch.replace(
+        rewards={name: [None if math.isnan(s) else s for s in scores] for name, scores in per_func.items()},
+        reward=totals,
+        reward_error=[None] * len(batch),
+        logged_extra=logged_extra_rows(logged_extra, len(batch)),
+        score_s=time.perf_counter() - started,
+        reward_seconds=seconds,
+        logged_metrics=logged_metrics,
+    )

@@ -1,0 +1,58 @@
+"""What every rollout engine shares: sampling parameters, the result record, prompt encoding.
+
+No torch here: the Prefect side (tasks, flows) imports these records without loading a model
+library, and every engine (transformers, the out-of-process one, vLLM) returns the same
+`GenerationResult`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    seed: int = 0
+
+
+@dataclass
+class GenerationResult:
+    """Prompt-major: completions [i*n, (i+1)*n) belong to prompt i."""
+
+    prompt_token_ids: list[list[int]]
+    completion_token_ids: list[list[int]]
+    sampling_logprobs: list[list[float]]
+    finish_reasons: list[str]
+    texts: list[str]
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, max_prompt_length: int | None) -> list[int]:
+    """Token ids of a plain or conversational prompt (chat template), truncated from the left."""
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if max_prompt_length is not None and len(ids) > max_prompt_length:
+        ids = ids[-max_prompt_length:]
+    return list(ids)
+
+
+def load_generation_tokenizer(model_path: str | Path) -> Any:
+    """The model's tokenizer as generation needs it: prompts padded on the left, a pad token (EOS if none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -1,0 +1,115 @@
+"""A rollout engine in its own process, for one-step-off pipelining on the local backend.
+
+`ProcessRolloutEngine` has `TransformersRolloutEngine`'s surface (`load`, `generate`,
+`load_state_dict`, `policy_version`, `tokenizer`, `worker_id`, `model`) and forwards each call
+to a `TransformersRolloutEngine` in a child process started with `spawn`, limited to
+`threads` torch threads. Generating for step t+1 there overlaps the actor's step t in the
+parent on another core; threads in one process would contend for the GIL between torch ops.
+
+Weights travel through `torch.multiprocessing`, which moves CPU tensors through shared memory
+rather than pickling their bytes. The child exits when the parent's end of its pipe closes,
+so a killed parent leaves no engine behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed a call (the message carries its traceback) or died."""
+
+
+def _serve(conn: Any, model_path: str, worker_id: str, threads: int) -> None:
+    import torch
+
+    from workers.rollout.transformers_engine import TransformersRolloutEngine
+
+    torch.set_num_threads(threads)
+    engine = TransformersRolloutEngine(model_path, worker_id=worker_id)
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if method == "close":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(engine, method)(*args)))
+        except BaseException as error:  # the parent raises it, with this side's traceback
+            conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+
+
+class ProcessRolloutEngine:
+    def __init__(self, model_path: str | Path, worker_id: str = "rollout-0", threads: int = 1):
+        self.model_path = str(model_path)
+        self.worker_id = worker_id
+        self.threads = threads
+        self.policy_version = 0
+        self.tokenizer: Any = None
+        self._loaded = False
+        self._lock = threading.Lock()  # one call in flight per process
+        self._process: Any = None
+        self._conn: Any = None
+
+    @property
+    def model(self) -> Any:
+        """Truthy once loaded (callers check `engine.model is not None`, as for the in-process engine)."""
+        return True if self._loaded else None
+
+    def _start(self) -> None:
+        context = mp.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_serve,
+            args=(child, self.model_path, self.worker_id, self.threads),
+            daemon=True,
+            name=f"grpo-flow-{self.worker_id}",
+        )
+        self._process.start()
+        child.close()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            if self._process is None or not self._process.is_alive():
+                self._start()
+            try:
+                self._conn.send((method, args))
+                status, value = self._conn.recv()
+            except (EOFError, OSError, BrokenPipeError) as error:
+                self._process = None
+                raise EngineProcessError(f"rollout engine process {self.worker_id} died during {method}") from error
+        if status == "error":
+            raise EngineProcessError(f"rollout engine process {self.worker_id} failed in {method}: {value}")
+        return value
+
+    def load(self) -> None:
+        from workers.rollout.base import load_generation_tokenizer
+
+        self._call("load")
+        self.tokenizer = load_generation_tokenizer(self.model_path)
+        self.policy_version = 0
+        self._loaded = True
+
+    def load_state_dict(self, state_dict: dict[str, Any], version: int, adapter_config: Any = None) -> None:
+        self._call("load_state_dict", state_dict, version, adapter_config)
+        self.policy_version = version
+
+    def generate(self, prompts: list[Any], params: Any, max_prompt_length: int | None = None) -> Any:
+        return self._call("generate", prompts, params, max_prompt_length)
+
+    def close(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            try:
+                self._call("close")
+            except EngineProcessError:
+                pass
+            self._process.join(timeout=10)
+        self._process = None
+        self._loaded = False

@@ -1,0 +1,10 @@
+"""Run state: everything a run knows, on its storage root, and how a run resumes from it.
+
+- `storage`: the run folder's files, each written atomically (config, Parquet rollouts and
+  metrics, checkpoints with manifests, quarantine of damaged files).
+- `resume`: where a run stands on disk and what resuming it means (config changes, replay).
+- `faults`: fault injection (`stage@step[:kill]`) for testing recovery.
+- `tracking`: wandb, for runs that report to it.
+
+Imports pyarrow (and wandb lazily); from grpo-flow, `schemas` only. No torch, no Prefect.
+"""

@@ -1,0 +1,123 @@
+"""Where a run stands on disk, and what resuming it means. Plain code: no Prefect, no torch.
+
+The state of a run is its newest checkpoint whose files match their manifest, plus the
+rollouts logged after it. Resuming restores the checkpoint, replays the logged rollouts
+through the actor (no generation), and continues. Nothing logged is rewritten: a damaged
+file is moved to the run's quarantine folder and its step is generated again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic_core import to_jsonable_python
+
+from schemas.config import NON_TRAINING_FIELDS, GRPOFlowConfig
+from workers.state.storage import RunStorage
+
+
+class ResumeError(ValueError):
+    """A run cannot be resumed as asked (unknown run, refused config change)."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """What the flow does with an existing run."""
+
+    checkpoint_step: int | None  # restore this checkpoint; None: start from the initial model
+    replay_steps: tuple[int, ...]  # logged steps after it: the actor trains on them again, no generation
+    first_step: int  # the first step after the checkpoint
+    changed_fields: tuple[str, ...] = ()
+
+
+def changed_training_fields(stored: dict[str, Any], config: GRPOFlowConfig) -> dict[str, tuple[Any, Any]]:
+    """Fields that change what the run computes, with their stored and new values.
+
+    A field the stored config lacks (the run was started by an older grpo-flow) counts as its
+    default, which is what that version computed with, so an upgrade alone does not stop a resume.
+    """
+    new = config.model_dump(mode="json")
+    fields = GRPOFlowConfig.model_fields
+    stored = {
+        name: stored.get(name, to_jsonable_python(fields[name].get_default(call_default_factory=True))) for name in new
+    }
+    return {
+        name: (stored[name], value)
+        for name, value in new.items()
+        if name not in NON_TRAINING_FIELDS and stored[name] != value
+    }
+
+
+def check_config_change(
+    storage: RunStorage, config: GRPOFlowConfig, allow_config_change: bool
+) -> dict[str, tuple[Any, Any]]:
+    """Refuse a change to a training field of an existing run unless it is allowed; return the changes."""
+    stored = storage.effective_config()
+    changes = changed_training_fields(stored, config)
+    if changes and not allow_config_change:
+        listed = "; ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in sorted(changes.items()))
+        belongs = ""
+        if "model" in changes:
+            belongs = f"run {storage.run_id!r} belongs to model {stored.get('model')!r}, not {config.model!r}. "
+        raise ResumeError(
+            f"{belongs}Resuming run {storage.run_id!r} would change fields that alter training ({listed}). "
+            "Use another run id, or allow it with --allow-config-change (allow_config_change=True)."
+        )
+    return changes
+
+
+def config_for_resume(storage: RunStorage, overrides: dict[str, Any]) -> GRPOFlowConfig:
+    """The run's config in force, with the fields a user gave on the command line applied."""
+    return GRPOFlowConfig(**{**storage.effective_config(), **overrides})
+
+
+def find_resume_point(storage: RunStorage) -> ResumePoint:
+    """Newest valid checkpoint and the logged steps after it; tidies what a killed process left.
+
+    Staging folders (never logged) are removed. A damaged checkpoint newer than the one used
+    and a damaged step's rollouts are moved to quarantine, so that step is written again.
+    """
+    storage.discard_staging()
+    checkpoint = storage.latest_valid_checkpoint()
+    after = (checkpoint or 0) + 1
+    for step in storage.checkpoint_steps():
+        if step > (checkpoint or 0):
+            storage.quarantine(storage.checkpoint_dir(step), "checkpoint does not match its manifest")
+    replay = []
+    for step in storage.rollout_steps():
+        if step < after:
+            continue
+        try:
+            storage.check_rollouts(step)
+        except ValueError as error:
+            storage.quarantine(storage.rollout_dir(step), str(error))
+            continue
+        replay.append(step)
+    return ResumePoint(checkpoint_step=checkpoint, replay_steps=tuple(replay), first_step=after)
+
+
+def record_resume(storage: RunStorage, config: GRPOFlowConfig, point: ResumePoint, changes: dict) -> None:
+    storage.write_resume(
+        {
+            "time": datetime.now(timezone.utc).isoformat(),
+            "checkpoint_step": point.checkpoint_step,
+            "replay_steps": list(point.replay_steps),
+            "first_step": point.first_step,
+            "changed_fields": {name: list(values) for name, values in changes.items()},
+            "config": config.model_dump(mode="json"),
+        }
+    )
+
+
+def replay_actor_to(actor: Any, version: int, storage: RunStorage) -> None:
+    """Bring an actor (local or remote: `reset()`, `restore(folder)`, `step(expected, rollouts)`) to
+    policy `version`: the newest valid checkpoint at or before it, then the logged steps after it."""
+    checkpoint = storage.latest_valid_checkpoint(at_most=version)
+    if checkpoint is None:
+        actor.reset()
+    else:
+        actor.restore(storage.checkpoint_dir(checkpoint))
+    for step in range(actor.policy_version + 1, version + 1):
+        actor.step(step - 1, storage.read_rollouts(step))
