@@ -25,7 +25,7 @@ WeightSyncMethod = Literal["reload", "volume", "direct", "checkpoint", "lora"]
 MODAL_GPU_TYPES = ("T4", "L4", "A10G", "A10", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
 
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_publish")
-TASK_NAMES = ("last_digit", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
+TASK_NAMES = ("last_digit", "reverse_digits", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 # Fields that do not change what a run computes; everything else is part of the config hash.
@@ -85,11 +85,13 @@ class GRPOFlowConfig(BaseModel):
     model: str = Field(
         default="tiny",
         min_length=1,
-        description="Hugging Face model id or local path; `tiny` is the project's own offline model.",
+        description="Hugging Face model id or local path; `tiny` (`tiny-reverse` for reverse_digits) is the "
+        "project's own offline model.",
     )
     dataset: str = Field(
         default="last_digit",
-        description="Task: `last_digit` (synthetic, offline), or from the Hugging Face hub `gsm8k` (openai/gsm8k), "
+        description="Task: `last_digit` or `reverse_digits` (synthetic, offline), or from the Hugging Face hub "
+        "`gsm8k` (openai/gsm8k), "
         "`math` (MATH), `math500` (MATH train, MATH-500 held out), `mbpp` (MBPP, code with tests); or "
         "`hf:<hub id or local path>`, any data set with a `prompt` column. (The Python API registers its "
         "Dataset objects as `registered:<fingerprint>`.)",
