@@ -1,7 +1,8 @@
 """Learning, side by side with TRL: held-out accuracy against step and against seconds.
 
     python -m benchmarks.learning [--tasks last_digit reverse_digits] [--seeds 3] [--first-seed 0]
-        [--steps N] [--eval-every K] [--eval-prompts 200] [--json FILE] [--png FILE] [--storage-root DIR]
+        [--sides trl grpo_flow [trl_resampled]] [--steps N] [--eval-every K] [--eval-prompts 200]
+        [--json FILE] [--png FILE] [--storage-root DIR]
 
 For each task, TRL's GRPOTrainer and grpo-flow start from the same model (the project's tiny
 model after the task's format warm start, built once and loaded by both with
@@ -27,8 +28,14 @@ over seeds, and every seed's curve, go to the JSON. `--json` merges into an exis
 tasks are kept, and runs of the same task and set-up (steps, evaluation, start model) are pooled
 by seed, so a long benchmark can be split into invocations (one task, or a few seeds, each) and
 plotted together. The benchmark also checks, from TRL's reward calls and grpo-flow's rollout log,
-that both sides trained on the same prompts at every step, and lists GRPO options whose defaults
-differ between the two configs.
+that every side trained on the planned prompts at every step, and lists the GRPOConfig options
+(TRL's defaults included) that differ between TRL's side and the objective grpo-flow's actor builds.
+
+What is left to differ is the sampled completions: TRL draws them from torch's global generator,
+seeded once with the run's seed; grpo-flow seeds each generation call from (seed, step, shard).
+The `trl_resampled` side measures what that alone does: TRL again, with the same prompts at every
+step, but its sampling seeded with seed + 1000. Its distance from `trl` (same seed) is the yardstick
+for the distance between `trl` and `grpo_flow`.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ import flows  # noqa: E402,F401  Prefect's recorder batched before its server st
 # The task's preset, the steps and the evaluation interval each runs by default.
 TASKS: dict[str, dict[str, Any]] = {
     "last_digit": {"preset": "tiny", "steps": 60, "eval_every": 5},
-    "reverse_digits": {"preset": "reverse", "steps": 400, "eval_every": 25},
+    "reverse_digits": {"preset": "reverse", "steps": 600, "eval_every": 25},
 }
 # The GRPO fields both sides are given (grpo-flow's names; benchmarks/trl_side.py maps them to TRL's).
 SHARED_FIELDS = (
@@ -70,22 +77,36 @@ SHARED_FIELDS = (
     "loss_type",
     "beta",
 )
-SIDES = ("trl", "grpo_flow")
-LABELS = {"trl": "TRL GRPOTrainer", "grpo_flow": "grpo-flow"}
-COLORS = {"trl": "tab:orange", "grpo_flow": "tab:blue"}
+# trl_resampled is the control: TRL with the same prompts, step by step, as `trl` and `grpo_flow` at that
+# seed, but drawing its samples from another seed (seed + RESAMPLE_OFFSET). How far it lands from `trl`
+# is how much the sampled completions alone change what is learned.
+SIDES = ("trl", "grpo_flow", "trl_resampled")
+MAIN_SIDES = ("trl", "grpo_flow")
+RESAMPLE_OFFSET = 1000
+LABELS = {"trl": "TRL GRPOTrainer", "grpo_flow": "grpo-flow", "trl_resampled": "TRL, other sampling seed"}
+COLORS = {"trl": "tab:orange", "grpo_flow": "tab:blue", "trl_resampled": "tab:green"}
+STYLES = {"trl": "-", "grpo_flow": "-", "trl_resampled": "--"}
 
 
 def cpu_seconds() -> tuple[float, float] | None:
-    """(CPU seconds the whole machine has been busy, CPU seconds this process and its children used),
-    from /proc/stat and os.times; None where there is no /proc/stat."""
+    """(CPU seconds the whole machine has been busy, CPU seconds this process and its descendants used:
+    Prefect's ephemeral server, a subprocess, included), from /proc/stat and psutil; None where there is
+    no /proc/stat."""
+    import psutil
+
     try:
         fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except OSError:
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle and iowait
     busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already in user
-    own = os.times()
-    return busy, own.user + own.system + own.children_user + own.children_system
+    own = 0.0
+    me = psutil.Process()
+    for process in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            own += times.user + times.system + times.children_user + times.children_system
+    return busy, own
 
 
 @contextlib.contextmanager
@@ -142,14 +163,19 @@ def clone(weights: dict[str, Any]) -> dict[str, Any]:
     return {name: tensor.detach().clone() for name, tensor in weights.items()}
 
 
-def trl_prompt_order(task: Any, seed: int, steps: int, prompts_per_step: int) -> Any:
-    """The train split in the order a grpo-flow run with `seed` visits it, one step's prompts after another."""
+def planned_order(task: Any, seed: int, steps: int, prompts_per_step: int) -> list[int]:
+    """Train rows in the order a grpo-flow run with `seed` visits them, one step's prompts after another."""
     from tasks.rollout import step_prompt_indices
 
-    order = [
-        i for step in range(1, steps + 1) for i in step_prompt_indices(seed, step, prompts_per_step, len(task.train))
-    ]
-    return task.train.select(order)
+    size = len(task.train)
+    return [i for step in range(1, steps + 1) for i in step_prompt_indices(seed, step, prompts_per_step, size)]
+
+
+def planned_prompts(task: Any, seed: int, steps: int, prompts_per_step: int) -> list[list[str]]:
+    """Each step's distinct prompts, sorted: what a side's observed prompts are checked against."""
+    order = planned_order(task, seed, steps, prompts_per_step)
+    prompts = task.train.select(order)["prompt"]
+    return [sorted(set(prompts[i : i + prompts_per_step])) for i in range(0, len(order), prompts_per_step)]
 
 
 def reward_funcs(task: Any) -> dict[str, Any]:
@@ -159,8 +185,17 @@ def reward_funcs(task: Any) -> dict[str, Any]:
 
 
 def run_trl(
-    model_path: str, task: Any, work: dict[str, Any], steps: int, seed: int, at: list[int], workdir: Path
+    model_path: str,
+    task: Any,
+    work: dict[str, Any],
+    steps: int,
+    seed: int,
+    at: list[int],
+    workdir: Path,
+    sampling_seed: int | None = None,
 ) -> SideRun:
+    """TRL's GRPOTrainer on the prompts of grpo-flow's run with `seed`, in that order; its own seed (which
+    its sampling draws from) is `sampling_seed`, `seed` unless given."""
     from transformers import TrainerCallback
 
     from benchmarks.trl_side import grpo_config, grpo_trainer
@@ -194,11 +229,11 @@ def run_trl(
     args = grpo_config(
         workdir / f"trl-{task.name}-{seed}",
         steps=steps,
-        seed=seed,
-        shuffle_dataset=False,  # the prompts come in grpo-flow's order (trl_prompt_order)
+        seed=seed if sampling_seed is None else sampling_seed,
+        shuffle_dataset=False,  # the prompts come in grpo-flow's order (planned_order)
         **{k: v for k, v in work.items() if k in SHARED_FIELDS},
     )
-    dataset = trl_prompt_order(task, seed, steps, work["prompts_per_step"])
+    dataset = task.train.select(planned_order(task, seed, steps, work["prompts_per_step"]))
     recorded_funcs = [recorded(f, i == 0) for i, f in enumerate(funcs.values())]
     with other_cpu(run):
         trainer = grpo_trainer(model_path, recorded_funcs, args, dataset, callbacks=[CopyWeights()])
@@ -293,9 +328,16 @@ def config_differences(config: Any, trl_args: Any) -> dict[str, list[str]]:
 
 
 def benchmark_task(
-    name: str, steps: int, every: int, seeds: list[int], eval_prompts: int, storage_root: Path, workdir: Path
+    name: str,
+    steps: int,
+    every: int,
+    seeds: list[int],
+    sides: list[str],
+    eval_prompts: int,
+    storage_root: Path,
+    workdir: Path,
 ) -> dict[str, Any]:
-    """Both sides' runs of one task, each seed's curve scored; `summarize` adds the figures."""
+    """The sides' runs of one task, each seed's curve scored; `summarize` adds the figures."""
     from schemas.presets import PRESETS, preset_config
     from workers.data.loaders import load_task
     from workers.data.tiny_model import ensure_tiny_model
@@ -307,12 +349,15 @@ def benchmark_task(
     model_path = str(ensure_tiny_model(storage_root, PRESETS[preset]["model"]))
     task = load_task(name)
     at = eval_steps(steps, every)
-    runs: dict[str, list[SideRun]] = {side: [] for side in SIDES}
-    for seed in seeds:  # the sides alternate, so a slower minute of the machine hits both
-        print(f"[{name}] seed {seed}: TRL ...", flush=True)
-        runs["trl"].append(run_trl(model_path, task, work, steps, seed, at, workdir))
-        print(f"[{name}] seed {seed}: grpo-flow ...", flush=True)
-        runs["grpo_flow"].append(run_grpo_flow(model_path, preset, steps, seed, at, workdir))
+    runs: dict[str, list[SideRun]] = {side: [] for side in sides}
+    for seed in seeds:  # the sides alternate, so a slower minute of the machine hits each
+        for side in sides:
+            print(f"[{name}] seed {seed}: {LABELS[side]} ...", flush=True)
+            if side == "grpo_flow":
+                runs[side].append(run_grpo_flow(model_path, preset, steps, seed, at, workdir))
+            else:
+                resample = RESAMPLE_OFFSET if side == "trl_resampled" else 0
+                runs[side].append(run_trl(model_path, task, work, steps, seed, at, workdir, seed + resample))
 
     engine = TransformersRolloutEngine(model_path)
     engine.load()
@@ -332,25 +377,26 @@ def benchmark_task(
         "config_differences": config_differences(preset_config(preset), trl_args_for(work, steps)),
         "runs": {},
     }
-    for side in SIDES:
-        side_runs = []
-        for run, other in zip(runs[side], runs["grpo_flow" if side == "trl" else "trl"], strict=True):
+    for side, side_runs in runs.items():
+        result["runs"][side] = []
+        for run in side_runs:
             curve = [[0, 0.0, start]]
             for step in sorted(run.snapshots):
                 seconds, weights = run.snapshots[step]
                 engine.load_state_dict(weights, step)
                 curve.append([step, seconds, accuracy()])
-            side_runs.append(
+            planned = planned_prompts(task, run.seed, steps, work["prompts_per_step"])
+            result["runs"][side].append(
                 {
                     "seed": run.seed,
+                    "sampling_seed": run.seed + (RESAMPLE_OFFSET if side == "trl_resampled" else 0),
                     "wall_s": run.wall_s,
                     "curve": curve,
                     "train_reward": run.rewards,
-                    "same_prompts_as_other_side": run.prompts == other.prompts,
+                    "prompts_as_planned": run.prompts == planned,
                     "other_cpu_s": run.other_cpu_s,
                 }
             )
-        result["runs"][side] = side_runs
     return summarize(result)
 
 
@@ -359,23 +405,27 @@ SETUP_KEYS = ("preset", "steps", "eval_every", "eval_prompts", "start_model_sha2
 
 
 def merge(earlier: dict[str, Any] | None, result: dict[str, Any]) -> dict[str, Any]:
-    """An earlier invocation's runs of the same set-up join this one's (a seed run again replaces its
-    earlier run), so a long benchmark can be split into several; another set-up is replaced."""
+    """An earlier invocation's runs of the same set-up join this one's, side by side and seed by seed (a
+    seed run again replaces its earlier run), so a long benchmark can be split into several; another
+    set-up is replaced."""
     if earlier is None or any(earlier.get(k) != result[k] for k in SETUP_KEYS):
         return result
     merged = dict(result, runs={})
     for side in SIDES:
-        by_seed = {r["seed"]: r for r in earlier["runs"][side]} | {r["seed"]: r for r in result["runs"][side]}
-        merged["runs"][side] = [by_seed[seed] for seed in sorted(by_seed)]
+        by_seed = {r["seed"]: r for r in earlier.get("runs", {}).get(side, [])}
+        by_seed |= {r["seed"]: r for r in result["runs"].get(side, [])}
+        if by_seed:
+            merged["runs"][side] = [by_seed[seed] for seed in sorted(by_seed)]
     return summarize(merged)
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Per side, over seeds: final held-out accuracy, gain over the start model, wall time, gain per minute."""
+    """Per side, over seeds: final held-out accuracy, gain over the start model, wall time, gain per minute;
+    and per seed, how far apart the sides' final accuracies are."""
     start = result["start_accuracy"]
-    result["seeds"] = [r["seed"] for r in result["runs"]["trl"]]
-    for side in SIDES:
-        side_runs = result["runs"][side]
+    runs = result["runs"]
+    result["seeds"] = sorted({r["seed"] for side_runs in runs.values() for r in side_runs})
+    for side, side_runs in runs.items():
         finals = [r["curve"][-1][2] for r in side_runs]
         walls = [r["wall_s"] for r in side_runs]
         gains = [f - start for f in finals]
@@ -383,7 +433,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         for key, values in (("final", finals), ("gain", gains), ("wall_s", walls), ("gain_per_min", per_minute)):
             result[f"{side}_{key}"], result[f"{side}_{key}_sd"] = mean_sd(values)
         result[f"{side}_final_min"], result[f"{side}_final_max"] = min(finals), max(finals)
-    result["same_prompts_every_step"] = all(r["same_prompts_as_other_side"] for r in result["runs"]["trl"])
+    result["same_prompts_every_step"] = all(r["prompts_as_planned"] for side_runs in runs.values() for r in side_runs)
+    finals = {side: {r["seed"]: r["curve"][-1][2] for r in side_runs} for side, side_runs in runs.items()}
+    for other in ("grpo_flow", "trl_resampled"):
+        shared = sorted(set(finals.get("trl", {})) & set(finals.get(other, {})))
+        if shared:
+            # The mean over seeds of |final(trl) - final(other)|, same seed, same prompts.
+            gaps = [abs(finals["trl"][seed] - finals[other][seed]) for seed in shared]
+            result[f"trl_vs_{other}_final_gap"] = statistics.mean(gaps)
     return result
 
 
@@ -400,37 +457,49 @@ def training_reward(result: dict[str, Any], side: str, part: slice) -> float:
     return statistics.mean(statistics.mean(r["train_reward"][part]) for r in result["runs"][side])
 
 
+def side_name(side: str) -> str:
+    return {"trl": "TRL", "grpo_flow": "grpo-flow", "trl_resampled": "TRL resampled"}[side]
+
+
 def print_report(name: str, result: dict[str, Any]) -> None:
-    seeds = result["seeds"]
+    sides = [side for side in SIDES if side in result["runs"]]
     print(
-        f"\n{name}: preset {result['preset']}, {result['steps']} steps, seeds {seeds}; held-out accuracy "
-        f"(greedy, {result['eval_prompts']} prompts) of the start model {result['start_accuracy']:.3f}"
+        f"\n{name}: preset {result['preset']}, {result['steps']} steps, seeds {result['seeds']}; held-out "
+        f"accuracy (greedy, {result['eval_prompts']} prompts) of the start model {result['start_accuracy']:.3f}"
     )
-    print(f"{'side':<12}{'final':>16}{'gain':>16}{'wall s':>16}{'gain/min':>16}{'final min-max':>16}")
-    for side in SIDES:
+    print(f"{'side':<15}{'seeds':>6}{'final':>16}{'gain':>16}{'wall s':>16}{'gain/min':>10}{'final min-max':>15}")
+    for side in sides:
         cells = [f"{result[f'{side}_{k}']:.3f} ± {result[f'{side}_{k}_sd']:.3f}" for k in ("final", "gain")]
         cells.append(f"{result[f'{side}_wall_s']:.1f} ± {result[f'{side}_wall_s_sd']:.1f}")
-        cells.append(f"{result[f'{side}_gain_per_min']:.3f}")
         span = f"{result[f'{side}_final_min']:.3f}-{result[f'{side}_final_max']:.3f}"
-        print(f"{'TRL' if side == 'trl' else 'grpo-flow':<12}" + "".join(f"{c:>16}" for c in cells) + f"{span:>16}")
-    ratio = {
-        k: result[f"grpo_flow_{k}"] / result[f"trl_{k}"] if result[f"trl_{k}"] else float("nan")
-        for k in ("gain", "wall_s", "gain_per_min")
-    }
-    print(
-        f"grpo-flow / TRL: gain {ratio['gain']:.2f}, wall time {ratio['wall_s']:.2f}, "
-        f"gain per minute {ratio['gain_per_min']:.2f}"
-    )
+        print(
+            f"{side_name(side):<15}{len(result['runs'][side]):>6}"
+            + "".join(f"{c:>16}" for c in cells)
+            + f"{result[f'{side}_gain_per_min']:>10.3f}{span:>15}"
+        )
+    if all(side in sides for side in MAIN_SIDES):
+        ratio = {
+            k: result[f"grpo_flow_{k}"] / result[f"trl_{k}"] if result[f"trl_{k}"] else float("nan")
+            for k in ("gain", "wall_s", "gain_per_min")
+        }
+        print(
+            f"grpo-flow / TRL: gain {ratio['gain']:.2f}, wall time {ratio['wall_s']:.2f}, "
+            f"gain per minute {ratio['gain_per_min']:.2f}"
+        )
+    for other in ("grpo_flow", "trl_resampled"):
+        if f"trl_vs_{other}_final_gap" in result:
+            print(
+                f"mean |final accuracy of TRL - of {side_name(other)}|, same seed and prompts: "
+                f"{result[f'trl_vs_{other}_final_gap']:.3f}"
+            )
     tenth = max(1, result["steps"] // 10)
     for label, part in (("first", slice(0, tenth)), ("last", slice(-tenth, None))):
-        rewards = {side: training_reward(result, side, part) for side in SIDES}
-        print(
-            f"mean training reward, {label} {tenth} steps: TRL {rewards['trl']:.3f}, grpo-flow {rewards['grpo_flow']:.3f}"
-        )
-    others = [r["other_cpu_s"] for side in SIDES for r in result["runs"][side] if r.get("other_cpu_s") is not None]
+        rewards = ", ".join(f"{side_name(side)} {training_reward(result, side, part):.3f}" for side in sides)
+        print(f"mean training reward, {label} {tenth} steps: {rewards}")
+    others = [r["other_cpu_s"] for side in sides for r in result["runs"][side] if r.get("other_cpu_s") is not None]
     if others:
         print(f"CPU seconds other processes used during a run: at most {max(others):.1f}")
-    print(f"same prompts on both sides at every step: {'yes' if result['same_prompts_every_step'] else 'NO'}")
+    print(f"same prompts on every side at every step: {'yes' if result['same_prompts_every_step'] else 'NO'}")
     differences = result["config_differences"]
     print(f"GRPOConfig options that differ (grpo-flow's objective, TRL's side): {differences or 'none'}")
 
@@ -447,15 +516,17 @@ def plot(results: dict[str, Any], path: Path) -> None:
     figure, axes = plt.subplots(len(names), 2, figsize=(10, 3.4 * len(names)), squeeze=False)
     for row, name in enumerate(names):
         result = results[name]
-        for side in SIDES:
+        for side in [side for side in SIDES if side in result["runs"]]:
             curves = [run["curve"] for run in result["runs"][side]]
             for column, x in ((0, 0), (1, 1)):
                 axis = axes[row][column]
                 for curve in curves:
-                    axis.plot([p[x] for p in curve], [p[2] for p in curve], color=COLORS[side], alpha=0.3, lw=0.8)
+                    xs, ys = [p[x] for p in curve], [p[2] for p in curve]
+                    axis.plot(xs, ys, color=COLORS[side], ls=STYLES[side], alpha=0.3, lw=0.8)
                 mean_x = [statistics.mean(c[i][x] for c in curves) for i in range(len(curves[0]))]
                 mean_y = [statistics.mean(c[i][2] for c in curves) for i in range(len(curves[0]))]
-                axis.plot(mean_x, mean_y, color=COLORS[side], lw=2, label=f"{LABELS[side]} (mean of {len(curves)})")
+                label = f"{LABELS[side]} (mean of {len(curves)})"
+                axis.plot(mean_x, mean_y, color=COLORS[side], ls=STYLES[side], lw=2, label=label)
         for column, label in ((0, "step"), (1, "seconds (wall clock)")):
             axis = axes[row][column]
             axis.set_xlabel(label)
@@ -473,6 +544,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), help=f"any of: {', '.join(TASKS)}")
     parser.add_argument("--seeds", type=int, default=3, help="runs per side: seeds F .. F+N-1 (F: --first-seed)")
     parser.add_argument("--first-seed", type=int, default=0, help="first seed (to split the seeds over invocations)")
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        default=list(MAIN_SIDES),
+        help=f"any of: {', '.join(SIDES)} (trl_resampled: TRL with the same prompts, sampling from seed + "
+        f"{RESAMPLE_OFFSET}, the control for what sampling alone changes)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the task's, see TASKS)")
     parser.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
     parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts per evaluation")
@@ -490,6 +568,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
         parser.error(f"--tasks: unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")
+    unknown = [side for side in args.sides if side not in SIDES]
+    if unknown:
+        parser.error(f"--sides: unknown side {unknown[0]!r}; known: {', '.join(SIDES)}")
     if args.first_seed < 0:
         parser.error(f"--first-seed: must be 0 or more, got {args.first_seed}")
     for option in ("seeds", "steps", "eval_every", "eval_prompts"):
@@ -506,7 +587,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             steps = args.steps or TASKS[name]["steps"]
             every = min(args.eval_every or TASKS[name]["eval_every"], steps)
             seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-            results[name] = benchmark_task(name, steps, every, seeds, args.eval_prompts, storage_root, workdir)
+            sides = [side for side in SIDES if side in args.sides]
+            results[name] = benchmark_task(name, steps, every, seeds, sides, args.eval_prompts, storage_root, workdir)
     everything: dict[str, Any] = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
     for name, result in results.items():
         everything[name] = results[name] = merge(everything.get(name), result)

@@ -17,7 +17,8 @@ def test_learning_benchmark_writes_both_sides_figures_and_the_plot(prefect_serve
     common = ["--tasks", "last_digit", "--steps", "2", "--eval-every", "1", "--eval-prompts", "8"]
     common += ["--storage-root", str(storage_root), "--json", str(out), "--png", str(png)]
     main([*common, "--seeds", "1"])
-    main([*common, "--seeds", "1", "--first-seed", "1"])  # a second invocation: its seed joins the first's
+    # A second invocation: its seed joins the first's, with the sampling control beside it.
+    main([*common, "--seeds", "1", "--first-seed", "1", "--sides", "trl", "grpo_flow", "trl_resampled"])
 
     written = json.loads(out.read_text())
     assert written["another_task"] == {"kept": True}
@@ -26,7 +27,9 @@ def test_learning_benchmark_writes_both_sides_figures_and_the_plot(prefect_serve
     assert result["seeds"] == [0, 1] and result["trl_final_sd"] >= 0
     assert result["same_prompts_every_step"] is True
     assert result["config_differences"] == {}
-    for side in ("trl", "grpo_flow"):
+    assert [run["sampling_seed"] for run in result["runs"]["trl_resampled"]] == [1001]
+    assert {"trl_vs_grpo_flow_final_gap", "trl_vs_trl_resampled_final_gap"} <= set(result)
+    for side in ("trl", "grpo_flow", "trl_resampled"):
         for run in result["runs"][side]:
             assert [point[0] for point in run["curve"]] == [0, 1, 2]
             assert run["curve"][0][2] == result["start_accuracy"]  # one start model, scored once
@@ -43,6 +46,9 @@ def test_learning_benchmark_refuses_bad_options_before_loading_anything(capsys):
     with pytest.raises(SystemExit):
         main(["--seeds", "0"])
     assert "--seeds: must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--sides", "trl", "verl"])
+    assert "--sides: unknown side 'verl'" in capsys.readouterr().err
 
 
 def test_evaluation_steps_end_with_the_last_step():
