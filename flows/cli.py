@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import types
 import typing
 from typing import Any
 
@@ -37,15 +39,49 @@ def is_list_field(annotation: Any) -> bool:
     )
 
 
+def option_help(field: Any) -> tuple[str, str]:
+    """An option's metavar and help line: the field's description, its allowed values and its default."""
+    annotation = field.annotation
+    kinds = [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None
+        kinds = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    kinds = [typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind for kind in kinds]
+    choices = [str(c) for kind in kinds if typing.get_origin(kind) is typing.Literal for c in typing.get_args(kind)]
+    if choices:
+        metavar = "{" + ",".join(choices) + "}"
+    elif bool in kinds:
+        metavar = "{true,false}"
+    else:
+        metavar = "N" if int in kinds else "X" if float in kinds else "TEXT"
+    default = "[]" if field.default_factory is list else field.default
+    if default is None:
+        default = "none"
+    elif isinstance(default, bool):
+        default = str(default).lower()
+    symbols = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    bounds = [
+        f"{symbol} {getattr(rule, key)}"
+        for rule in field.metadata
+        for key, symbol in symbols.items()
+        if getattr(rule, key, None) is not None
+    ]
+    extra = f"default: {default}" + (f"; {', '.join(bounds)}" if bounds else "")
+    return metavar, f"{field.description or ''} ({extra})".replace("%", "%%")
+
+
 def add_config_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("config fields (override the preset)")
+    """Every config field as `--field-name`, grouped as schemas.config.CONFIG_GROUPS (and the README) group them."""
+    from schemas.config import CONFIG_GROUPS, field_group
+
+    groups = {name: parser.add_argument_group(f"{name} (config fields)") for name in [*CONFIG_GROUPS, "Other"]}
     for name, field in GRPOFlowConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_text = (field.description or "").replace("%", "%%")
+        metavar, help_text = option_help(field)
+        group = groups[field_group(name)]
         if is_list_field(field.annotation):
-            group.add_argument(flag, dest=name, nargs="+", metavar="VALUE", help=help_text)
+            group.add_argument(flag, dest=name, nargs="+", metavar=metavar, help=help_text)
         else:
-            group.add_argument(flag, dest=name, metavar="VALUE", help=help_text)
+            group.add_argument(flag, dest=name, metavar=metavar, help=help_text)
 
 
 def parse_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,37 +101,52 @@ def build_config(preset: str, overrides: dict[str, Any]) -> GRPOFlowConfig:
     try:
         return GRPOFlowConfig(**{**PRESETS[preset], **overrides})
     except ValidationError as error:
-        raise UsageError(
-            "invalid config:\n" + "\n".join(map(cli_spelling, describe_validation_error(error).splitlines()))
-        ) from None
+        raise UsageError(cli_problems(error)) from None
+
+
+def cli_problems(error: ValidationError) -> str:
+    """One line per problem, each naming the option as it was typed."""
+    return "\n".join(map(cli_spelling, describe_validation_error(error).splitlines()))
 
 
 def cli_spelling(line: str) -> str:
-    """`max_steps: msg` as `  --max-steps: msg`, the way the option was typed."""
+    """`max_steps: msg` as `--max-steps: msg`, the way the option was typed."""
     field, _, message = line.partition(": ")
     if field in GRPOFlowConfig.model_fields:
-        return f"  --{field.replace('_', '-')}: {message}"
-    return f"  {line}"
+        return f"--{field.replace('_', '-')}: {message}"
+    return line
 
 
 def command_train(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args)
     quiet_prefect(args.verbose)  # before Prefect is first imported: its settings are read then
+    from flows.checks import StartCheckError, check_before_start
     from workers.state.storage import RunStorage
 
-    check_storage_root(args.storage_root)
-    existing = overrides.get("run_id") and RunStorage(args.storage_root, overrides["run_id"]).exists()
-    if args.resume and not existing:
-        where = os.path.join(args.storage_root, "runs")
-        raise UsageError(
-            f"--resume: no run {overrides.get('run_id')!r} under {where}"
-            if overrides.get("run_id")
-            else "--resume needs --run-id"
-        )
-    if existing:
-        config = resume_config(RunStorage(args.storage_root, overrides["run_id"]), overrides, args)
-    else:
-        config = build_config(args.preset or "tiny", overrides)
+    try:  # everything up to check_before_start runs in about a second: no torch, Prefect or model yet
+        check_storage_root(args.storage_root)
+        existing = overrides.get("run_id") and RunStorage(args.storage_root, overrides["run_id"]).exists()
+        if args.resume and not existing:
+            where = os.path.join(args.storage_root, "runs")
+            raise UsageError(
+                f"--resume: no run {overrides.get('run_id')!r} under {where}"
+                if overrides.get("run_id")
+                else "--resume needs --run-id"
+            )
+        if existing:
+            config = resume_config(RunStorage(args.storage_root, overrides["run_id"]), overrides, args)
+        else:
+            config = build_config(args.preset or "tiny", overrides)
+        check_before_start(config)
+    except StartCheckError as error:
+        raise UsageError(f"--{error.field.replace('_', '-')}: {error.message}") from None
+    if args.fail_at:
+        from workers.state.faults import parse_fail_at
+
+        try:
+            parse_fail_at(args.fail_at)
+        except ValueError as error:
+            raise UsageError(f"--{error}") from error
     from flows.grpo import new_run_id
 
     if config.run_id is None:
@@ -106,40 +157,100 @@ def command_train(args: argparse.Namespace) -> int:
         check_backend_ready(config)
     except Exception as error:  # missing Modal credentials or secret: say which, start nothing
         raise UsageError(f"--backend modal: {error}") from error
-    if args.fail_at:
-        from workers.state.faults import parse_fail_at
-
-        try:
-            parse_fail_at(args.fail_at)
-        except ValueError as error:
-            raise UsageError(f"--{error}") from error
     if args.simple_mode:
         if existing:
             raise UsageError(f"--simple-mode: run {config.run_id!r} exists; simple mode does not resume")
         return run_simple_mode(config, args)
-    from flows.grpo import grpo
+    from flows.ephemeral_server import ServerStartError, start_ephemeral_server
+    from flows.quiet import log_path_for, quiet_prefect_run
 
+    log_path = log_path_for(config.storage_root)
+    try:  # Prefect's logs and its server's output to the log file; --verbose keeps Prefect's console
+        start_ephemeral_server(log_path) if args.verbose else quiet_prefect_run(config.storage_root)
+    except ServerStartError as error:
+        print(f"grpo train: {error}", file=sys.stderr)
+        return 1
+    return train_run(config, args, bool(existing), log_path)
+
+
+def train_run(config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, log_path: Any) -> int:
+    """The grpo flow on a thread, Ctrl-C and SIGTERM handled (flows/interrupt.py); the outcome in a few lines."""
+    from flows.grpo import grpo
+    from flows.interrupt import exit_status, resume_command, run_until_signalled, stop_signal_number
+    from workers.state.storage import RunStorage
+
+    storage = RunStorage(config.storage_root, config.run_id or "")
     what = "resuming run" if existing else "run"
     print(f"grpo-flow: {what} {config.run_id} ({config.model}, {config.dataset})", flush=True)
     try:
-        summary = grpo(
-            config,
-            show_progress=not args.no_progress,
-            allow_config_change=args.allow_config_change,
-            fail_at=args.fail_at,
-        )
+        try:
+            state = run_until_signalled(
+                lambda: grpo(
+                    config,
+                    show_progress=not args.no_progress,
+                    allow_config_change=args.allow_config_change,
+                    fail_at=args.fail_at,
+                    return_state=True,
+                ),
+                lambda signum: stop_at_once(config, signum),
+            )
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C while Prefect shuts down: leave at once
+                signal.signal(signum, lambda number, frame: os._exit(exit_status(number)))
+        if state.is_cancelled():
+            summary = storage.read_summary() or {}
+            print(
+                f"grpo train: run {config.run_id} interrupted ({summary.get('interrupted_by')}) after step "
+                f"{summary.get('last_step')} of {summary.get('total_steps')}; resume with: "
+                f"{resume_command(config.run_id or '', config.storage_root)}",
+                file=sys.stderr,
+            )
+            return exit_status(stop_signal_number() or 2)
+        summary = state.result()
     except Exception as error:  # the flow already recorded it; say it in one line unless asked for more
         if args.verbose:
             raise
         print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {error}", file=sys.stderr)
-        print(
-            f"(resume it with: grpo train --run-id {config.run_id} --storage-root {config.storage_root}; "
-            "add --verbose for the traceback)",
-            file=sys.stderr,
-        )
+        hint = f"add --verbose for the traceback; Prefect's log: {log_path}"
+        if storage.exists():  # a run that never started has nothing to resume
+            hint = f"resume it with: {resume_command(config.run_id or '', config.storage_root)}; {hint}"
+        print(f"({hint})", file=sys.stderr)
         return 1
     print_summary(summary)
     return 0
+
+
+def stop_at_once(config: GRPOFlowConfig, signum: int) -> None:
+    """A second Ctrl-C, or a step that did not end in time after the first: record the run as
+    interrupted from what is on disk, end the engine processes and the server, exit now. Safe: the run
+    survives being killed anywhere (flows/interrupt.py)."""
+    from flows.ephemeral_server import stop_ephemeral_server_now
+    from flows.interrupt import exit_status, interrupted_summary, resume_command
+    from workers.backends import local
+    from workers.state.storage import RunStorage
+
+    storage = RunStorage(config.storage_root, config.run_id or "")
+    try:
+        if storage.exists():
+            previous = storage.read_summary()
+            steps = storage.logged_steps()
+            total = config.max_steps if config.max_steps > 0 else (previous or {}).get("total_steps")
+            summary = interrupted_summary(previous, storage.run_id, steps[-1] if steps else 0, total)
+            storage.write_summary({**summary, "stopped_at_once": True})
+        local.kill(storage.run_id)
+        stop_ephemeral_server_now()
+        print(
+            f"grpo train: run {config.run_id} stopped at once ({signal_name(signum)}); resume with: "
+            f"{resume_command(config.run_id or '', config.storage_root)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    finally:
+        os._exit(exit_status(signum))
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
 
 
 def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
@@ -174,21 +285,19 @@ def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namesp
         config = config_for_resume(storage, overrides)
         check_config_change(storage, config, args.allow_config_change)
     except ValidationError as error:
-        raise UsageError(
-            "invalid config:\n" + "\n".join(map(cli_spelling, describe_validation_error(error).splitlines()))
-        ) from None
+        raise UsageError(cli_problems(error)) from None
     except ResumeError as error:
         raise UsageError(str(error)) from error
     return config
 
 
 def check_storage_root(root: str) -> None:
-    """The nearest existing folder of the storage root must be writable (nothing is created here)."""
-    path = os.path.abspath(root)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.path.isdir(path) or not os.access(path, os.W_OK):
-        raise UsageError(f"--storage-root: {root!r} is not a writable folder")
+    from flows.checks import StartCheckError, check_storage_root as check
+
+    try:
+        check(root)
+    except StartCheckError as error:
+        raise UsageError(f"--storage-root: {error.message}") from None
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -357,8 +466,16 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO as a Prefect workflow around GPU workers.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="start a run from a preset plus overrides")
-    train.add_argument("--preset", default=None, help=f"one of: {', '.join(sorted(PRESETS))} (default: tiny)")
+    train = commands.add_parser(
+        "train",
+        help="start a run from a preset plus overrides",
+        usage="grpo train [--preset NAME] [--run-id ID [--resume]] [options] [--FIELD-NAME VALUE ...]",
+        description="Start a run from a preset plus config fields given as options, or resume a run. "
+        "Each field's allowed values and default are shown with it; `none` sets an optional field to None.",
+    )
+    train.add_argument(
+        "--preset", default=None, metavar="{" + ",".join(sorted(PRESETS)) + "}", help="a preset config (default: tiny)"
+    )
     train.add_argument("--resume", action="store_true", help="require --run-id to name an existing run, and resume it")
     train.add_argument(
         "--allow-config-change", action="store_true", help="resume even if a field that alters training changed"
@@ -446,8 +563,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except UsageError as error:
-        print(f"grpo {args.command}: {error}", file=sys.stderr)
+        for line in str(error).splitlines():
+            print(f"grpo {args.command}: {line}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a run started (a run handles its own: flows/interrupt.py)
+        print(f"grpo {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

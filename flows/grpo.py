@@ -11,7 +11,8 @@
 
 Resuming is the same flow on an existing run id: `prepare_run` finds the newest valid
 checkpoint and the logged steps after it (workers/state/resume.py). Retrying a failed flow run in
-Prefect does the same.
+Prefect does the same. A Ctrl-C or SIGTERM in `grpo train` (flows/interrupt.py) stops the loop
+between steps: summary.json says `interrupted`, and the flow run ends Cancelled.
 
 Runs on Prefect's ephemeral server when PREFECT_API_URL is unset, on a real server otherwise.
 Where it departs from the GRPO paper: the loss is TRL's `loss_type` (dapo by default), not the
@@ -31,10 +32,12 @@ from typing import Any
 
 from prefect import flow, unmapped
 from prefect.runtime import flow_run
+from prefect.states import Cancelled
 from prefect.utilities.annotations import quote
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from tqdm.auto import tqdm
 
+from flows.interrupt import interrupted_summary, resume_command, stop_requested, stop_signal_name
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
 from tasks.observability import (
@@ -47,6 +50,7 @@ from tasks.observability import (
     update_run_progress,
 )
 from tasks.rollout import (
+    check_rewards_given,
     commit_rollouts,
     compute_advantages,
     generate,
@@ -130,6 +134,7 @@ def produce_rollouts(
     if config.dynamic_sampling:
         scored, sampling_stats = refill_with_informative_groups(config, plan, step, rollout_version, scored, fail_at)
     batches, reward_stats = compute_advantages(config, quoted(scored))
+    check_rewards_given(config, plan, step, reward_stats)  # before the step is logged: a fixed function re-scores it
     if config.dynamic_sampling:
         reward_stats = {**reward_stats, **sampling_stats}
     write_rollouts.map(unmapped(config), unmapped(plan), quoted(batches), range(len(batches))).result()
@@ -266,6 +271,9 @@ def grpo(
                 total=plan.total_steps,
             )
             for step in progress:
+                if stop_requested():  # Ctrl-C or SIGTERM in `grpo train` (flows/interrupt.py): stop between steps
+                    progress.close()
+                    break
                 step_started = time.perf_counter()
                 # Looked up here at each step (benchmarks/steps.py times them by replacing it).
                 step_runner = grpo_step if config.step_subflows else run_step
@@ -285,9 +293,21 @@ def grpo(
             steps_completed=failed_step - 1,
             initial_eval_accuracy=initial_accuracy,
         )
+        if isinstance(error, KeyboardInterrupt):  # Ctrl-C in a Python session (the API)
+            summary = interrupted_summary(summary, plan.run_id, failed_step - 1, plan.total_steps)
         flush_artifacts()
         finish_run(config, plan, summary)
         raise
+    if plan.first_step + len(rows) <= plan.total_steps:  # stopped by a signal before the last step
+        last_step = plan.first_step + len(rows) - 1
+        summary = interrupted_summary(summary, plan.run_id, last_step, plan.total_steps)
+        summary.update(initial_eval_accuracy=initial_accuracy, storage=str(plan.storage_root))
+        flush_artifacts()
+        finish_run(config, plan, summary)
+        return Cancelled(  # type: ignore[return-value]
+            message=f"interrupted by {stop_signal_name()} after step {last_step} of {plan.total_steps}; "
+            f"resume with: {resume_command(plan.run_id, plan.storage_root)}"
+        )
     flush_artifacts()  # every step's artifacts written before the run reports its outcome
     final_accuracy = evaluate_heldout(config, plan)
     storage = RunStorage(plan.storage_root, plan.run_id)

@@ -57,6 +57,8 @@ NON_TRAINING_FIELDS = frozenset(
         "gradient_checkpointing",
         "max_tokens_per_microbatch",
         "step_subflows",
+        "reward_timeout_s",
+        "max_no_reward_steps",
     }
 )
 
@@ -291,6 +293,21 @@ class GRPOFlowConfig(BaseModel):
         default=1, ge=0, description="Retries of the actor step (safe: the actor checks the policy version it holds)."
     )
     retry_delay_seconds: float = Field(default=1.0, ge=0, description="Delay between retries.")
+    reward_timeout_s: float | None = Field(
+        default=600.0,
+        gt=0,
+        description="Longest one call of a reward function may take (one call scores a rollout shard); past it "
+        "the step fails naming the function and is not retried. An async function is cancelled; a sync one runs "
+        "on its own thread, which is stopped at its next Python instruction, or, if it is blocked inside a C call "
+        "(a socket read, a sleep), left behind as a daemon thread that cannot keep the process alive. Code that "
+        "must be killable belongs in the sandbox (execute_in_sandbox). None: no limit.",
+    )
+    max_no_reward_steps: int = Field(
+        default=3,
+        ge=1,
+        description="Steps in a row in which every completion got no reward (every function returned None for "
+        "every sample) before the run fails; the first such step prints a warning naming the functions.",
+    )
 
     # Modal backend (the seeds' option names); ignored by the local backend
     actor_gpu: str = Field(
@@ -379,6 +396,93 @@ class GRPOFlowConfig(BaseModel):
         """Hash of the fields that change what a run computes (cache keys, resume checks)."""
         fields = self.model_dump(exclude=set(NON_TRAINING_FIELDS))
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# The fields by topic, in the order `grpo train --help` and the README's config table show them
+# (tests/schemas/test_config_groups.py checks that every field is in exactly one group and the README agrees).
+CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
+    "Run": ("run_id", "storage_root", "backend"),
+    "Model and data": ("model", "dataset", "reward_funcs", "reward_weights"),
+    "Optimisation": (
+        "learning_rate",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "weight_decay",
+        "max_grad_norm",
+        "gradient_checkpointing",
+        "max_tokens_per_microbatch",
+        "bf16",
+        "max_steps",
+        "num_train_epochs",
+        "seed",
+    ),
+    "LoRA": ("use_lora", *LORA_OPTIONS),
+    "GRPO objective": (
+        "num_generations",
+        "prompts_per_step",
+        "loss_type",
+        "beta",
+        "epsilon",
+        "epsilon_high",
+        "scale_rewards",
+        "multi_objective_aggregation",
+        "delta",
+        "sapo_temperature_neg",
+        "sapo_temperature_pos",
+        "vespo_k_pos",
+        "vespo_lambda_pos",
+        "vespo_k_neg",
+        "vespo_lambda_neg",
+        "off_policy_mask_threshold",
+        "use_bias_correction_kl",
+        "importance_sampling_level",
+        "num_iterations",
+        "mask_truncated_completions",
+        "top_entropy_quantile",
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max",
+    ),
+    "Generation": ("max_prompt_length", "max_completion_length", "temperature", "top_p"),
+    "Workers and schedule": (
+        "num_rollout_workers",
+        "step_subflows",
+        "dynamic_sampling",
+        "dynamic_sampling_max_rounds",
+        "reward_concurrency",
+        "max_staleness",
+        "sync_weights_every",
+        "save_steps",
+        "save_total_limit",
+        "keep_checkpoint_every",
+    ),
+    "Retries, timeouts and checks": (
+        "generate_retries",
+        "score_retries",
+        "actor_retries",
+        "retry_delay_seconds",
+        "reward_timeout_s",
+        "max_no_reward_steps",
+    ),
+    "Modal backend": (
+        "actor_gpu",
+        "actor_gpu_count",
+        "rollout_gpu",
+        "weight_sync_method",
+        "max_model_len",
+        "gpu_memory_utilization",
+        "modal_volume",
+        "modal_secrets",
+        "detach",
+    ),
+    "Evaluation and logging": ("eval_prompts", "report_to", "wandb_project"),
+}
+
+
+def field_group(name: str) -> str:
+    """The group a field is listed under; a field no group names yet is listed under "Other"."""
+    return next((group for group, names in CONFIG_GROUPS.items() if name in names), "Other")
 
 
 def describe_validation_error(error: ValidationError) -> str:

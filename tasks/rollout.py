@@ -12,17 +12,18 @@ import threading
 
 import numpy as np
 import torch
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from schemas.config import GRPOFlowConfig
 from schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
 from tasks.caching import STEP_STAGE
+from tasks.observability import USER_FACING
 from workers import backends
 from workers.actor.advantages import multi_objective_advantages
 from workers.state.faults import maybe_fail
 from workers.data.loaders import load_task
-from workers.rewards.functions import RewardTrainerState, resolve_reward_funcs, score_batch
+from workers.rewards.functions import RewardTimeoutError, RewardTrainerState, resolve_reward_funcs, score_batch
 from workers.rollout.base import SamplingParams
 from workers.state.storage import RunStorage
 
@@ -108,7 +109,14 @@ def generate(
     )
 
 
-@task(name="score", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def not_a_timeout(task: object, task_run: object, state: object) -> bool:
+    """Retry condition of `score`: a reward call past reward_timeout_s is not retried (each attempt
+    would wait as long again, and could leave another thread behind)."""
+    error = getattr(state, "data", None)
+    return not isinstance(error, RewardTimeoutError)
+
+
+@task(name="score", retries=2, retry_delay_seconds=1, retry_condition_fn=not_a_timeout, cache_policy=NO_CACHE)
 def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, fail_at: str | None = None) -> RolloutBatch:
     """Every reward function on every completion of the shard, and the weighted total."""
     maybe_fail("score", batch.step, fail_at)
@@ -119,7 +127,7 @@ def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, fail_at: s
         epoch=(batch.step - 1) * config.prompts_per_step / plan.num_train_prompts,
     )
     with reward_slots(plan.run_id, config.reward_concurrency):
-        return score_batch(batch, funcs, config.reward_weights, state)
+        return score_batch(batch, funcs, config.reward_weights, state, config.reward_timeout_s)
 
 
 _REWARD_SLOTS: dict[str, threading.BoundedSemaphore] = {}
@@ -131,6 +139,39 @@ def reward_slots(run_id: str, limit: int) -> threading.BoundedSemaphore:
     reward code (sandboxes, judges) is often the scarce resource."""
     with _REWARD_SLOTS_LOCK:
         return _REWARD_SLOTS.setdefault(f"{run_id}/{limit}", threading.BoundedSemaphore(limit))
+
+
+class NoRewardError(RuntimeError):
+    """Steps in a row in which no completion got a reward: the reward functions do not fit the data."""
+
+
+def check_rewards_given(config: GRPOFlowConfig, plan: RunPlan, step: int, stats: dict[str, float]) -> None:
+    """A step whose every completion got no reward (every function returned None for every sample)
+    trains on nothing: warn at the first such step, naming the functions; fail at the
+    `max_no_reward_steps`-th in a row (the earlier ones are counted from their logged metrics)."""
+    if not math.isnan(stats["reward"]):
+        return
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    streak = 1
+    while (
+        streak < config.max_no_reward_steps
+        and storage.metrics_path(step - streak).exists()
+        and math.isnan(storage.read_step_metrics(step - streak)["reward"])
+    ):
+        streak += 1
+    names = ", ".join(plan.reward_names)
+    if streak >= config.max_no_reward_steps:
+        first = f"steps {step - streak + 1}-{step}" if streak > 1 else f"step {step}"
+        raise NoRewardError(
+            f"{first}: no completion got a reward: every reward function ({names}) returned None for every "
+            f"sample (max_no_reward_steps={config.max_no_reward_steps}); check that they fit the data set's columns"
+        )
+    if streak == 1:
+        get_run_logger().warning(
+            f"step {step}: no completion got a reward: every reward function ({names}) returned None for every "
+            f"sample; the run fails after {config.max_no_reward_steps} such steps in a row",
+            extra={USER_FACING: True},
+        )
 
 
 def informative_groups(batch: RolloutBatch, group_size: int) -> list[list[int]]:
@@ -209,9 +250,10 @@ def reward_stats(
     finish_reasons: list[str],
 ) -> dict[str, float]:
     """A step's reward and completion statistics, under TRL's metric names."""
+    rewarded = rewards[~rewards.isnan()]  # a step where no completion got a reward has none
     stats = {
         "reward": float(torch.nanmean(rewards)),
-        "reward_std": float(rewards[~rewards.isnan()].std()) if rewards.numel() > 1 else 0.0,
+        "reward_std": float(rewarded.std()) if rewarded.numel() > 1 else 0.0,
         "frac_reward_zero_std": float(std_is_zero.float().mean()),
         "completions/mean_length": float(np.mean(lengths)),
         "completions/max_length": float(np.max(lengths)),

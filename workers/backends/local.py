@@ -149,6 +149,14 @@ def local_workers(config: GRPOFlowConfig, model_path: str | Path) -> LocalWorker
         return _WORKERS[config.run_id]
 
 
+def kill(run_id: str) -> None:
+    """End the run's engine processes now, without waiting for a call under way (the process is about
+    to exit at once: a second Ctrl-C). In-process workers go with the process."""
+    for engine in _WORKERS[run_id].rollout if run_id in _WORKERS else []:
+        if isinstance(engine, ProcessRolloutEngine):
+            engine.kill()
+
+
 def release(run_id: str) -> None:
     with _LOCK:
         workers = _WORKERS.pop(run_id, None)
