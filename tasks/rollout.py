@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import torch
@@ -114,6 +115,11 @@ def not_a_timeout(task: object, task_run: object, state: object) -> bool:
     would wait as long again, and could leave another thread behind)."""
     error = getattr(state, "data", None)
     return not isinstance(error, RewardTimeoutError)
+
+
+def not_a_missing_reward(task: object, task_run: object, state: object) -> bool:
+    """Retry condition of `log_rollouts`: steps without any reward fail the same way on every attempt."""
+    return not isinstance(getattr(state, "data", None), NoRewardError)
 
 
 @task(name="score", retries=2, retry_delay_seconds=1, retry_condition_fn=not_a_timeout, cache_policy=NO_CACHE)
@@ -295,3 +301,47 @@ def commit_rollouts(config: GRPOFlowConfig, plan: RunPlan, step: int) -> str:
     """Publish the step's staged shards as one logged step. Cached per (run, step, stage, config hash):
     a retried flow run that reaches a committed step gets its path back without touching the files."""
     return str(RunStorage(plan.storage_root, plan.run_id).commit_rollouts(step, config.num_rollout_workers))
+
+
+# One task run for three stages of the design (each its own task run before): none of them has a
+# reason to be retried or shown apart, and each task run costs Prefect ~6 ms and three events per
+# step. The stages are in the task run's name and in its log line, with their times.
+@task(
+    name="log-rollouts",
+    task_run_name="log-rollouts-step-{step}: compute-advantages, write-rollouts, commit-rollouts",
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=not_a_missing_reward,
+    cache_policy=NO_CACHE,
+)
+def log_rollouts(
+    config: GRPOFlowConfig, plan: RunPlan, step: int, batches: list[RolloutBatch]
+) -> tuple[dict[str, float], list[dict]]:
+    """compute-advantages over the whole step, then write-rollouts (one Parquet file per shard,
+    staged) and commit-rollouts (the step's shards renamed into place together). Returns the
+    step's reward statistics and the three completions its artifact shows (best, middle, worst).
+
+    A retry after the commit finds the step logged and leaves it as it is (nothing logged is
+    ever rewritten); the statistics are computed again from the same batches."""
+    from tasks.observability import pick_samples, rollout_rows
+
+    started = time.perf_counter()
+    scored, stats = compute_advantages.fn(config, batches)
+    check_rewards_given(config, plan, step, stats)  # before the step is logged: a fixed function re-scores it
+    advantages_done = time.perf_counter()
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    if not storage.rollout_dir(step).exists():
+        for shard, batch in enumerate(scored):
+            write_rollouts.fn(config, plan, batch, shard)
+        written = time.perf_counter()
+        commit_rollouts.fn(config, plan, step)
+        note = ""
+    else:
+        written, note = advantages_done, " (already committed: left as logged)"
+    done = time.perf_counter()
+    get_run_logger().info(
+        "step %d: compute-advantages %.1f ms, write-rollouts x%d %.1f ms, commit-rollouts %.1f ms%s",
+        step, 1000 * (advantages_done - started), len(scored), 1000 * (written - advantages_done),
+        1000 * (done - written), note,
+    )  # fmt: skip
+    return stats, [dict(row) for row in pick_samples(rollout_rows(plan, step, scored))]
