@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,12 @@ class LocalWorkers:
         self._heal_lock = threading.Lock()  # shards heal on worker threads; one at a time
         self.actor.load()
         try:
-            for engine in self.rollout:
-                engine.load()
+            if self.uses_vllm:  # separate processes: their starts (imports, engine build) overlap
+                with ThreadPoolExecutor(max_workers=len(self.rollout)) as pool:
+                    list(pool.map(lambda engine: engine.load(), self.rollout))
+            else:
+                for engine in self.rollout:
+                    engine.load()
         except BaseException:
             self.close()  # no engine process outlives a failed start
             raise
