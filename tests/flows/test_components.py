@@ -47,7 +47,7 @@ def test_test_rollout_through_the_modal_rollout_worker(storage_root, capsys, mon
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "Modal RolloutWorker (.local(), CPU)" in out and len(json_lines(out)) == 2
+    assert "Modal RolloutWorker (.local(), CPU, transformers)" in out and len(json_lines(out)) == 2
 
 
 def test_test_rollout_names_a_bad_option(storage_root, capsys):
