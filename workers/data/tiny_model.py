@@ -56,8 +56,11 @@ def build_model(tokenizer: Any, hidden_size: int = 64, layers: int = 2, seed: in
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head_dim = hidden_size / heads = 32: vLLM's CPU attention serves head dims of 32 and up (16 kills its
+        # engine at the first generate), so both rollout engines can serve this model. One KV head keeps
+        # k_proj/v_proj at 64x32, the same parameter count as the earlier 4-head shape.
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=64,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
