@@ -282,36 +282,14 @@ def command_rollouts(args: argparse.Namespace) -> int:
 
 def command_verify(args: argparse.Namespace) -> int:
     """Every step and checkpoint checked byte for byte; damaged ones named and moved aside (exit 1)."""
-    from workers.state.lock import describe_holder
     from workers.state.storage import RunStorage
-    from workers.state.verify import consequence, verify_run
+    from workers.state.verify import report_lines, verify_run
 
     storage = RunStorage(args.storage_root, args.run_id)
     if not storage.exists():
         raise UsageError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
     check = verify_run(storage, quarantine=not args.check_only)
-    for damage in check.damage:
-        for problem in damage.problems:
-            print(f"damaged: {problem}")
-    for damage in check.damage:
-        name = f"step {damage.step}'s {damage.kind}" if damage.kind != "checkpoint" else f"checkpoint {damage.step}"
-        where = f"moved to {storage.relative(damage.moved_to)}" if damage.moved_to else "left in place"
-        print(f"{name}: {where}; {consequence(damage, check.newest_checkpoint)}")
-    if check.writer is not None:
-        print(f"nothing was moved: the run is being written by {describe_holder(check.writer)}")
-    size = f"{check.shard_bytes / 2**20:.1f} MB"
-    print(
-        f"run {args.run_id}: {check.steps} step(s) of rollouts ({check.shards} shards, {size}), "
-        f"{len(check.checkpoints)} checkpoint(s) and {check.metrics} metrics file(s) intact"
-        + (f"; {len(check.damage)} damaged" if check.damage else "")
-    )
-    if check.unmanifested_steps:
-        steps = check.unmanifested_steps
-        print(f"steps {steps[0]}..{steps[-1]}: {len(steps)} logged before steps had manifests, read in full instead")
-    if check.quarantined:
-        print(f"already in quarantine/: {', '.join(check.quarantined)}")
-    if check.leftovers:
-        print(f"left by a killed writer (removed at the run's next start): {', '.join(check.leftovers)}")
+    print("\n".join(report_lines(storage, check)))
     return 0 if check.clean else 1
 
 
@@ -367,7 +345,7 @@ def command_eval(args: argparse.Namespace) -> int:
     storage = RunStorage(args.storage_root, args.run_id)
     if not storage.exists():
         raise UsageError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
-    stored = None if args.force else stored_evaluation(storage, args.checkpoint)
+    stored = None if args.force else storage.stored_evaluation(args.checkpoint)
     if stored is not None:
         print_eval_summary({**stored, "already_evaluated": True})
         for note in settings_differences(stored, args):
@@ -401,27 +379,6 @@ def command_eval(args: argparse.Namespace) -> int:
         return 1
     print_eval_summary(summary)
     return 0
-
-
-def stored_evaluation(storage: Any, checkpoint: int | None) -> dict[str, Any] | None:
-    """The stored evaluation of the named checkpoint, or of the newest one whose files have their
-    manifest's sizes (no checksums: hashing a large model's optimizer state takes long); None if none."""
-    from workers.state.storage import DamagedCheckpointError, read_eval_summary
-
-    if checkpoint is None:
-        for step in reversed(storage.checkpoint_steps()):
-            try:
-                storage.verify_checkpoint(step, checksums=False)
-            except DamagedCheckpointError:
-                continue
-            checkpoint = step
-            break
-    if checkpoint is None or not storage.eval_path(checkpoint).exists():
-        return None
-    try:
-        return read_eval_summary(storage.eval_path(checkpoint))
-    except Exception:  # an unreadable eval file: evaluate, as if there were none
-        return None
 
 
 def settings_differences(stored: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -484,7 +441,9 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run TRL's own GRPOTrainer loop (same config, data, rewards and storage layout; no resume)",
     )
-    train.add_argument("--fail-at", default=None, metavar="STAGE@STEP[:kill|:hang]", help="testing aid: fail on purpose")
+    train.add_argument(
+        "--fail-at", default=None, metavar="STAGE@STEP[:kill|:hang]", help="testing aid: fail on purpose"
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--verbose", action="store_true", help="show Prefect's task logs")
     add_config_options(train)

@@ -312,29 +312,37 @@ class RunStorage:
         is read in full instead when `checksums` is asked for (there is nothing to compare sizes with).
         """
         folder = self.rollout_dir(step)
-        shards = sorted(folder.glob("shard-*.parquet"))
-        manifest_path = folder / STEP_MANIFEST
-        if not manifest_path.exists():
+        # os.scandir and plain strings, not pathlib: `grpo runs` and a resume run this on every step of a run.
+        try:
+            entries = {entry.name: entry for entry in os.scandir(folder)}
+        except FileNotFoundError:
+            return [f"{self.relative(folder)}: missing"]
+        shards = sorted(name for name in entries if name.startswith("shard-") and name.endswith(".parquet"))
+        if STEP_MANIFEST not in entries:
             if not shards:
                 return [f"{self.relative(folder)}: no shard files and no {STEP_MANIFEST}"]
-            return [problem for shard in shards for problem in self._parquet_problems(shard)] if checksums else []
+            return (
+                [problem for name in shards for problem in self._parquet_problems(folder / name)] if checksums else []
+            )
         try:
-            files = json.loads(manifest_path.read_text())["files"]
+            with open(entries[STEP_MANIFEST].path, "rb") as handle:
+                files = json.loads(handle.read())["files"]
         except (OSError, ValueError, KeyError, TypeError) as error:
-            return [f"{self.relative(manifest_path)}: unreadable ({error})"]
+            return [f"{self.relative(folder / STEP_MANIFEST)}: unreadable ({error})"]
         problems = []
         for name, expected in files.items():
-            path = folder / name
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                problems.append(f"{self.relative(path)}: missing")
+            entry = entries.get(name)
+            if entry is None:
+                problems.append(f"{self.relative(folder / name)}: missing")
                 continue
+            size = entry.stat().st_size
             if size != expected["bytes"]:
-                problems.append(f"{self.relative(path)}: {size} bytes, its manifest says {expected['bytes']}")
-            elif checksums and file_sha256(path) != expected["sha256"]:
-                problems.append(f"{self.relative(path)}: does not match its sha256 in {STEP_MANIFEST}")
-        problems += [f"{self.relative(p)}: not in the step's {STEP_MANIFEST}" for p in shards if p.name not in files]
+                problems.append(f"{self.relative(folder / name)}: {size} bytes, its manifest says {expected['bytes']}")
+            elif checksums and file_sha256(Path(entry.path)) != expected["sha256"]:
+                problems.append(f"{self.relative(folder / name)}: does not match its sha256 in {STEP_MANIFEST}")
+        problems += [
+            f"{self.relative(folder / n)}: not in the step's {STEP_MANIFEST}" for n in shards if n not in files
+        ]
         return problems
 
     def _parquet_problems(self, path: Path) -> list[str]:
@@ -484,6 +492,25 @@ class RunStorage:
     def evaluated_steps(self) -> list[int]:
         """Checkpoint steps that have an eval file."""
         return sorted(int(p.stem.split("-")[1]) for p in (self.run_dir / "eval").glob("step-*.parquet"))
+
+    def stored_evaluation(self, checkpoint: int | None = None) -> dict[str, Any] | None:
+        """The stored evaluation summary of checkpoint `checkpoint`, or of the newest checkpoint whose
+        files have their manifest's sizes (no checksums: hashing a large model's optimizer state takes
+        long); None if it has none, or its file cannot be read."""
+        if checkpoint is None:
+            for step in reversed(self.checkpoint_steps()):
+                try:
+                    self.verify_checkpoint(step, checksums=False)
+                except DamagedCheckpointError:
+                    continue
+                checkpoint = step
+                break
+        if checkpoint is None or not self.eval_path(checkpoint).exists():
+            return None
+        try:
+            return read_eval_summary(self.eval_path(checkpoint))
+        except Exception:  # unreadable: evaluate as if there were none
+            return None
 
     def read_initial_eval(self) -> float | None:
         if not self.initial_eval_path.exists():

@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from workers.state.lock import RunLock, RunLockedError
+from workers.state.lock import RunLock, RunLockedError, describe_holder
 from workers.state.storage import DamagedCheckpointError, RunStorage
 
 
@@ -121,3 +121,27 @@ def consequence(damage: Damage, newest_checkpoint: int | None) -> str:
             "its rows are no longer part of the run's log"
         )
     return "a resume generates the step again"
+
+
+def report_lines(storage: RunStorage, check: RunCheck) -> list[str]:
+    """What `grpo verify` prints: each damaged file, where it went and what it means, then a summary."""
+    lines = [f"damaged: {problem}" for damage in check.damage for problem in damage.problems]
+    for damage in check.damage:
+        name = f"checkpoint {damage.step}" if damage.kind == "checkpoint" else f"step {damage.step}'s {damage.kind}"
+        where = f"moved to {storage.relative(damage.moved_to)}" if damage.moved_to else "left in place"
+        lines.append(f"{name}: {where}; {consequence(damage, check.newest_checkpoint)}")
+    if check.writer is not None:
+        lines.append(f"nothing was moved: the run is being written by {describe_holder(check.writer)}")
+    lines.append(
+        f"run {check.run_id}: {check.steps} step(s) of rollouts ({check.shards} shards, "
+        f"{check.shard_bytes / 2**20:.1f} MB), {len(check.checkpoints)} checkpoint(s) and {check.metrics} "
+        "metrics file(s) intact" + (f"; {len(check.damage)} damaged" if check.damage else "")
+    )
+    if check.unmanifested_steps:
+        steps = check.unmanifested_steps
+        lines.append(f"steps {steps[0]}..{steps[-1]}: {len(steps)} logged before steps had manifests, read in full")
+    if check.quarantined:
+        lines.append(f"already in quarantine/: {', '.join(check.quarantined)}")
+    if check.leftovers:
+        lines.append(f"left by a killed writer (removed at the run's next start): {', '.join(check.leftovers)}")
+    return lines
