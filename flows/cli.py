@@ -4,8 +4,9 @@
     grpo train --run-id ID [--resume] [--max-steps 80] [--allow-config-change]   (resume a run)
     grpo runs [--storage-root DIR]
     grpo rollouts RUN_ID [--step N] [--limit K] [--storage-root DIR]
+    grpo verify RUN [--check-only] [--storage-root DIR]
     grpo serve [--storage-root DIR] [--timezone TZ] [--nightly-cron CRON]   (needs PREFECT_API_URL)
-    grpo eval RUN [--checkpoint STEP] [--k K] [--prompts N] [--storage-root DIR]
+    grpo eval RUN [--checkpoint STEP] [--k K] [--prompts N] [--force] [--storage-root DIR]
     grpo report RUN [--out FILE.png] [--storage-root DIR]
     grpo setup-vllm [--path DIR] [--device auto|cpu|cuda]   (the environment vLLM engines run in)
 
@@ -17,6 +18,7 @@ anything is written.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -164,6 +166,7 @@ def command_train(args: argparse.Namespace) -> int:
         check_backend_ready(config)
     except Exception as error:  # missing Modal credentials or secret: say which, start nothing
         raise UsageError(f"--backend modal: {error}") from error
+    hold_cli_lock(config)
     if args.simple_mode:
         if existing:
             raise UsageError(f"--simple-mode: run {config.run_id!r} exists; simple mode does not resume")
@@ -260,6 +263,20 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+def hold_cli_lock(config: GRPOFlowConfig) -> None:
+    """One writer per run, taken before Prefect starts, so a second process is refused (exit 2) in
+    about a second. The flow finds it held (re-entrant in-process) and gives it back when it ends."""
+    from workers.state.lock import RunLockedError, hold_run_lock, release_run_lock
+    from workers.state.storage import RunStorage
+
+    run_dir = RunStorage(config.storage_root, config.run_id or "").run_dir
+    try:
+        hold_run_lock(run_dir)
+    except RunLockedError as error:
+        raise UsageError(f"--run-id: {error}") from None
+    atexit.register(release_run_lock, run_dir)  # whatever path the command leaves by
+
+
 def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
     """TRL's own GRPOTrainer loop in the `grpo-simple` flow, writing to the same storage layout."""
     from flows.simple import grpo_simple
@@ -294,7 +311,7 @@ def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namesp
     except ValidationError as error:
         raise UsageError(cli_problems(error)) from None
     except ResumeError as error:
-        raise UsageError(str(error)) from error
+        raise UsageError(cli_spelling(str(error)).strip()) from error
     return config
 
 
@@ -338,7 +355,14 @@ def command_runs(args: argparse.Namespace) -> int:
         return 0
     print(f"{'run':<40} {'status':<11} last step")
     for run in runs:
-        print(f"{run.run_id:<40} {run.status:<11} {'-' if run.last_step is None else run.last_step}")
+        last = "-" if run.last_step is None else str(run.last_step)
+        note = f"  damaged: {len(run.damaged)} file(s), see below" if run.damaged else ""
+        print(f"{run.run_id:<40} {run.status:<11} {last:<9}{note}".rstrip())
+    for run in runs:  # sizes against the step manifests only (fast); `grpo verify` reads every byte
+        for problem in run.damaged:
+            print(f"grpo runs: run {run.run_id}: {problem}", file=sys.stderr)
+        if run.damaged:
+            print(f"grpo runs: `grpo verify {run.run_id}` names every damaged file and moves it aside", file=sys.stderr)
     return 0
 
 
@@ -354,12 +378,35 @@ def command_rollouts(args: argparse.Namespace) -> int:
     step = steps[-1] if args.step is None else args.step
     if step not in steps:
         raise UsageError(f"--step: run {args.run_id!r} has no step {step}; logged steps are {steps[0]}..{steps[-1]}")
+    if step not in storage.rollout_steps():
+        where = "moved to quarantine/" if f"rollouts-step-{step:06d}" in storage.quarantined() else "not on disk"
+        print(f"grpo rollouts: run {args.run_id}: the rollouts of step {step} are {where}", file=sys.stderr)
+        return 1
+    problems = storage.step_problems(step, checksums=True)  # one step: every byte is cheap
+    if problems:
+        for problem in problems:
+            print(f"grpo rollouts: run {args.run_id}: {problem}", file=sys.stderr)
+        print(f"grpo rollouts: step {step} is damaged; `grpo verify {args.run_id}` moves it aside", file=sys.stderr)
+        return 1
     columns = ["group_index", "sample_index", "prompt", "completion", "reward", "advantage", "finish_reason"]
     rows = storage.read_rollouts(step, columns=columns).slice(0, args.limit).to_pylist()
     print(f"run {args.run_id}, step {step}: {len(rows)} of its completions")
     for row in rows:
         print(json.dumps(row, ensure_ascii=False))
     return 0
+
+
+def command_verify(args: argparse.Namespace) -> int:
+    """Every step and checkpoint checked byte for byte; damaged ones named and moved aside (exit 1)."""
+    from workers.state.storage import RunStorage
+    from workers.state.verify import report_lines, verify_run
+
+    storage = RunStorage(args.storage_root, args.run_id)
+    if not storage.exists():
+        raise UsageError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    check = verify_run(storage, quarantine=not args.check_only)
+    print("\n".join(report_lines(storage, check)))
+    return 0 if check.clean else 1
 
 
 # -- serve, eval, report ---------------------------------------------------------------------------
@@ -399,9 +446,12 @@ def command_serve(args: argparse.Namespace) -> int:
 
 
 def command_eval(args: argparse.Namespace) -> int:
-    """Evaluate a run's newest (or a named) checkpoint: pass@1 and pass@k on held-out prompts."""
+    """Evaluate a run's newest (or a named) checkpoint: pass@1 and pass@k on held-out prompts.
+
+    A checkpoint that already has an evaluation is shown from its file at once (no Prefect, no
+    model), unless --force evaluates it again (the earlier file is moved to eval/superseded/).
+    """
     quiet_prefect(args.verbose)
-    from flows.evaluate import EvaluationError, resolve_checkpoint
     from workers.state.storage import RunStorage
 
     if args.k < 1:
@@ -411,6 +461,14 @@ def command_eval(args: argparse.Namespace) -> int:
     storage = RunStorage(args.storage_root, args.run_id)
     if not storage.exists():
         raise UsageError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    stored = None if args.force else storage.stored_evaluation(args.checkpoint)
+    if stored is not None:
+        print_eval_summary({**stored, "already_evaluated": True})
+        for note in settings_differences(stored, args):
+            print(f"note: {note}")
+        return 0
+    from flows.evaluate import EvaluationError, resolve_checkpoint
+
     try:
         step = resolve_checkpoint(storage, args.checkpoint)
     except EvaluationError as error:
@@ -428,6 +486,7 @@ def command_eval(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             seed=args.seed,
             greedy=not args.no_greedy,
+            force=args.force,
         )
     except Exception as error:  # the flow run recorded it; one line unless asked for more
         if args.verbose:
@@ -438,18 +497,32 @@ def command_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def settings_differences(stored: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Where the options given differ from the settings the stored evaluation was made with."""
+    asked = {"k": args.k, "seed": args.seed, "greedy": not args.no_greedy}
+    if args.prompts is not None:
+        asked["prompts"] = args.prompts
+    if args.temperature is not None:
+        asked["temperature"] = args.temperature
+    notes = []
+    for name, value in asked.items():
+        had = stored.get(f"setting_{name}")
+        if had is not None and had != value:
+            notes.append(f"stored with {name}={had}, you asked {name}={value}; --force evaluates again with yours")
+    return notes
+
+
 def print_eval_summary(summary: dict[str, Any]) -> None:
-    from flows.evaluate import metric_names
+    from workers.state.storage import eval_metric_names
 
     rows = [
         ("run", summary["run_id"]),
         ("checkpoint", str(summary["checkpoint_step"])),
         ("held-out prompts x samples", f"{summary['num_prompts']} x {summary['samples_per_prompt']}"),
     ]
-    rows += [(name.replace("_", " "), f"{summary[name]:.4f}") for name in metric_names(summary)]
-    rows.append(
-        ("results", summary["path"] + ("  (already evaluated; read back)" if summary.get("already_evaluated") else ""))
-    )
+    rows += [(name.replace("_", " "), f"{summary[name]:.4f}") for name in eval_metric_names(summary)]
+    stored = f"  (stored {summary.get('evaluated_at', '')[:19]}; --force evaluates again)"
+    rows.append(("results", summary["path"] + (stored if summary.get("already_evaluated") else "")))
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
 
@@ -515,7 +588,9 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run TRL's own GRPOTrainer loop (same config, data, rewards and storage layout; no resume)",
     )
-    train.add_argument("--fail-at", default=None, metavar="STAGE@STEP[:kill]", help="testing aid: fail on purpose")
+    train.add_argument(
+        "--fail-at", default=None, metavar="STAGE@STEP[:kill|:hang]", help="testing aid: fail on purpose"
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--verbose", action="store_true", help="show Prefect's task logs")
     add_config_options(train)
@@ -531,6 +606,16 @@ def make_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("--limit", type=int, default=8, help="completions to show (default: 8)")
     rollouts.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     rollouts.set_defaults(handler=command_rollouts)
+
+    verify = commands.add_parser(
+        "verify", help="check every step and checkpoint of a run byte for byte; move damaged ones aside"
+    )
+    verify.add_argument("run_id", metavar="RUN")
+    verify.add_argument(
+        "--check-only", action="store_true", help="name damaged files without moving them to quarantine/"
+    )
+    verify.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
+    verify.set_defaults(handler=command_verify)
 
     serve = commands.add_parser(
         "serve", help="register grpo/<preset> and evaluate/nightly with the Prefect server and run them"
@@ -570,6 +655,11 @@ def make_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     evaluate.add_argument("--no-greedy", action="store_true", help="skip the greedy-accuracy pass")
+    evaluate.add_argument(
+        "--force",
+        action="store_true",
+        help="evaluate again even if the checkpoint has a stored evaluation (the earlier one is moved to eval/superseded/)",
+    )
     evaluate.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     evaluate.add_argument("--verbose", action="store_true", help="show Prefect's task logs and tracebacks")
     evaluate.set_defaults(handler=command_eval)

@@ -59,7 +59,7 @@ from tasks.rollout import (
     sample_batch,
     score,
 )
-from tasks.run import evaluate_heldout, finish_run, prepare_run
+from tasks.run import evaluate_heldout, finish_run, prepare_run, release_flow_run_locks
 from tasks.train import actor_step, log_metrics, restore_workers, save_checkpoint, sync_weights
 from workers.state.faults import parse_fail_at
 from workers.state.storage import RunStorage
@@ -230,7 +230,14 @@ def run_step(
         return {**row, "next_rollout_stats": next_stats}
 
 
-@flow(name="grpo", flow_run_name=grpo_run_name, validate_parameters=True)
+@flow(
+    name="grpo",
+    flow_run_name=grpo_run_name,
+    validate_parameters=True,
+    on_failure=[release_flow_run_locks],  # the run's writer lock, when it fails before finish_run
+    on_crashed=[release_flow_run_locks],
+    on_cancellation=[release_flow_run_locks],
+)
 def grpo(
     config: GRPOFlowConfig, show_progress: bool = False, allow_config_change: bool = False, fail_at: str | None = None
 ) -> dict[str, Any]:

@@ -110,11 +110,15 @@ def ensure_tiny_model(storage_root: str | os.PathLike) -> Path:
     from workers.rollout.heldout import heldout_accuracy
     from workers.rollout.transformers_engine import TransformersRolloutEngine
 
+    from workers.state.storage import clean_stale_temps, temp_prefix
+
     final = tiny_model_path(storage_root)
+    if final.parent.is_dir():
+        clean_stale_temps([final.parent])  # builds killed midway (their pid is in the folder's name)
     if (final / "build_info.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{TINY_DIR}.", suffix=".tmp"))
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(TINY_DIR), suffix=".tmp"))
     task = load_task("last_digit")
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
