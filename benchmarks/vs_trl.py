@@ -71,10 +71,9 @@ def timed_method(obj: Any, name: str, sink: list[float]) -> None:
 
 
 def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
 
+    from benchmarks.trl_side import grpo_config, grpo_trainer
     from workers.data.loaders import load_task
     from workers.rewards.functions import last_digit
 
@@ -95,36 +94,9 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
             self.seconds.append(time.perf_counter() - self.started)
 
     task = load_task("last_digit")
-    args = GRPOConfig(
-        output_dir=str(workdir / "trl"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        max_steps=steps,
-        per_device_train_batch_size=WORK["prompts_per_step"] * WORK["num_generations"],
-        gradient_accumulation_steps=1,
-        num_generations=WORK["num_generations"],
-        max_completion_length=WORK["max_completion_length"],
-        temperature=WORK["temperature"],
-        top_p=WORK["top_p"],
-        learning_rate=WORK["learning_rate"],
-        lr_scheduler_type="constant",
-        loss_type=WORK["loss_type"],
-        beta=WORK["beta"],
-        seed=WORK["seed"],
-    )
+    args = grpo_config(workdir / "trl", steps=steps, **WORK)
     timer = StepTimer()
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
-        reward_funcs=counted_last_digit,
-        args=args,
-        train_dataset=task.train,
-        processing_class=AutoTokenizer.from_pretrained(model_path, padding_side="left"),
-        callbacks=[timer],
-    )
+    trainer = grpo_trainer(model_path, counted_last_digit, args, task.train, callbacks=[timer])
     phases: dict[str, list[float]] = {"generate": [], "score": [], "prepare": []}
     timed_method(trainer, "_generate", phases["generate"])
     timed_method(trainer, "_calculate_rewards", phases["score"])

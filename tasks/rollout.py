@@ -40,6 +40,18 @@ def epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(size)
 
 
+def step_prompt_indices(seed: int, step: int, prompts_per_step: int, size: int) -> list[int]:
+    """The train rows step `step` (from 1) trains on: consecutive slices of the epoch-wise permutations.
+
+    A pure function of its arguments, so anyone (benchmarks/learning.py hands TRL the same order)
+    can know a run's prompts without running it.
+    """
+    start = (step - 1) * prompts_per_step
+    positions = range(start, start + prompts_per_step)
+    orders = {e: epoch_order(seed, e, size) for e in {p // size for p in positions}}
+    return [int(orders[p // size][p % size]) for p in positions]
+
+
 @task(name="sample-batch", cache_policy=NO_CACHE)
 def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int, refill_round: int = 0) -> list[PromptShard]:
     """The step's prompts, a deterministic function of (seed, step): epoch-wise permutations.
@@ -52,10 +64,7 @@ def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int, refill_round:
         rng = np.random.default_rng([config.seed, step, refill_round, 0xD5])
         indices = rng.choice(len(train), size=config.prompts_per_step, replace=len(train) < config.prompts_per_step)
     else:
-        start = (step - 1) * config.prompts_per_step
-        positions = range(start, start + config.prompts_per_step)
-        orders = {e: epoch_order(config.seed, e, len(train)) for e in {p // len(train) for p in positions}}
-        indices = [int(orders[p // len(train)][p % len(train)]) for p in positions]
+        indices = step_prompt_indices(config.seed, step, config.prompts_per_step, len(train))
     rows = train.select([int(i) for i in indices]).to_list()
     per_shard = config.prompts_per_step // config.num_rollout_workers
     return [

@@ -40,6 +40,22 @@ def last_digit(completions: list[str], answer: list[str], **kwargs: Any) -> list
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
+def reverse_digits(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+    """1.0 when the completion is exactly the prompt's digits reversed."""
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def reverse_digits_partial(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+    """The share of positions right: matching characters over the longer of completion and answer,
+    so a missing or an extra digit costs as much as a wrong one; 1.0 only for the exact answer."""
+    scores = []
+    for completion, expected in zip(completions, answer, strict=True):
+        text = completion.strip()
+        right = sum(1 for got, want in zip(text, expected, strict=False) if got == want)
+        scores.append(right / max(len(text), len(expected)))
+    return scores
+
+
 def gsm8k_accuracy(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
     """1.0 when the completion's final number equals the reference answer."""
     scores = []
@@ -73,6 +89,8 @@ def _environment_rewards() -> dict[str, RewardFunc]:
 
 BUILTIN_REWARDS: dict[str, RewardFunc] = {
     "last_digit": last_digit,
+    "reverse_digits": reverse_digits,
+    "reverse_digits_partial": reverse_digits_partial,
     "gsm8k_accuracy": gsm8k_accuracy,
     **_environment_rewards(),
 }
