@@ -104,8 +104,8 @@ def command_train(args: argparse.Namespace) -> int:
 
     try:
         check_backend_ready(config)
-    except Exception as error:  # missing Modal credentials or secret: say which, start nothing
-        raise UsageError(f"--backend modal: {error}") from error
+    except Exception as error:  # missing Modal credentials or secret, no Ray cluster or too few GPUs: say which
+        raise UsageError(f"--backend {config.backend}: {error}") from error
     if args.fail_at:
         from workers.state.faults import parse_fail_at
 

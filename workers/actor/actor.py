@@ -159,7 +159,8 @@ class Actor:
         model = model.to(self.device)
         self.objective = trl_objective.make_objective(model, self.tokenizer, self.config)
         self.model = self.objective.model  # the PeftModel with use_lora
-        self.sampling_matches_actor = self.config.backend == "local" and not self.objective.args.bf16
+        # The Ray backend's engines are the same fp32 transformers engine, in other processes.
+        self.sampling_matches_actor = self.config.backend in ("local", "ray") and not self.objective.args.bf16
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The scheduler counts optimizer steps: num_iterations per step. max_steps may be -1 (epochs);
