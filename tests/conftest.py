@@ -35,11 +35,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class RayCluster:
-    """A one-node Ray cluster of 2 CPUs started with `ray start --head --block` on the loopback address.
+# Ray maps 127.0.0.1 to the machine's outward address unless this is 0 (a switch meant for laptops), and
+# tests may listen on the loopback range only. Ray reads it on import, so it is set before any test imports Ray.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray 2.60 authenticates with a token; the test cluster and every driver of it (this process, the CLI's
+# subprocesses) share one from the environment, never the user's ~/.ray/auth_token.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", __import__("secrets").token_hex(32))
+RAY_MARKER = "GRPO_FLOW_TEST_RAY_CLUSTER"  # in the environment of every process of a test cluster
 
-    Its processes (GCS, raylet, dashboard, workers) all live in the process group of that
-    `ray start`, which the fixture ends: `ray stop` would end every Ray process on the machine.
+
+class RayCluster:
+    """A one-node Ray cluster of 2 CPUs started with `ray start --head --block` on the loopback address,
+    without the dashboard (it would listen on the outward address).
+
+    Every process of it (GCS, raylet, agents, and the workers, which Ray puts in process groups of
+    their own) inherits RAY_MARKER with this cluster's temp dir; `stop` ends exactly those processes
+    (`ray stop` would end every Ray process on the machine).
     """
 
     def __init__(self, cpus: int = 2, startup_timeout_s: float = 90.0) -> None:
@@ -49,13 +61,11 @@ class RayCluster:
         import time
         from pathlib import Path
 
-        self.port, self.dashboard_port = free_port(), free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-        ray_cli = str(Path(sys.executable).with_name("ray"))
         argv = [
-            ray_cli,
+            str(Path(sys.executable).with_name("ray")),
             "start",
             "--head",
             "--block",
@@ -64,59 +74,58 @@ class RayCluster:
             f"--num-cpus={cpus}",
             "--num-gpus=0",
             f"--object-store-memory={200 * 2**20}",
-            "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}",
-            f"--dashboard-agent-listen-port={free_port()}",
+            "--include-dashboard=false",
             f"--ray-client-server-port={free_port()}",
             f"--temp-dir={self.temp_dir}",
             "--disable-usage-stats",
         ]
         self.log = Path(self.temp_dir) / "ray-start.log"
+        env = {**os.environ, RAY_MARKER: self.temp_dir}  # with the loopback switch and the token above
         self.process = subprocess.Popen(
-            argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+            argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         deadline = time.monotonic() + startup_timeout_s
-        while not self.answers():
+        while "Ray runtime started" not in self.log.read_text():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the test Ray cluster did not start:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.5)
 
-    def answers(self) -> bool:
-        """The dashboard answers (it starts last; the state API the tests use lives there)."""
-        import urllib.request
+    def processes(self) -> list[int]:
+        """Live (not zombie) processes of this cluster, found by the marker in their environment (Linux /proc)."""
+        from pathlib import Path
 
-        try:
-            with urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        marker = f"{RAY_MARKER}={self.temp_dir}".encode()
+        found = []
+        for folder in Path("/proc").glob("[0-9]*"):
+            try:
+                if marker not in (folder / "environ").read_bytes().split(b"\0"):
+                    continue
+                state = (folder / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z" and int(folder.name) != os.getpid():
+                found.append(int(folder.name))
+        return found
 
-    def actor_pid(self, actor_id: str) -> int:
-        """The pid of a live Ray actor, as Ray's state API reports it."""
+    def named_actors(self, prefix: str, settle_s: float = 15.0) -> list[str]:
+        """Names of this cluster's live named actors that start with `prefix` (from the GCS), after waiting up
+        to `settle_s` for them to go (`ray.kill` returns before the GCS records the death)."""
         import time
 
-        from ray.util.state import list_actors
+        import ray
 
-        deadline = time.monotonic() + 30
+        if not ray.is_initialized():
+            ray.init(address=self.address, logging_level="ERROR", log_to_driver=False)
+        deadline = time.monotonic() + settle_s
         while True:
-            actors = list_actors(address=self.dashboard, filters=[("actor_id", "=", actor_id)], detail=True)
-            if actors and actors[0].state == "ALIVE" and actors[0].pid:
-                return int(actors[0].pid)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"actor {actor_id} is not alive: {actors}")
-            time.sleep(0.2)
-
-    def alive_actors(self, name_prefix: str) -> list:
-        from ray.util.state import list_actors
-
-        actors = list_actors(address=self.dashboard, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
-        return [a for a in actors if (a.name or "").startswith(name_prefix)]
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+            if not names or time.monotonic() > deadline:
+                return names
+            time.sleep(0.5)
 
     def stop(self) -> None:
-        """This cluster's processes only: its process group, TERM then KILL."""
-        import os
+        """This cluster's processes only: TERM, then KILL whatever is left."""
         import shutil
         import signal
         import time
@@ -127,34 +136,18 @@ class RayCluster:
             ray.shutdown()  # this process's driver connection
         except ImportError:
             pass
-        group = self.process.pid  # start_new_session: the group's id is the leader's pid
-        for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):  # `ray start --block` itself outlives TERM
-            try:
-                os.killpg(group, sig)
-            except ProcessLookupError:
-                break
+        for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):  # `ray start --block` outlives TERM
             deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and group_alive(group):
-                self.process.poll()  # reap the leader
-                time.sleep(0.2)
-            if not group_alive(group):
-                break
+            while (pids := self.processes()) and time.monotonic() < deadline:
+                for pid in pids:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+                self.process.poll()  # reap `ray start` itself
+                time.sleep(0.3)
         self.process.wait(timeout=10)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-def group_alive(group: int) -> bool:
-    """Whether a live (not zombie) process is left in the process group (read from /proc: Linux)."""
-    from pathlib import Path
-
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
-        except OSError:
-            continue
-        if int(fields[2]) == group and fields[0] != "Z":
-            return True
-    return False
 
 
 @pytest.fixture(scope="session")
@@ -165,4 +158,4 @@ def ray_cluster():
         yield cluster
     finally:
         cluster.stop()
-        assert not group_alive(cluster.process.pid), "processes of the test Ray cluster outlived it"
+        assert not cluster.processes(), "processes of the test Ray cluster outlived it"
