@@ -164,8 +164,8 @@ def command_train(args: argparse.Namespace) -> int:
         raise UsageError(cli_spelling(str(error)).strip()) from error
     try:
         check_backend_ready(config)
-    except Exception as error:  # missing Modal credentials or secret: say which, start nothing
-        raise UsageError(f"--backend modal: {error}") from error
+    except Exception as error:  # missing Modal credentials or secret, no Ray cluster or too few GPUs: say which
+        raise UsageError(f"--backend {config.backend}: {error}") from error
     hold_cli_lock(config)
     if args.simple_mode:
         if existing:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-Backend = Literal["local", "modal"]
+Backend = Literal["local", "modal", "ray"]
 WeightSyncMethod = Literal["reload", "volume", "direct", "checkpoint", "lora"]
 RolloutEngine = Literal["transformers", "vllm"]
 VLLMMode = Literal["colocate", "server"]  # TRL's names for where a vLLM engine runs
@@ -56,6 +56,11 @@ NON_TRAINING_FIELDS = frozenset(
         "modal_volume",
         "modal_secrets",
         "detach",
+        "ray_address",
+        "actor_gpus",
+        "rollout_gpus",
+        "actor_cpus",
+        "rollout_cpus",
         "save_total_limit",
         "keep_checkpoint_every",
         "generate_retries",
@@ -86,11 +91,13 @@ class GRPOFlowConfig(BaseModel):
     )
     storage_root: str = Field(
         default="grpo-storage",
-        description="Folder (or, with the Modal backend, Volume path) holding runs, models and caches.",
+        description="Folder (or, with the Modal backend, Volume path) holding runs, models and caches. With the Ray "
+        "backend, a folder on a filesystem every node of the cluster mounts at the same path.",
     )
     backend: Backend = Field(
         default="local",
-        description="Where the GPU workers run: `local` (this process) or `modal` (Modal GPUs).",
+        description="Where the GPU workers run: `local` (this process), `modal` (Modal GPUs) or `ray` (Ray actors "
+        "on a Ray cluster: `ray_address`, else RAY_ADDRESS, else a local Ray instance).",
     )
 
     # Model and data
@@ -377,6 +384,28 @@ class GRPOFlowConfig(BaseModel):
     )
     detach: bool = Field(default=False, description="Keep the Modal app running if the local client disconnects.")
 
+    # Ray backend; ignored by the others
+    ray_address: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Ray cluster to run on, as `ray start --head` prints it (`HOST:PORT`, or `auto`). None: the "
+        "RAY_ADDRESS environment variable, else a local Ray instance started for the run.",
+    )
+    actor_gpus: float | None = Field(
+        default=None,
+        ge=0,
+        description="GPUs of the actor's Ray actor (fractions share a GPU). None: 1 on a cluster with GPUs, else 0.",
+    )
+    rollout_gpus: float | None = Field(
+        default=None,
+        ge=0,
+        description="GPUs of each rollout engine's Ray actor. None: 1 on a cluster with GPUs, else 0.",
+    )
+    actor_cpus: float = Field(default=1.0, gt=0, description="CPUs of the actor's Ray actor (fractions allowed).")
+    rollout_cpus: float = Field(
+        default=1.0, gt=0, description="CPUs of each rollout engine's Ray actor (fractions allowed)."
+    )
+
     # Evaluation and logging
     eval_prompts: int = Field(
         default=200, ge=0, description="Held-out prompts scored greedily at the start and end of a run (0 = skip)."
@@ -435,6 +464,11 @@ class GRPOFlowConfig(BaseModel):
             raise ValueError(
                 "vllm_mode 'colocate' needs the local backend: on Modal each rollout engine has a container of its "
                 "own (vllm_mode 'server')"
+            )
+        if self.backend == "ray" and self.rollout_engine == "vllm":
+            # Not built yet: the Ray backend's engines are the transformers engine (README, Ray backend).
+            raise ValueError(
+                "rollout_engine 'vllm' is not available on backend 'ray' yet; use rollout_engine 'transformers'"
             )
         if self.rollout_engine == "vllm" and self.use_lora and (self.lora_r or 16) > VLLM_LORA_RANKS[-1]:
             raise ValueError(
