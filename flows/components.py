@@ -37,6 +37,8 @@ def command_test_rollout(args: argparse.Namespace) -> int:
     overrides = {"backend": args.backend, "storage_root": args.storage_root, "run_id": "component-test-rollout"}
     if args.model:
         overrides["model"] = args.model
+    if args.rollout_engine:
+        overrides["rollout_engine"] = args.rollout_engine
     try:
         config = preset_config(args.preset, **overrides)
     except KeyError as error:
@@ -45,6 +47,12 @@ def command_test_rollout(args: argparse.Namespace) -> int:
         raise ComponentError(describe_validation_error(error)) from None
     if args.n < 1 or args.max_tokens < 1:
         raise ComponentError("--n and --max-tokens must be at least 1")
+    from workers.backends.vllm_env import VLLMNotReady, check_vllm_ready
+
+    try:
+        check_vllm_ready(config)
+    except VLLMNotReady as error:
+        raise ComponentError(str(error)) from None
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     prompts = args.prompt or [DEFAULT_PROMPT]
     started = time.perf_counter()
@@ -74,11 +82,20 @@ def command_test_rollout(args: argparse.Namespace) -> int:
 
 
 def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, str]:
-    """One rollout worker's answer: the local transformers engine, or the Modal RolloutWorker (vLLM on
-    its GPU; `.local()` on the CPU engine when GRPO_FLOW_MODAL_MODE=local)."""
+    """One rollout worker's answer: the local engine (transformers, or vLLM in its own environment), or
+    the Modal RolloutWorker (`.local()` on CPU when GRPO_FLOW_MODAL_MODE=local)."""
     from workers.data.tiny_model import resolve_model_path
 
     model_path = resolve_model_path(config.model, config.storage_root)
+    if config.backend == "local" and config.rollout_engine == "vllm":
+        from workers.backends.vllm_env import local_engine
+
+        engine = local_engine(config, model_path, 0, threads=None, log_dir=None)
+        engine.load()
+        try:
+            return engine.generate(prompts, params, config.max_prompt_length), "local vLLM engine (own process)"
+        finally:
+            engine.close()
     if config.backend == "local":
         from workers.rollout.transformers_engine import TransformersRolloutEngine
 
@@ -95,11 +112,14 @@ def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, st
         config_json=worker_config_json(config),
         model_path=model_path,
         worker_index=0,
-        backend="cpu" if local else "vllm",
+        engine=config.rollout_engine,
+        device="cpu" if local else "cuda",
         storage_root=config.storage_root if local else VOLUME_PATH,
     )
     if local:
-        return worker.generate.local(prompts, params, config.max_prompt_length), "Modal RolloutWorker (.local(), CPU)"
+        return worker.generate.local(prompts, params, config.max_prompt_length), (
+            f"Modal RolloutWorker (.local(), CPU, {config.rollout_engine})"
+        )
     with app.app.run():
         return worker.generate.remote(
             prompts, params, config.max_prompt_length
@@ -268,6 +288,9 @@ def add_component_commands(commands: Any, default_storage_root: str) -> None:
     rollout.add_argument("--preset", default="tiny", help=f"one of: {', '.join(sorted(PRESETS))} (default: tiny)")
     rollout.add_argument("--model", default=None, help="model id or path (default: the preset's)")
     rollout.add_argument("--backend", default="local", choices=["local", "modal"])
+    rollout.add_argument(
+        "--rollout-engine", default=None, choices=["transformers", "vllm"], help="the engine (default: the preset's)"
+    )
     rollout.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a sum question)")
     rollout.add_argument("--n", type=int, default=2, help="completions per prompt (default: 2)")
     rollout.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default: 16)")

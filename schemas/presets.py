@@ -52,6 +52,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gsm8k": {
         "model": "Qwen/Qwen2.5-0.5B-Instruct",
         "dataset": "gsm8k",
+        "rollout_engine": "vllm",
         "learning_rate": 1e-6,
         "lr_scheduler_type": "constant",
         "num_generations": 8,
@@ -72,6 +73,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "math": {
         "model": "Qwen/Qwen2.5-1.5B-Instruct",
         "dataset": "math",
+        "rollout_engine": "vllm",
         "reward_funcs": ["math_accuracy"],
         "learning_rate": 1e-6,
         "lr_scheduler_type": "constant",
@@ -93,6 +95,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mbpp": {
         "model": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
         "dataset": "mbpp",
+        "rollout_engine": "vllm",
         "reward_funcs": ["mbpp_tests"],
         "learning_rate": 1e-6,
         "lr_scheduler_type": "constant",

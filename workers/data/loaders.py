@@ -34,6 +34,17 @@ LAST_DIGIT_SEED = 20261122  # fixed: the data set is the same for every run, wha
 REVERSE_DIGITS_SEED = 20261124  # likewise for reverse_digits
 SPLIT_SEED = 20261122  # fixed: a custom data set splits into the same train / held-out rows on every run
 
+# Each known task's default reward functions (a run without reward_funcs uses them); here, not only in
+# the builders, so `grpo train` can check reward_weights against them without loading the data.
+DEFAULT_REWARDS: dict[str, tuple[str, ...]] = {
+    "last_digit": ("last_digit",),
+    "reverse_digits": ("reverse_digits_partial",),
+    "gsm8k": ("gsm8k_accuracy",),
+    "math": ("math_accuracy",),
+    "math500": ("math_accuracy",),
+    "mbpp": ("mbpp_tests",),
+}
+
 # `load(path, name=None, **kwargs) -> DatasetDict`, as `datasets.load_dataset` is called here.
 HubLoader = Callable[..., Any]
 
@@ -91,7 +102,12 @@ def build_last_digit(num_train: int = 4000, num_heldout: int = 500) -> TaskData:
     """The synthetic last-digit task: fixed seed, disjoint splits, no network."""
     splits = synthetic_splits("last_digit", last_digit_rows, LAST_DIGIT_SEED, num_train, num_heldout)
     return TaskData(
-        "last_digit", splits["train"], splits["heldout"], ("last_digit",), "last_digit", random_prompt_digit
+        "last_digit",
+        splits["train"],
+        splits["heldout"],
+        DEFAULT_REWARDS["last_digit"],
+        "last_digit",
+        random_prompt_digit,
     )
 
 
@@ -148,7 +164,7 @@ def build_reverse_digits(num_train: int = 4000, num_heldout: int = 500) -> TaskD
         "reverse_digits",
         splits["train"],
         splits["heldout"],
-        ("reverse_digits_partial",),
+        DEFAULT_REWARDS["reverse_digits"],
         "reverse_digits",
         shuffled_prompt_digits,
     )
@@ -224,7 +240,7 @@ def build_gsm8k(load: HubLoader | None = None) -> TaskData:
         "gsm8k",
         gsm8k_rows(hub_split(hub, path, "train"), "gsm8k-train"),
         gsm8k_rows(hub_split(hub, path, "test"), "gsm8k-test"),
-        ("gsm8k_accuracy",),
+        DEFAULT_REWARDS["gsm8k"],
         "gsm8k_accuracy",
     )
 
@@ -319,7 +335,7 @@ def build_math(load: HubLoader | None = None) -> TaskData:
         "math",
         math_rows(hub_split(hub, path, "train"), "math-train"),
         math_rows(hub_split(hub, path, "test"), "math-test"),
-        ("math_accuracy",),
+        DEFAULT_REWARDS["math"],
         "math_accuracy",
     )
 
@@ -348,7 +364,7 @@ def build_math500(load: HubLoader | None = None) -> TaskData:
     train = math_rows(train_split, "math-train")
     if overlap:
         train = train.filter(lambda prompt_id: prompt_id not in overlap, input_columns="prompt_id")
-    return TaskData("math500", train, heldout, ("math_accuracy",), "math_accuracy")
+    return TaskData("math500", train, heldout, DEFAULT_REWARDS["math500"], "math_accuracy")
 
 
 # --------------------------------------------------------------------------- MBPP
@@ -389,7 +405,7 @@ def build_mbpp(load: HubLoader | None = None) -> TaskData:
     path = MBPP_HUB[0]
     train = concatenate_datasets([mbpp_rows(hub_split(hub, path, s)) for s in ("train", "validation")])
     heldout = mbpp_rows(hub_split(hub, path, "test"))
-    return TaskData("mbpp", train, heldout, ("mbpp_tests",), "mbpp_tests")
+    return TaskData("mbpp", train, heldout, DEFAULT_REWARDS["mbpp"], "mbpp_tests")
 
 
 # --------------------------------------------------------------------------- any data set with a `prompt` column
@@ -456,9 +472,12 @@ def with_prompt_ids(dataset: Dataset, prefix: str) -> Dataset:
 def split_by_prompt(
     dataset: Dataset, keys: Sequence[str], fraction: float, seed: int, label: str
 ) -> tuple[Dataset, Dataset]:
-    """Train and held-out rows, split by distinct prompt (not by row), so no prompt is in both."""
+    """Train and held-out rows, split by distinct prompt (not by row), so no prompt is in both.
+    A fraction of 0 holds out nothing (a run without evaluation trains on every prompt)."""
+    if fraction == 0.0:
+        return dataset, dataset.select([])
     if not 0.0 < fraction < 1.0:
-        raise ValueError(f"{label}: heldout_fraction must be between 0 and 1 (exclusive), got {fraction}")
+        raise ValueError(f"{label}: heldout_fraction must be between 0 and 1 (0 holds out nothing), got {fraction}")
     distinct = list(dict.fromkeys(keys))
     if len(distinct) < 2:
         raise ValueError(f"{label}: needs at least 2 distinct prompts to carve out a held-out split")
@@ -483,8 +502,8 @@ def task_from_dataset(
     """A task from any data set with a `prompt` column (strings or lists of messages).
 
     Every other column is kept (rewards get them as keyword arguments). Without `heldout`,
-    a `heldout_fraction` of the distinct prompts is held out, the same ones on every run
-    (`seed`). `prompt_id` is added where missing (`<name>-<row index>`, with `-train` /
+    a `heldout_fraction` of the distinct prompts is held out (at least one; none when it is 0),
+    the same ones on every run (`seed`). `prompt_id` is added where missing (`<name>-<row index>`, with `-train` /
     `-heldout` when both splits are given). Raises ValueError, naming the split and row,
     for a missing `prompt` column, an empty or malformed prompt, duplicate prompt ids, a
     prompt in both splits, a held-out split without the train split's columns, or a
@@ -532,7 +551,7 @@ def check_unique_ids(name: str, splits: Iterable[tuple[str, Iterable[Any]]]) -> 
 
 
 # File endings `datasets` reads with a packaged builder (no hub access needed).
-_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 
 def load_custom_task(
@@ -555,8 +574,8 @@ def load_custom_task(
     path = Path(source)
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
         loaded = load_from_disk(str(path))
-    elif path.is_file() and path.suffix in _FILE_BUILDERS:
-        loaded = (load or load_dataset)(_FILE_BUILDERS[path.suffix], data_files=str(path))
+    elif path.is_file() and path.suffix in FILE_BUILDERS:
+        loaded = (load or load_dataset)(FILE_BUILDERS[path.suffix], data_files=str(path))
     else:
         loaded = (load or load_dataset)(source, name=config)
     label = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", path.stem if path.exists() else source)

@@ -128,12 +128,16 @@ def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NA
     from workers.rollout.heldout import heldout_accuracy
     from workers.rollout.transformers_engine import TransformersRolloutEngine
 
+    from workers.state.storage import clean_stale_temps, temp_prefix
+
     folder, task_name = TINY_MODELS[name]
     final = tiny_model_path(storage_root, name)
+    if final.parent.is_dir():
+        clean_stale_temps([final.parent])  # builds killed midway (their pid is in the folder's name)
     if (final / "build_info.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{folder}.", suffix=".tmp"))
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(folder), suffix=".tmp"))
     task = load_task(task_name)
     assert task.format_answer is not None, f"{task_name} has no format_answer for a warm start"
     tokenizer = build_tokenizer()
