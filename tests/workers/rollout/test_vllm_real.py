@@ -90,8 +90,8 @@ def actor(model_path, tmp_path):
     return actor
 
 
-def actor_logprobs(actor: Actor, result, temperature: float = 1.0) -> list[list[float]]:
-    """The actor's per-token log-probs of the engine's completions (TRL's code, at `temperature`)."""
+def actor_logprobs(actor: Actor, result) -> list[list[float]]:
+    """The actor's per-token log-probs of the engine's completions (TRL's code, at the config's temperature)."""
     n = len(result.completion_token_ids) // len(result.prompt_token_ids)
     table = pa.table(
         {
@@ -102,12 +102,8 @@ def actor_logprobs(actor: Actor, result, temperature: float = 1.0) -> list[list[
         }
     )
     inputs = loss_inputs(table, actor.tokenizer.pad_token_id)
-    actor.objective.temperature = temperature  # TRL divides the logits by it, as the engine samples
-    try:
-        with torch.no_grad():
-            logps = per_token_logprobs(actor.objective, actor.model, inputs)
-    finally:
-        actor.objective.temperature = actor.config.temperature
+    with torch.no_grad():
+        logps = per_token_logprobs(actor.objective, actor.model, inputs)
     return [logps[i, : len(row)].tolist() for i, row in enumerate(result.completion_token_ids)]
 
 
@@ -176,10 +172,13 @@ def test_processed_logprobs_follow_temperature_and_top_p(engine, model_path):
             assert max_difference(result.sampling_logprobs, temperature_only) > 1e-3
 
 
-def test_sampling_logprobs_agree_with_the_actors(engine, actor):
-    for temperature in (1.0, 0.7):
-        result = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=4, temperature=temperature, seed=9), 32)
-        assert max_difference(result.sampling_logprobs, actor_logprobs(actor, result, temperature)) < TOLERANCE
+def test_sampling_logprobs_agree_with_the_actors(engine, actor, model_path, tmp_path):
+    result = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=4, seed=9), 32)
+    assert max_difference(result.sampling_logprobs, actor_logprobs(actor, result)) < TOLERANCE
+    cooler = Actor(tiny_config(tmp_path, temperature=0.7), model_path)  # TRL fixes the temperature at init
+    cooler.load()
+    result = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=4, temperature=0.7, seed=9), 32)
+    assert max_difference(result.sampling_logprobs, actor_logprobs(cooler, result)) < TOLERANCE
 
 
 # -- weight sync -------------------------------------------------------------------------------------------
