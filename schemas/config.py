@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-Backend = Literal["local", "modal"]
+Backend = Literal["local", "modal", "ray"]
 WeightSyncMethod = Literal["reload", "volume", "direct", "checkpoint", "lora"]
 RolloutEngine = Literal["transformers", "vllm"]
 VLLMMode = Literal["colocate", "server"]  # TRL's names for where a vLLM engine runs
@@ -30,7 +30,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MODAL_GPU_TYPES = ("T4", "L4", "A10G", "A10", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
 
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_publish")
-TASK_NAMES = ("last_digit", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
+TASK_NAMES = ("last_digit", "reverse_digits", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
 # Old name -> new name, for configs stored by an older grpo-flow (runs resume under the new names).
 RENAMED_FIELDS = {"gpu_memory_utilization": "vllm_gpu_memory_utilization", "max_model_len": "vllm_max_model_length"}
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -56,6 +56,11 @@ NON_TRAINING_FIELDS = frozenset(
         "modal_volume",
         "modal_secrets",
         "detach",
+        "ray_address",
+        "actor_gpus",
+        "rollout_gpus",
+        "actor_cpus",
+        "rollout_cpus",
         "save_total_limit",
         "keep_checkpoint_every",
         "generate_retries",
@@ -67,6 +72,8 @@ NON_TRAINING_FIELDS = frozenset(
         "gradient_checkpointing",
         "max_tokens_per_microbatch",
         "step_subflows",
+        "reward_timeout_s",
+        "max_no_reward_steps",
     }
 )
 
@@ -84,22 +91,26 @@ class GRPOFlowConfig(BaseModel):
     )
     storage_root: str = Field(
         default="grpo-storage",
-        description="Folder (or, with the Modal backend, Volume path) holding runs, models and caches.",
+        description="Folder (or, with the Modal backend, Volume path) holding runs, models and caches. With the Ray "
+        "backend, a folder on a filesystem every node of the cluster mounts at the same path.",
     )
     backend: Backend = Field(
         default="local",
-        description="Where the GPU workers run: `local` (this process) or `modal` (Modal GPUs).",
+        description="Where the GPU workers run: `local` (this process), `modal` (Modal GPUs) or `ray` (Ray actors "
+        "on a Ray cluster: `ray_address`, else RAY_ADDRESS, else a local Ray instance).",
     )
 
     # Model and data
     model: str = Field(
         default="tiny",
         min_length=1,
-        description="Hugging Face model id or local path; `tiny` is the project's own offline model.",
+        description="Hugging Face model id or local path; `tiny` (`tiny-reverse` for reverse_digits) is the "
+        "project's own offline model.",
     )
     dataset: str = Field(
         default="last_digit",
-        description="Task: `last_digit` (synthetic, offline), or from the Hugging Face hub `gsm8k` (openai/gsm8k), "
+        description="Task: `last_digit` or `reverse_digits` (synthetic, offline), or from the Hugging Face hub "
+        "`gsm8k` (openai/gsm8k), "
         "`math` (MATH), `math500` (MATH train, MATH-500 held out), `mbpp` (MBPP, code with tests); or "
         "`hf:<hub id or local path>`, any data set with a `prompt` column. (The Python API registers its "
         "Dataset objects as `registered:<fingerprint>`.)",
@@ -339,6 +350,21 @@ class GRPOFlowConfig(BaseModel):
         default=1, ge=0, description="Retries of the actor step (safe: the actor checks the policy version it holds)."
     )
     retry_delay_seconds: float = Field(default=1.0, ge=0, description="Delay between retries.")
+    reward_timeout_s: float | None = Field(
+        default=600.0,
+        gt=0,
+        description="Longest one call of a reward function may take (one call scores a rollout shard); past it "
+        "the step fails naming the function and is not retried. An async function is cancelled; a sync one runs "
+        "on its own thread, which is stopped at its next Python instruction, or, if it is blocked inside a C call "
+        "(a socket read, a sleep), left behind as a daemon thread that cannot keep the process alive. Code that "
+        "must be killable belongs in the sandbox (execute_in_sandbox). None: no limit.",
+    )
+    max_no_reward_steps: int = Field(
+        default=3,
+        ge=1,
+        description="Steps in a row in which every completion got no reward (every function returned None for "
+        "every sample) before the run fails; the first such step prints a warning naming the functions.",
+    )
 
     # Modal backend (the seeds' option names); ignored by the local backend
     actor_gpu: str = Field(
@@ -357,6 +383,28 @@ class GRPOFlowConfig(BaseModel):
         default_factory=list, description="Modal Secrets by name, e.g. `huggingface-secret`, `wandb-secret`."
     )
     detach: bool = Field(default=False, description="Keep the Modal app running if the local client disconnects.")
+
+    # Ray backend; ignored by the others
+    ray_address: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Ray cluster to run on, as `ray start --head` prints it (`HOST:PORT`, or `auto`). None: the "
+        "RAY_ADDRESS environment variable, else a local Ray instance started for the run.",
+    )
+    actor_gpus: float | None = Field(
+        default=None,
+        ge=0,
+        description="GPUs of the actor's Ray actor (fractions share a GPU). None: 1 on a cluster with GPUs, else 0.",
+    )
+    rollout_gpus: float | None = Field(
+        default=None,
+        ge=0,
+        description="GPUs of each rollout engine's Ray actor. None: 1 on a cluster with GPUs, else 0.",
+    )
+    actor_cpus: float = Field(default=1.0, gt=0, description="CPUs of the actor's Ray actor (fractions allowed).")
+    rollout_cpus: float = Field(
+        default=1.0, gt=0, description="CPUs of each rollout engine's Ray actor (fractions allowed)."
+    )
 
     # Evaluation and logging
     eval_prompts: int = Field(
@@ -417,6 +465,11 @@ class GRPOFlowConfig(BaseModel):
                 "vllm_mode 'colocate' needs the local backend: on Modal each rollout engine has a container of its "
                 "own (vllm_mode 'server')"
             )
+        if self.backend == "ray" and self.rollout_engine == "vllm":
+            # Not built yet: the Ray backend's engines are the transformers engine (README, Ray backend).
+            raise ValueError(
+                "rollout_engine 'vllm' is not available on backend 'ray' yet; use rollout_engine 'transformers'"
+            )
         if self.rollout_engine == "vllm" and self.use_lora and (self.lora_r or 16) > VLLM_LORA_RANKS[-1]:
             raise ValueError(
                 f"lora_r ({self.lora_r}) is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]})"
@@ -456,6 +509,100 @@ class GRPOFlowConfig(BaseModel):
         """Hash of the fields that change what a run computes (cache keys, resume checks)."""
         fields = self.model_dump(exclude=set(NON_TRAINING_FIELDS))
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# The fields by topic, in the order `grpo train --help` and the README's config table show them
+# (tests/schemas/test_config_groups.py checks that every field is in exactly one group and the README agrees).
+CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
+    "Run": ("run_id", "storage_root", "backend"),
+    "Model and data": ("model", "dataset", "reward_funcs", "reward_weights"),
+    "Optimisation": (
+        "learning_rate",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "weight_decay",
+        "max_grad_norm",
+        "gradient_checkpointing",
+        "max_tokens_per_microbatch",
+        "bf16",
+        "max_steps",
+        "num_train_epochs",
+        "seed",
+    ),
+    "LoRA": ("use_lora", *LORA_OPTIONS),
+    "GRPO objective": (
+        "num_generations",
+        "prompts_per_step",
+        "loss_type",
+        "beta",
+        "epsilon",
+        "epsilon_high",
+        "scale_rewards",
+        "multi_objective_aggregation",
+        "delta",
+        "sapo_temperature_neg",
+        "sapo_temperature_pos",
+        "vespo_k_pos",
+        "vespo_lambda_pos",
+        "vespo_k_neg",
+        "vespo_lambda_neg",
+        "off_policy_mask_threshold",
+        "use_bias_correction_kl",
+        "importance_sampling_level",
+        "num_iterations",
+        "mask_truncated_completions",
+        "top_entropy_quantile",
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max",
+    ),
+    "Generation": ("max_prompt_length", "max_completion_length", "temperature", "top_p"),
+    "Rollout engine": (
+        "rollout_engine",
+        "vllm_python",
+        "vllm_mode",
+        "vllm_dtype",
+        "vllm_max_model_length",
+        "vllm_gpu_memory_utilization",
+        "vllm_enable_sleep_mode",
+        "weight_sync_method",
+    ),
+    "Workers and schedule": (
+        "num_rollout_workers",
+        "step_subflows",
+        "dynamic_sampling",
+        "dynamic_sampling_max_rounds",
+        "reward_concurrency",
+        "max_staleness",
+        "sync_weights_every",
+        "save_steps",
+        "save_total_limit",
+        "keep_checkpoint_every",
+    ),
+    "Retries, timeouts and checks": (
+        "generate_retries",
+        "score_retries",
+        "actor_retries",
+        "retry_delay_seconds",
+        "reward_timeout_s",
+        "max_no_reward_steps",
+    ),
+    "Modal backend": (
+        "actor_gpu",
+        "actor_gpu_count",
+        "rollout_gpu",
+        "modal_volume",
+        "modal_secrets",
+        "detach",
+    ),
+    "Evaluation and logging": ("eval_prompts", "report_to", "wandb_project"),
+}
+
+
+def field_group(name: str) -> str:
+    """The group a field is listed under; a field no group names yet is listed under "Other"."""
+    return next((group for group, names in CONFIG_GROUPS.items() if name in names), "Other")
 
 
 def describe_validation_error(error: ValidationError) -> str:

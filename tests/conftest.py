@@ -25,3 +25,137 @@ def prefect_server():
 def storage_root(tmp_path_factory):
     """One storage root per session, so the tiny model is built once."""
     return tmp_path_factory.mktemp("grpo-storage")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# Ray maps 127.0.0.1 to the machine's outward address unless this is 0 (a switch meant for laptops), and
+# tests may listen on the loopback range only. Ray reads it on import, so it is set before any test imports Ray.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray 2.60 authenticates with a token; the test cluster and every driver of it (this process, the CLI's
+# subprocesses) share one from the environment, never the user's ~/.ray/auth_token.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", __import__("secrets").token_hex(32))
+RAY_MARKER = "GRPO_FLOW_TEST_RAY_CLUSTER"  # in the environment of every process of a test cluster
+
+
+class RayCluster:
+    """A one-node Ray cluster of 2 CPUs started with `ray start --head --block` on the loopback address,
+    without the dashboard (it would listen on the outward address).
+
+    Every process of it (GCS, raylet, agents, and the workers, which Ray puts in process groups of
+    their own) inherits RAY_MARKER with this cluster's temp dir; `stop` ends exactly those processes
+    (`ray stop` would end every Ray process on the machine).
+    """
+
+    def __init__(self, cpus: int = 2, startup_timeout_s: float = 90.0) -> None:
+        import subprocess
+        import sys
+        import tempfile
+        import time
+        from pathlib import Path
+
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+        argv = [
+            str(Path(sys.executable).with_name("ray")),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.port}",
+            f"--num-cpus={cpus}",
+            "--num-gpus=0",
+            f"--object-store-memory={200 * 2**20}",
+            "--include-dashboard=false",
+            f"--ray-client-server-port={free_port()}",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+        ]
+        self.log = Path(self.temp_dir) / "ray-start.log"
+        env = {**os.environ, RAY_MARKER: self.temp_dir}  # with the loopback switch and the token above
+        self.process = subprocess.Popen(
+            argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        deadline = time.monotonic() + startup_timeout_s
+        while "Ray runtime started" not in self.log.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the test Ray cluster did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def processes(self) -> list[int]:
+        """Live (not zombie) processes of this cluster, found by the marker in their environment (Linux /proc)."""
+        from pathlib import Path
+
+        marker = f"{RAY_MARKER}={self.temp_dir}".encode()
+        found = []
+        for folder in Path("/proc").glob("[0-9]*"):
+            try:
+                if marker not in (folder / "environ").read_bytes().split(b"\0"):
+                    continue
+                state = (folder / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z" and int(folder.name) != os.getpid():
+                found.append(int(folder.name))
+        return found
+
+    def named_actors(self, prefix: str, settle_s: float = 15.0) -> list[str]:
+        """Names of this cluster's live named actors that start with `prefix` (from the GCS), after waiting up
+        to `settle_s` for them to go (`ray.kill` returns before the GCS records the death)."""
+        import time
+
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.address, logging_level="ERROR", log_to_driver=False)
+        deadline = time.monotonic() + settle_s
+        while True:
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+            if not names or time.monotonic() > deadline:
+                return names
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """This cluster's processes only: TERM, then KILL whatever is left."""
+        import shutil
+        import signal
+        import time
+
+        try:
+            import ray
+
+            ray.shutdown()  # this process's driver connection
+        except ImportError:
+            pass
+        for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):  # `ray start --block` outlives TERM
+            deadline = time.monotonic() + wait_s
+            while (pids := self.processes()) and time.monotonic() < deadline:
+                for pid in pids:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+                self.process.poll()  # reap `ray start` itself
+                time.sleep(0.3)
+        self.process.wait(timeout=10)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster for the session's Ray tests, stopped (every process of it) at the end."""
+    cluster = RayCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        assert not cluster.processes(), "processes of the test Ray cluster outlived it"

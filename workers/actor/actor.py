@@ -128,10 +128,10 @@ def micro_batches(inputs: dict[str, torch.Tensor], max_tokens: int | None) -> li
 def sampling_matches_actor(config: GRPOFlowConfig, actor_bf16: bool) -> bool:
     """Whether the rollout engine's log-probs equal the actor's at the same weights, so the IS correction
     has nothing to correct: only the local backend's fp32 transformers engine (the actor's own code on
-    the same device). vLLM (any dtype: other kernels), a Modal container's engine (another GPU) and a
+    the same device; the Ray backend's engines are that engine in other processes). vLLM (any dtype: other kernels), a Modal container's engine (another GPU) and a
     bf16 actor all differ. Decided from the run's config, so a worker that runs elsewhere (a Modal
     container) decides the same as the process that started the run."""
-    return config.backend == "local" and config.rollout_engine == "transformers" and not actor_bf16
+    return config.backend in ("local", "ray") and config.rollout_engine == "transformers" and not actor_bf16
 
 
 class Actor:

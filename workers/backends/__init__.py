@@ -4,14 +4,15 @@
   one-step-off pipelining).
 - `modal_app`: the Modal app, each worker class wrapped in a few lines; `modal_backend`: the
   same surface as `local` over those remote classes, the Modal sandbox for reward code.
+- `ray_app`: the workers wrapped in a few lines for Ray actors; `ray_backend`: the same surface
+  as `local` (it subclasses it) over Ray actors on a Ray cluster, placed with a placement group.
 - `weight_sync`: how a rollout engine gets the actor's new policy (five methods).
 - this module: which backend a run uses (`run_workers`, `release`, `check_backend_ready`).
 
-Imports every other worker package; `modal` only in the Modal modules.
+Imports every other worker package; `modal` only in the Modal modules, `ray` only in
+`ray_backend` (imported only for `backend="ray"`).
 
-Which workers a run uses: the local backend (this process) or Modal (GPUs in Modal's cloud).
-
-Both expose the same surface (`actor.step`, `rollout[i].generate`, `sync_weights`,
+All expose the same surface (`actor.step`, `rollout[i].generate`, `sync_weights`,
 `restore`, `ensure_actor_version`, `ensure_rollout_version`, `save_rollout_weights`), so the
 tasks do not care which one they talk to.
 
@@ -38,6 +39,10 @@ def run_workers(config: GRPOFlowConfig, model_path: str | Path) -> Any:
         if os.environ.get("GRPO_FLOW_MODAL_MODE") == "local":
             return modal_workers(config, model_path, mode="local", rollout_device="cpu", actor_device="cpu")
         return modal_workers(config, model_path)
+    if config.backend == "ray":
+        from workers.backends.ray_backend import ray_workers
+
+        return ray_workers(config, model_path)
     from workers.backends import local
 
     return local.local_workers(config, model_path)
@@ -50,12 +55,21 @@ def release(config: GRPOFlowConfig, run_id: str) -> None:
         from workers.backends.modal_backend import release as release_modal
 
         release_modal(run_id)
+    if config.backend == "ray":
+        from workers.backends.ray_backend import release as release_ray
+
+        release_ray(run_id)
     local.release(run_id)
 
 
 def check_backend_ready(config: GRPOFlowConfig) -> None:
-    """Modal credentials and named secrets present (a clear error before anything starts)."""
+    """Modal credentials and named secrets present; a Ray cluster that answers and has the resources asked
+    for (a clear error before anything starts)."""
     if config.backend == "modal" and os.environ.get("GRPO_FLOW_MODAL_MODE") != "local":
         from workers.backends.modal_backend import check_modal_ready
 
         check_modal_ready(config)
+    if config.backend == "ray":
+        from workers.backends.ray_backend import check_ray_ready
+
+        check_ray_ready(config)

@@ -9,7 +9,10 @@ Workers are caches of the run's state, keyed by run id; `release` drops them at 
 They heal themselves: an actor asked for a policy version it does not hold restores the
 newest checkpoint before it and replays the logged rollouts since; a rollout engine asked
 for a version it does not hold loads it. So a replaced or restarted worker costs time, never
-correctness. The Modal backend provides the same methods on remote classes.
+correctness. The Modal backend provides the same methods on remote classes. The Ray backend
+(workers/backends/ray_backend.py) subclasses `LocalWorkers`: the same sync, resume and healing
+logic over Ray actor handles, with its own answers to how published weights are held and moved
+(the `_publish`, `_load_all`, `_moved_bytes`, `_keep_rollout_weights`, `_rollout_weights_from` hooks).
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class LocalWorkers:
             ]
         # The weights last published to the rollout workers, so a replaced worker can take them.
         self.published: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._heal_lock = threading.Lock()  # shards heal on worker threads; one at a time
+        # Shards heal on worker threads, one at a time; reentrant, since a Ray engine whose published
+        # weights were lost heals the actor while it holds the lock (ray_backend.RayWorkers._load).
+        self._heal_lock = threading.RLock()
         self.actor.load()
         try:
             if self.uses_vllm:  # separate processes: their starts (imports, engine build) overlap
@@ -104,8 +109,29 @@ class LocalWorkers:
         """What the engines take: the adapter alone when they generate with adapters, else the full weights."""
         return self.actor.adapter_state_dict() if self.adapter_config is not None else self.actor.policy_state_dict()
 
-    def _load(self, engine: TransformersRolloutEngine, weights: dict[str, torch.Tensor], version: int) -> None:
+    def _load(self, engine: Any, weights: Any, version: int) -> None:
         engine.load_state_dict(weights, version, self.adapter_config)
+
+    # -- how published weights are held and moved (here: tensors in this process's memory) --------
+    def _publish(self) -> Any:
+        """The actor's current weights (or adapter), as this backend hands them to engines."""
+        return self.published_weights()
+
+    def _load_all(self, weights: Any, version: int) -> None:
+        for engine in self.rollout:
+            self._load(engine, weights, version)
+
+    def _moved_bytes(self, weights: Any) -> float:
+        return float(sum(t.numel() * t.element_size() for t in weights.values()))
+
+    def _keep_rollout_weights(self, weights: Any, folder: Path) -> dict[str, Any]:
+        """Into a checkpoint: the weights the rollout workers hold while they lag the actor."""
+        save_file({k: v.contiguous() for k, v in weights.items()}, folder / ROLLOUT_WEIGHTS)
+        return {}
+
+    def _rollout_weights_from(self, folder: Path, manifest: dict[str, Any]) -> Any:
+        """What `_keep_rollout_weights` kept in a checkpoint, ready for `_load_all`."""
+        return load_file(folder / ROLLOUT_WEIGHTS)
 
     def sync_weights(self) -> int:
         """Give every rollout engine the actor's weights (or adapter); returns the version.
@@ -115,16 +141,15 @@ class LocalWorkers:
         storage root reloaded in place (`reload`, `volume`), safetensors bytes over their socket
         (`direct`), a saved model they restart on (`checkpoint`), an adapter folder (`lora`).
         """
-        weights = self.published_weights()
+        weights = self._publish()
         self.published = (self.actor.policy_version, weights)
         if self.uses_vllm:
             method = "lora" if self.adapter_config is not None else self.config.weight_sync_method
             run_dir = RunStorage(self.config.storage_root, self.config.run_id or "unnamed").run_dir
             self.last_sync = weight_sync.sync_weights(method, self.actor, self.rollout, run_dir)
             return self.actor.policy_version
-        for engine in self.rollout:
-            self._load(engine, weights, self.actor.policy_version)
-        self.last_sync = {"bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+        self._load_all(weights, self.actor.policy_version)
+        self.last_sync = {"bytes": self._moved_bytes(weights)}
         return self.actor.policy_version
 
     # -- resume and self-healing ---------------------------------------------------------------
@@ -141,22 +166,22 @@ class LocalWorkers:
         self.actor.restore(folder)
         rollout_version = manifest.get("rollout_policy_version", self.actor.policy_version)
         if rollout_version == self.actor.policy_version:
-            weights = self.published_weights()
+            weights = self._publish()
         else:
-            weights = load_file(folder / ROLLOUT_WEIGHTS)
+            weights = self._rollout_weights_from(folder, manifest)
         self.published = (rollout_version, weights)
-        for engine in self.rollout:
-            self._load(engine, weights, rollout_version)
+        self._load_all(weights, rollout_version)
         return rollout_version
 
-    def save_rollout_weights(self, folder: Path) -> dict[str, int]:
+    def save_rollout_weights(self, folder: Path) -> dict[str, Any]:
         """What a checkpoint needs to restore the rollout workers when they lag the actor."""
         version = self.published[0] if self.published else 0
+        kept: dict[str, Any] = {}
         if version != self.actor.policy_version:
             if self.published is None:
                 raise RuntimeError("rollout workers hold the initial model; restore it from model_path instead")
-            save_file({k: v.contiguous() for k, v in self.published[1].items()}, folder / ROLLOUT_WEIGHTS)
-        return {"rollout_policy_version": version}
+            kept = self._keep_rollout_weights(self.published[1], folder)
+        return {"rollout_policy_version": version, **kept}
 
     def ensure_actor_version(self, version: int, storage: RunStorage) -> None:
         """Bring the actor to `version`: restore the newest checkpoint at or before it, replay the logged steps."""
@@ -168,7 +193,7 @@ class LocalWorkers:
             )
             replay_actor_to(self.actor, version, storage)
 
-    def ensure_rollout_version(self, index: int, version: int, storage: RunStorage) -> TransformersRolloutEngine:
+    def ensure_rollout_version(self, index: int, version: int, storage: RunStorage) -> Any:
         """Rollout engine `index`, holding policy `version` (loaded from what was published if not)."""
         engine = self.rollout[index]
         if engine.model is not None and engine.policy_version == version:
@@ -186,7 +211,7 @@ class LocalWorkers:
                 return engine
         self.ensure_actor_version(version, storage)
         with self._heal_lock:
-            self._load(engine, self.published_weights(), version)
+            self._load(engine, self._publish(), version)
         return engine
 
 
@@ -197,6 +222,14 @@ def local_workers(config: GRPOFlowConfig, model_path: str | Path) -> LocalWorker
         if config.run_id not in _WORKERS:
             _WORKERS[config.run_id] = LocalWorkers(config, model_path)
         return _WORKERS[config.run_id]
+
+
+def kill(run_id: str) -> None:
+    """End the run's engine processes now, without waiting for a call under way (the process is about
+    to exit at once: a second Ctrl-C). In-process workers go with the process."""
+    for engine in _WORKERS[run_id].rollout if run_id in _WORKERS else []:
+        if isinstance(engine, ProcessRolloutEngine):
+            engine.kill()
 
 
 def release(run_id: str) -> None:

@@ -90,6 +90,12 @@ class ProcessRolloutEngine:
     def generate(self, prompts: list[Any], params: Any, max_prompt_length: int | None = None) -> Any:
         return self._call("generate", prompts, params, max_prompt_length)
 
+    def kill(self) -> None:
+        """End the engine process at once, even mid-call (nothing it holds is the truth: a run's state is on disk)."""
+        process = self._process
+        if process is not None and process.is_alive():
+            process.kill()
+
     def close(self) -> None:
         if self._process is not None and self._process.is_alive():
             try:

@@ -1,0 +1,184 @@
+"""The `grpo` flow on the Ray backend, against a real local Ray cluster (the `ray_cluster` fixture in
+tests/conftest.py: `ray start --head` on the loopback address, 2 CPUs, stopped at the end).
+
+The tiny preset's run on Ray is the reference: it must learn, and a run whose rollout engine and
+then actor are killed with SIGKILL mid-run, and a run killed whole and resumed, must both end
+with its final weights, bit for bit.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flows.grpo import grpo
+from schemas.presets import preset_config
+from workers.state.storage import RunStorage
+
+# The tiny preset on 2 CPUs: the actor gets one, the two rollout engines half of one each.
+RAY = dict(backend="ray", actor_cpus=1.0, rollout_cpus=0.5)
+RAY_CLI = ["--backend", "ray", "--actor-cpus", "1", "--rollout-cpus", "0.5"]
+
+
+def ray_config(cluster, storage_root, run_id, **overrides):
+    fields = {**RAY, **overrides}
+    return preset_config("tiny", run_id=run_id, storage_root=str(storage_root), ray_address=cluster.address, **fields)
+
+
+def final_weights(storage: RunStorage, step: int = 50) -> dict[str, torch.Tensor]:
+    storage.verify_checkpoint(step)
+    return load_file(storage.checkpoint_dir(step) / "model" / "model.safetensors")
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs by {float((a[name] - b[name]).abs().max())}"
+
+
+@pytest.fixture(scope="module")
+def unbroken(prefect_server, storage_root, ray_cluster):
+    summary = grpo(ray_config(ray_cluster, storage_root, "ray-unbroken"))
+    return summary, RunStorage(storage_root, "ray-unbroken")
+
+
+def test_the_tiny_preset_learns_on_ray_actors(unbroken, ray_cluster):
+    summary, storage = unbroken
+    assert summary["status"] == "completed" and summary["steps_completed"] == 50
+    gain = summary["final_eval_accuracy"] - summary["initial_eval_accuracy"]
+    assert gain >= 0.3, summary
+    rows = storage.read_metrics().to_pylist()
+    assert all(r["synced_version"] == r["step"] and r["sync/bytes"] > 0 for r in rows)
+    assert set(storage.read_rollouts(columns=["worker_id"]).column("worker_id").to_pylist()) == {
+        "rollout-0",
+        "rollout-1",
+    }
+    assert not ray_cluster.named_actors("grpo-flow/ray-unbroken/")  # the run's end stopped its Ray actors
+    assert not (storage.run_dir / "weights").exists()  # reload: weights went through the object store, no files
+
+
+def test_an_engine_and_then_the_actor_killed_mid_run_heal_and_the_run_ends_with_the_unbroken_weights(
+    unbroken, ray_cluster, storage_root, monkeypatch
+):
+    """SIGKILL rollout-1's process while it generates step 10, and the actor's while it takes step 25:
+    Ray restarts each process, the backend restores what it must hold (the published weights from the
+    object store; checkpoint 20 plus the logged steps 21-24), and the step goes on."""
+    from workers.backends import ray_backend
+
+    calls: Counter = Counter()
+    kill_at = {("rollout-1", "generate"): 10, ("actor", "step"): 25}
+    killed: list[tuple[str, int]] = []
+    original = ray_backend.RayHandle.call
+
+    def call(self, method, *args):
+        calls[(self.name, method)] += 1
+        if kill_at.get((self.name, method)) == calls[(self.name, method)]:
+            pid = self.ready()["pid"]  # the worker's own answer (the dashboard's state API is off in tests)
+            ref = getattr(self.handle, method).remote(*args)
+            os.kill(pid, signal.SIGKILL)  # while the call is in flight
+            killed.append((self.name, pid))
+            return self.get(ref)
+        return original(self, method, *args)
+
+    monkeypatch.setattr(ray_backend.RayHandle, "call", call)
+    summary = grpo(ray_config(ray_cluster, storage_root, "ray-killed"))
+
+    assert summary["status"] == "completed" and [name for name, _ in killed] == ["rollout-1", "actor"]
+    for _, pid in killed:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    # The engine took the published weights again; the actor restored checkpoint 20 and replayed 21-24.
+    assert calls[("rollout-1", "load_weights")] >= 1 and calls[("rollout-1", "generate")] >= 51
+    assert calls[("actor", "restore")] >= 1 and calls[("actor", "step")] >= 50 + 1 + 4
+    storage = RunStorage(storage_root, "ray-killed")
+    assert storage.logged_steps() == list(range(1, 51))
+    assert_same_weights(final_weights(storage), final_weights(unbroken[1]))
+    ours = storage.read_rollouts(columns=["step", "completion", "advantage"])
+    assert ours.equals(unbroken[1].read_rollouts(columns=["step", "completion", "advantage"]))
+
+
+def cli(storage_root, run_id, *args, fail_at=None):
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("GRPO_FLOW_FAIL_AT", None)
+    if fail_at:
+        env["GRPO_FLOW_FAIL_AT"] = fail_at
+    argv = [sys.executable, "-m", "flows.cli", "train", "--run-id", run_id, "--storage-root", str(storage_root)]
+    return subprocess.run([*argv, "--no-progress", *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_a_run_killed_whole_resumes_on_the_cluster_to_the_unbroken_weights(unbroken, ray_cluster, storage_root):
+    """The `grpo train` process (the Ray driver) SIGKILLs itself before the actor takes step 30; Ray ends
+    the actors it owned; `grpo train --resume` starts new ones, restores checkpoint 20, replays the logged
+    steps 21-30 and goes on."""
+    killed = cli(
+        storage_root,
+        "ray-resumed",
+        "--preset",
+        "tiny",
+        *RAY_CLI,
+        "--ray-address",
+        ray_cluster.address,
+        fail_at="actor@30:kill",
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    storage = RunStorage(storage_root, "ray-resumed")
+    assert storage.latest_valid_checkpoint() == 20 and storage.rollout_steps()[-1] == 30
+    resumed = cli(storage_root, "ray-resumed", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming run" in resumed.stdout
+    assert_same_weights(final_weights(storage), final_weights(unbroken[1]))
+    assert not ray_cluster.named_actors("grpo-flow/ray-resumed/")  # the killed driver's actors went with it
+
+
+# -- bad input: refused before anything starts, exit 2 -------------------------------------------------
+def unused_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("source", ["--ray-address", "RAY_ADDRESS"])
+def test_no_cluster_at_the_address_is_refused_naming_it(tmp_path, monkeypatch, capsys, source):
+    from flows.cli import main
+
+    address = f"127.0.0.1:{unused_port()}"
+    argv = ["train", "--backend", "ray", "--storage-root", str(tmp_path / "store")]
+    if source == "RAY_ADDRESS":
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    else:
+        argv += ["--ray-address", address]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"no Ray cluster at {address}" in err and ("ray_address" if source == "--ray-address" else source) in err
+    assert "ray start --head" in err
+    assert not (tmp_path / "store").exists()
+
+
+def test_more_gpus_than_the_cluster_has_are_refused_naming_the_resource(ray_cluster, tmp_path, capsys):
+    from flows.cli import main
+
+    argv = ["train", *RAY_CLI, "--ray-address", ray_cluster.address, "--storage-root", str(tmp_path / "s")]
+    assert main([*argv, "--rollout-gpus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "actor_gpus/rollout_gpus: the run asks for 2 GPU" in err and "has 0 GPU in all" in err
+    assert main([*argv, "--actor-cpus", "3", "--rollout-cpus", "0.5"]) == 2
+    assert "has 2 CPU in all" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_without_ray_installed_the_backend_names_the_install_command(tmp_path, monkeypatch, capsys):
+    from flows.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    assert main(["train", "--backend", "ray", "--storage-root", str(tmp_path / "store")]) == 2
+    assert 'pip install -e ".[ray]"' in capsys.readouterr().err
+    assert not (tmp_path / "store").exists()

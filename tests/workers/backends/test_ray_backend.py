@@ -1,0 +1,178 @@
+"""The Ray backend's parts: resource checks (no Ray needed), and against a real local Ray cluster (the
+`ray_cluster` fixture, tests/conftest.py) every weight-sync method that makes sense on Ray, healing when
+the published weights are gone, and a checkpoint written while the engines lag the actor, restored
+after every worker process was killed."""
+
+import os
+import signal
+
+import pyarrow as pa
+import pytest
+import torch
+
+from schemas.presets import preset_config
+from workers.backends.ray_backend import RayNotReadyError, check_resources, cluster_address, plan_bundles
+from workers.data.loaders import load_task
+from workers.data.tiny_model import ensure_tiny_model
+from workers.rollout.base import SamplingParams
+from workers.rollout.transformers_engine import TransformersRolloutEngine
+from workers.state.storage import RunStorage
+
+
+def config(**fields):
+    return preset_config("tiny", **{"run_id": "ray-unit", "backend": "ray", **fields})
+
+
+# -- resources and addresses, no cluster needed ------------------------------------------------------------
+def test_bundles_follow_the_fields_and_gpus_default_to_one_each_on_a_gpu_cluster():
+    assert plan_bundles(config(actor_cpus=2, rollout_cpus=0.5), cluster_gpus=0) == [{"CPU": 2}] + [{"CPU": 0.5}] * 2
+    assert plan_bundles(config(), cluster_gpus=8) == [{"CPU": 1, "GPU": 1}] * 3
+    assert (
+        plan_bundles(config(actor_gpus=2, rollout_gpus=0.5), cluster_gpus=8)
+        == [{"CPU": 1, "GPU": 2}] + [{"CPU": 1, "GPU": 0.5}] * 2
+    )
+
+
+def test_too_few_gpus_are_refused_in_all_and_per_node():
+    two_nodes = [{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}]
+    check_resources(config(), two_nodes[:1] * 3, "here")  # three 1-GPU nodes hold three 1-GPU workers
+    with pytest.raises(RayNotReadyError, match=r"asks for 3 GPU .* has 2 GPU in all"):
+        check_resources(config(), two_nodes, "here")
+    with pytest.raises(RayNotReadyError, match=r"actor_gpus: 2 GPU for one worker, but no node .* more than 1 GPU"):
+        check_resources(config(actor_gpus=2, rollout_gpus=0), two_nodes, "here")
+    with pytest.raises(RayNotReadyError, match=r"actor_cpus/rollout_cpus: the run asks for 3 CPU"):
+        check_resources(config(), [{"CPU": 2}], "here")
+
+
+def test_the_address_comes_from_the_config_then_ray_address_then_a_local_instance(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cluster_address(config()) == ("local", "default")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert cluster_address(config()) == ("10.0.0.1:6379", "RAY_ADDRESS")
+    assert cluster_address(config(ray_address="auto")) == ("auto", "ray_address")
+
+
+# -- against the cluster ----------------------------------------------------------------------------------
+PARAMS = SamplingParams(n=2, max_tokens=2, seed=7)
+
+
+def sample(engine):
+    """(completion token ids, sampling log-probs) of a seeded generation on six fixed prompts."""
+    result = engine.generate(load_task("last_digit").train.select(range(6))["prompt"], PARAMS, 32)
+    return result.completion_token_ids, result.sampling_logprobs, result
+
+
+def rollouts_table(result, seed):
+    """The columns of a logged step the actor reads: the engine's samples, with made-up advantages."""
+    generator = torch.Generator().manual_seed(seed)
+    return pa.table(
+        {
+            "prompt_token_ids": [ids for ids in result.prompt_token_ids for _ in range(PARAMS.n)],
+            "completion_token_ids": result.completion_token_ids,
+            "sampling_logprobs": result.sampling_logprobs,
+            "advantage": torch.randn(len(result.texts), generator=generator).tolist(),
+        }
+    )
+
+
+def kill(worker):
+    pid = worker.ready()["pid"]  # the worker's own answer (the dashboard's state API is off in tests)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.fixture(scope="module")
+def run(ray_cluster, storage_root):
+    """RayWorkers of a scratch run (the tiny model, two engines), its initial samples, and its config."""
+    from workers.backends.ray_backend import RayWorkers
+
+    model_path = ensure_tiny_model(storage_root)
+    run_config = config(storage_root=str(storage_root), ray_address=ray_cluster.address, actor_cpus=1, rollout_cpus=0.5)
+    workers = RayWorkers(run_config, model_path)
+    try:
+        yield workers, sample(workers.rollout[0]), run_config
+    finally:
+        workers.close()
+
+
+def test_every_weight_sync_method_gives_both_engines_the_actors_new_weights(run, storage_root):
+    workers, (ids0, logprobs0, result0), run_config = run
+    workers.actor.step(0, rollouts_table(result0, seed=0))
+    assert workers.actor.policy_version == 1
+    weights_dir = RunStorage(storage_root, "ray-unit").run_dir / "weights"
+    synced = {}
+    for method in ("reload", "direct", "volume", "checkpoint"):
+        workers.config = run_config.model_copy(update={"weight_sync_method": method})
+        for engine in workers.rollout:
+            engine.load()  # back to the initial model
+        assert sample(workers.rollout[1])[:2] == (ids0, logprobs0)
+        files_before = sorted(weights_dir.rglob("*")) if weights_dir.exists() else []
+        assert workers.sync_weights() == 1 and workers.last_sync["bytes"] > 0
+        synced[method] = [sample(engine)[:2] for engine in workers.rollout]
+        assert synced[method][0] == synced[method][1]
+        files_after = sorted(weights_dir.rglob("*")) if weights_dir.exists() else []
+        # reload and direct go through Ray's object store; volume and checkpoint write versioned folders.
+        assert (files_after == files_before) == (method in ("reload", "direct")), method
+    assert synced["reload"][0][1] != logprobs0  # the new weights sample otherwise
+    assert all(synced[m] == synced["reload"] for m in synced)
+    # What the engines hold is what the actor published: a local engine with those tensors samples the same.
+    import ray
+
+    local = TransformersRolloutEngine(workers.model_path)
+    local.load()
+    workers.config = run_config
+    workers.sync_weights()
+    local.load_state_dict(ray.get(workers.published[1]), 1)
+    ids, logprobs, _ = sample(local)
+    assert ids == synced["reload"][0][0]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(synced["reload"][0][1]), atol=1e-5, rtol=0)
+
+
+def test_an_engine_whose_published_weights_are_gone_gets_them_published_again(run, ray_cluster):
+    """The published copy's owner died (as when its node goes): the restarted engine's load fails with
+    Ray's ObjectLostError, and the backend publishes the actor's weights at that version again."""
+    import ray
+
+    workers, _, _ = run
+    expected = sample(workers.rollout[0])[:2]
+
+    @ray.remote(num_cpus=0)  # the run's placement group holds every CPU of the test cluster
+    class Owner:
+        def put(self, value):
+            return [ray.put(value)]  # a reference this actor owns
+
+    owner = Owner.remote()
+    [orphan] = ray.get(owner.put.remote(ray.get(workers.published[1])))
+    ray.kill(owner)
+    workers.published = (1, orphan)
+    kill(workers.rollout[1])
+    assert sample(workers.rollout[1])[:2] == expected
+    assert workers.published[1] is not orphan
+
+
+@pytest.mark.parametrize("method", ["reload", "volume"])
+def test_a_checkpoint_taken_while_the_engines_lag_restores_them_after_every_worker_was_killed(
+    run, ray_cluster, storage_root, method
+):
+    """sync_weights_every > 1: the checkpoint keeps the engines' older weights (a file from the object
+    store's copy, or the path of the versioned folder on the storage root)."""
+    workers, (_, _, result0), run_config = run
+    workers.config = run_config.model_copy(update={"weight_sync_method": method})
+    storage = RunStorage(storage_root, f"ray-unit-lag-{method}")
+    version = workers.actor.policy_version
+    workers.sync_weights()  # the engines hold `version`
+    lagging = sample(workers.rollout[0])[:2]
+    workers.actor.step(version, rollouts_table(result0, seed=version))  # the actor moves on, no sync
+    staging = storage.staging_checkpoint_dir(version + 1)
+    state = workers.actor.save_checkpoint(staging)
+    kept = workers.save_rollout_weights(staging)
+    assert kept["rollout_policy_version"] == version and ("rollout_weights" in kept) == (method == "volume")
+    storage.commit_checkpoint(version + 1, staging, {**state, **kept})
+
+    killed = [kill(worker) for worker in (workers.actor, *workers.rollout)]
+    assert workers.restore(storage, version + 1) == version
+    assert workers.actor.policy_version == version + 1
+    assert [sample(engine)[:2] for engine in workers.rollout] == [lagging, lagging]
+    for pid in killed:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
