@@ -1,7 +1,8 @@
 """Rollout engines side by side: vLLM (its own environment and process) against transformers.
 
     python -m benchmarks.engines [--hidden-size 384] [--layers 4] [--prompts 32] [--n 8]
-                                 [--max-tokens 32] [--repeats 3] [--json FILE]
+                                 [--max-tokens 32] [--repeats 3] [--dtypes float32,bfloat16]
+                                 [--json FILE]
 
 One randomly initialised Qwen2 model (the project's builder), saved once; both engines load it
 with `from_pretrained`. Measured in one invocation:
@@ -11,7 +12,9 @@ with `from_pretrained`. Measured in one invocation:
 - generation: the same prompts x n, the same sampling (temperature 1, seeded), median seconds of
   `--repeats` calls after one warm-up call, and completion tokens per second;
 - weight sync: the actor's export plus the engine's load, per weight_sync_method, median of
-  three (the transformers engine takes a state dict in memory, as the local backend gives it);
+  three, on the transformers engine and the fp32 vLLM engine, plus a state dict handed over in
+  memory (what the local backend does with a transformers engine; for vLLM: safetensors bytes
+  over the engine's socket);
 - log-prob agreement: each engine's sampling log-probs against the fp32 actor's for the same
   tokens (TRL's code), max and mean |difference|.
 
@@ -53,11 +56,11 @@ def prompts(count: int) -> list[str]:
 
 
 def timed_generation(engine: Any, batch: list[str], params: Any, repeats: int) -> dict[str, float]:
-    engine.generate(batch, params, 64)  # warm-up: lazy initialisation is not steady-state speed
+    engine.generate(batch, params, 32)  # warm-up: lazy initialisation is not steady-state speed
     seconds, tokens = [], 0
     for i in range(repeats):
         started = time.perf_counter()
-        result = engine.generate(batch, replace(params, seed=params.seed + i), 64)
+        result = engine.generate(batch, replace(params, seed=params.seed + i), 32)
         seconds.append(time.perf_counter() - started)
         tokens = sum(len(ids) for ids in result.completion_token_ids)
     median = statistics.median(seconds)
@@ -71,7 +74,7 @@ def agreement(engine: Any, actor: Any, batch: list[str], params: Any) -> dict[st
     from workers.actor.actor import loss_inputs
     from workers.actor.trl_objective import per_token_logprobs
 
-    result = engine.generate(batch, params, 64)
+    result = engine.generate(batch, params, 32)
     n = params.n
     table = pa.table(
         {
@@ -108,6 +111,12 @@ def sync_seconds(engine: Any, actor: Any, method: str | None, run_dir: Path) -> 
     return statistics.median(seconds)
 
 
+def all_syncs(engine: Any, actor: Any, run_dir: Path) -> dict[str, float]:
+    seconds = {method: sync_seconds(engine, actor, method, run_dir) for method in SYNC_METHODS}
+    seconds["in memory"] = sync_seconds(engine, actor, None, run_dir)
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden-size", type=int, default=384)
@@ -116,13 +125,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", type=lambda text: text.split(","), default=["float32", "bfloat16"])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if not 1 <= args.max_tokens <= 32:
+        parser.error("--max-tokens: 1 to 32 (the model holds 64 positions; prompts take up to 32)")
+    if not set(args.dtypes) <= {"float32", "bfloat16"}:
+        parser.error(f"--dtypes: float32 and/or bfloat16, comma-separated; got {','.join(args.dtypes)}")
 
     from schemas.config import GRPOFlowConfig
     from workers.actor.actor import Actor
     from workers.backends.vllm_env import vllm_python
     from workers.rollout.base import SamplingParams
+    from workers.rollout.channel import EngineProcessError
     from workers.rollout.transformers_engine import TransformersRolloutEngine
     from workers.rollout.vllm_engine import VLLMOptions
     from workers.rollout.vllm_process import VLLMProcessEngine
@@ -136,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         params_count = build_model(folder, args.hidden_size, args.layers)
         batch = prompts(args.prompts)
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=0)
-        config = GRPOFlowConfig(run_id="engines", storage_root=tmp, model=str(folder), max_prompt_length=64)
+        config = GRPOFlowConfig(run_id="engines", storage_root=tmp, model=str(folder), max_prompt_length=32)
         actor = Actor(config, folder)
         actor.load()
 
@@ -146,25 +161,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row: dict[str, Any] = {"start_s": time.perf_counter() - started}
         row.update(timed_generation(engine, batch, params, args.repeats))
         row["logprobs_vs_actor"] = agreement(engine, actor, batch, params)
-        row["sync_s"] = {"in memory": sync_seconds(engine, actor, None, Path(tmp) / "run")}
+        row["sync_s"] = all_syncs(engine, actor, Path(tmp) / "run")
         results["transformers (fp32)"] = row
 
-        for dtype in ("float32", "bfloat16"):
+        for dtype in args.dtypes:
             started = time.perf_counter()
             engine = VLLMProcessEngine(
                 folder,
-                options=VLLMOptions(dtype=dtype, max_model_len=64 + args.max_tokens),
+                # max_model_len from the model's config: the builder's max_position_embeddings (64)
+                options=VLLMOptions(dtype=dtype),
                 python=python,
                 log_path=Path(tmp) / f"vllm-{dtype}.log",
             )
-            engine.load()
-            row = {"start_s": time.perf_counter() - started}
             try:
+                engine.load()
+                row = {"start_s": time.perf_counter() - started}
                 row.update(timed_generation(engine, batch, params, args.repeats))
                 row["logprobs_vs_actor"] = agreement(engine, actor, batch, params)
                 if dtype == "float32":
-                    row["sync_s"] = {m: sync_seconds(engine, actor, m, Path(tmp) / "run") for m in SYNC_METHODS}
-                    row["sync_s"]["in memory (bytes over the socket)"] = sync_seconds(engine, actor, None, Path(tmp))
+                    row["sync_s"] = all_syncs(engine, actor, Path(tmp) / "run")
+            except EngineProcessError as error:  # reported in its row; the other engines are still measured
+                row = {"error": str(error).splitlines()[0]}
             finally:
                 engine.close()
             results[f"vLLM ({dtype})"] = row
@@ -182,6 +199,9 @@ def report(results: dict[str, Any], params_count: int, args: argparse.Namespace)
     )
     print(f"{'engine':<22}{'start s':>9}{'generate s':>12}{'tokens/s':>11}{'logp diff max':>15}{'mean':>10}")
     for name, row in results.items():
+        if "error" in row:
+            print(f"{name:<22}failed: {row['error']}")
+            continue
         agree = row["logprobs_vs_actor"]
         print(
             f"{name:<22}{row['start_s']:>9.2f}{row['generate_s']:>12.3f}{row['tokens_per_s']:>11.0f}"
@@ -189,15 +209,20 @@ def report(results: dict[str, Any], params_count: int, args: argparse.Namespace)
         )
     base = results["transformers (fp32)"]
     for name, row in results.items():
-        if name != "transformers (fp32)":
+        if name != "transformers (fp32)" and "error" not in row:
             print(
                 f"{name} / transformers: tokens/s x{row['tokens_per_s'] / base['tokens_per_s']:.2f}, "
                 f"start x{row['start_s'] / base['start_s']:.1f}"
             )
+    vllm_rows = [name for name, row in results.items() if "sync_s" in row and name != "transformers (fp32)"]
     print("\nweight sync, median seconds (actor export + engine load):")
-    for name, row in results.items():
-        for method, seconds in row.get("sync_s", {}).items():
-            print(f"  {name:<22}{method:<36}{seconds:>8.3f}")
+    print(f"  {'method':<14}{'transformers':>14}" + "".join(f"{name:>16}{'ratio':>8}" for name in vllm_rows))
+    for method, seconds in base["sync_s"].items():
+        line = f"  {method:<14}{seconds:>14.3f}"
+        for name in vllm_rows:
+            theirs = results[name]["sync_s"][method]
+            line += f"{theirs:>16.3f}{theirs / seconds:>8.1f}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 VLLM_COLOCATE = {
     "use_vllm": True,
     "vllm_mode": "colocate",
-    "vllm_max_model_length": 128,
+    "vllm_max_model_length": 64,  # the model's max_position_embeddings
     "vllm_gpu_memory_utilization": 0.1,
     "vllm_enable_sleep_mode": False,
 }
@@ -89,7 +89,10 @@ def timed_method(obj: Any, name: str, sink: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def run_trl(model_path: str, steps: int, workdir: Path, use_vllm: bool = False) -> dict[str, Any]:
+def run_trl(
+    model_path: str, steps: int, workdir: Path, use_vllm: bool = False, partial: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """TRL's side; `partial` receives what is measured before training starts (kept if training fails)."""
     from transformers import TrainerCallback
 
     from benchmarks.trl_side import grpo_config, grpo_trainer
@@ -118,6 +121,8 @@ def run_trl(model_path: str, steps: int, workdir: Path, use_vllm: bool = False) 
     started = time.perf_counter()
     trainer = grpo_trainer(model_path, counted_last_digit, args, task.train, callbacks=[timer])
     start_s = time.perf_counter() - started  # with vLLM: the colocated engine's start
+    if partial is not None:
+        partial["start_s"] = start_s
     phases: dict[str, list[float]] = {"generate": [], "score": [], "prepare": []}
     timed_method(trainer, "_generate", phases["generate"])
     timed_method(trainer, "_calculate_rewards", phases["score"])
@@ -153,6 +158,7 @@ def run_grpo_flow(
     config = GRPOFlowConfig(
         run_id=("vs-trl" if step_subflows else "vs-trl-no-subflows") + f"-{rollout_engine}",
         rollout_engine=rollout_engine,
+        vllm_max_model_length=64,  # the model's max_position_embeddings (vLLM refuses more)
         storage_root=str(workdir / "grpo-flow"),
         model=model_path,
         dataset="last_digit",
@@ -246,7 +252,8 @@ def print_engine_report(params: int, steps: int, sides: dict[str, dict[str, Any]
     print(f"{'side':<26}{'median step (s)':>17}{'first step (s)':>16}{'set-up (s)':>11}{'tokens/step':>13}")
     for name, result in sides.items():
         if "error" in result:
-            print(f"{name:<26}  failed: {result['error']}")
+            started = f" after a {result['start_s']:.1f} s start" if "start_s" in result else ""
+            print(f"{name:<26}  failed{started}: {result['error']}")
             continue
         print(
             f"{name:<26}{result['step_s']:>17.3f}{result['first_step_s']:>16.1f}{result['start_s']:>11.1f}"
@@ -280,10 +287,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.trl_side:  # the TRL + vLLM side, run by run_trl_in_vllm_env inside the vLLM environment
         model_path, out = args.trl_side
+        partial: dict[str, Any] = {}
         try:
-            side = run_trl(model_path, args.steps, Path(out).parent, use_vllm=True)
-        except Exception as error:  # reported in place of TRL's figures
-            side = {"error": f"{type(error).__name__}: {error}"}
+            side = run_trl(model_path, args.steps, Path(out).parent, use_vllm=True, partial=partial)
+        except Exception as error:  # reported in place of TRL's figures, with what was measured before it
+            side = {"error": f"{type(error).__name__}: {error}", **partial}
         Path(out).write_text(json.dumps(side))
         return side
     if args.steps < 3:
