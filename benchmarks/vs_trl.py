@@ -170,6 +170,7 @@ def run_grpo_flow(
         eval_prompts=0,
         bf16=False,
         step_subflows=step_subflows,
+        rollout_engine="transformers",  # TRL's side generates with transformers too (no vLLM)
         **WORK,
     )
     summary = grpo(config)
@@ -205,7 +206,7 @@ def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, o
         f"{work['prompts_per_step']} prompts x {work['num_generations']} generations = "
         f"{work['prompts_per_step'] * work['num_generations']} completions per step, at most "
         f"{work['max_completion_length']} new tokens, loss {work['loss_type']}, lr {work['learning_rate']}, "
-        f"{steps} steps (first step left out of medians).\n"
+        f"{steps} steps (first step left out of medians); both sides generate with transformers.\n"
     )
     print(f"{'side':<12}{'median step (s)':>17}{'tokens generated/step':>24}{'steps':>7}")
     print(f"{'TRL':<12}{trl['step_s']:>17.3f}{trl['tokens_per_step']:>24.1f}{trl['steps']:>7}")
