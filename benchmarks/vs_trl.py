@@ -157,7 +157,7 @@ def run_grpo_flow(
 
     config = GRPOFlowConfig(
         run_id=("vs-trl" if step_subflows else "vs-trl-no-subflows") + f"-{rollout_engine}",
-        rollout_engine=rollout_engine,
+        rollout_engine=rollout_engine,  # transformers unless --engine vllm (TRL's side matches it)
         vllm_max_model_length=64,  # the model's max_position_embeddings (vLLM refuses more)
         storage_root=str(workdir / "grpo-flow"),
         model=model_path,
@@ -170,7 +170,6 @@ def run_grpo_flow(
         eval_prompts=0,
         bf16=False,
         step_subflows=step_subflows,
-        rollout_engine="transformers",  # TRL's side generates with transformers too (no vLLM)
         **WORK,
     )
     summary = grpo(config)
