@@ -35,6 +35,18 @@ recorder to write up to 100 events per transaction (flows/__init__.py); `--unbat
 starts the ephemeral server with Prefect's defaults instead (one event per transaction), to show
 what that setting buys.
 
+`--backend ray` also runs the instant steps (in the flow, then directly without Prefect) and the
+real steps with the workers as Ray actors (the Ray backend, on the cluster RAY_ADDRESS names, else
+a local Ray instance started here; the actor gets 1 CPU, each engine half of one), and prints what
+Ray adds per step against the local backend in this same invocation:
+`ray_adds_no_prefect_ms_per_step` (the step's task bodies without Prefect: Ray's calls, the
+prompts, completions and logged rows through its serialization, the weights through its object
+store; in the flow, Prefect's step-to-step variation hides it), `ray_adds_ms_per_step` (the same
+in the flow) and `ray_real_adds_ms_per_step` (real tiny steps, where the engines and the actor
+also compute on the CPUs their placement gives them instead of this process's threads), with the
+Ray instant step's timed worker calls (`ray_instant_stage_ms`: `time/actor_s` and `time/sync_s`
+as the step logs them, measured around Ray's round trips; `time/generate_s` is the engine's own).
+
 `--profile N` also runs the instant side under cProfile (main thread only; mapped tasks run
 on Prefect's worker threads) and prints the N functions with the most cumulative time.
 """
@@ -72,10 +84,17 @@ WORK_COLUMNS = ("time/generate_s", "time/score_s", "time/actor_s", "time/sync_s"
 TASKS_PER_STEP = 12  # sample, 2 x generate, 2 x score, advantages, 2 x write, commit, actor, sync, metrics
 
 
-def tiny_config(model: str, storage_root: str, run_id: str, steps: int) -> Any:
+# The Ray runs' placement on a 2-CPU machine: the actor one CPU, each of the two engines half of one.
+RAY_FIELDS = {"backend": "ray", "actor_cpus": 1.0, "rollout_cpus": 0.5}
+
+
+def tiny_config(model: str, storage_root: str, run_id: str, steps: int, ray: bool = False) -> Any:
     from schemas.presets import preset_config
 
-    return preset_config("tiny", model=model, storage_root=storage_root, run_id=run_id, max_steps=steps, eval_prompts=0)
+    fields = RAY_FIELDS if ray else {}
+    return preset_config(
+        "tiny", model=model, storage_root=storage_root, run_id=run_id, max_steps=steps, eval_prompts=0, **fields
+    )
 
 
 def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
@@ -92,6 +111,7 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
         raise RuntimeError(f"run {config.run_id} did not complete: {summary.get('error')}")
     metrics = RunStorage(config.storage_root, config.run_id).read_metrics().to_pylist()
     in_subflow = {row["step"]: row["step_s"] for row in metrics}
+    stages = {k: statistics.median(row.get(k) or 0.0 for row in metrics[1:] or metrics) for k in WORK_COLUMNS}
     per_step, subflow = clock.intervals(), clock.subflow_seconds()
     # The workers' own time in a step, as the step logs it; the rest is orchestration and logging.
     work = {row["step"]: sum(row.get(k) or 0.0 for k in WORK_COLUMNS) for row in metrics}
@@ -116,17 +136,21 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
         "median_rest_s": median_of(rest, steady),
         "median_subflow_call_s": median_of(subflow, steady),
         "per_step_s": [per_step[s] for s in sorted(per_step)],
+        "median_stage_s": stages,
         "api_per_step": clock.counted,
     }
 
 
-def run_instant(workdir: Path, steps: int, profile: int, step_subflows: bool = True) -> dict[str, Any]:
+def run_instant(
+    workdir: Path, steps: int, profile: int, step_subflows: bool = True, ray: bool = False
+) -> dict[str, Any]:
     from benchmarks.instant_workers import instant_model_dir, instant_workers
 
-    run_id = "instant" if step_subflows else "instant-no-subflows"
-    config = tiny_config(instant_model_dir(workdir / "instant-model"), str(workdir / "storage"), run_id, steps)
+    run_id = ("instant" if step_subflows else "instant-no-subflows") + ("-ray" if ray else "")
+    model = instant_model_dir(workdir / "instant-model")
+    config = tiny_config(model, str(workdir / "storage"), run_id, steps, ray=ray)
     config = config.model_copy(update={"step_subflows": step_subflows})
-    with instant_workers():
+    with instant_workers(ray=ray):
         if not step_subflows:
             return run_flow_timed(config)
         if not profile:
@@ -141,12 +165,12 @@ def run_instant(workdir: Path, steps: int, profile: int, step_subflows: bool = T
         return result
 
 
-def run_real(workdir: Path, steps: int, model: str | None) -> dict[str, Any]:
+def run_real(workdir: Path, steps: int, model: str | None, ray: bool = False) -> dict[str, Any]:
     from workers.backends import release
 
     if model is None:
         model = build_tiny_architecture(workdir / "tiny-architecture")
-    config = tiny_config(model, str(workdir / "storage"), "real", steps)
+    config = tiny_config(model, str(workdir / "storage"), "real-ray" if ray else "real", steps, ray=ray)
     try:
         return {**run_flow_timed(config), "model": model}
     finally:
@@ -292,6 +316,34 @@ def print_report(instant: dict, flat: dict, real: dict, floor: dict, result: dic
     print("\nPrefect's parameter walks (resolve + collect inputs) for one task taking one rollout shard, ms:")
     for name, by_label in result["parameter_walk_ms"].items():
         print(f"  {name:<50}" + "   ".join(f"{label} {ms:7.2f}" for label, ms in by_label.items()))
+    if "ray_adds_ms_per_step" in result:
+        ray_instant, ray_real = result["ray_instant"], result["ray_real"]
+        print("\nThe Ray backend: the same steps with the workers as Ray actors, in this invocation (ms, median)")
+        ray_rows = [
+            ("instant workers, local backend: per step", instant["median_step_s"] * ms, ""),
+            ("instant workers as Ray actors: per step", ray_instant["median_step_s"] * ms, "ray_instant_ms_per_step"),
+            ("  Ray adds per step", result["ray_adds_ms_per_step"], "ray_adds_ms_per_step"),
+            ("same tasks without Prefect, local backend: per step", instant["median_direct_step_s"] * ms, ""),
+            (
+                "same tasks without Prefect, Ray actors: per step",
+                ray_instant["median_direct_step_s"] * ms,
+                "ray_no_prefect_ms_per_step",
+            ),
+            ("  Ray adds per step", result["ray_adds_no_prefect_ms_per_step"], "ray_adds_no_prefect_ms_per_step"),
+        ]
+        for stage, seconds in ray_instant["median_stage_s"].items():
+            ray_rows.append((f"  {stage} (instant, through Ray)", seconds * ms, ""))
+        ray_rows += [
+            ("real tiny preset, local backend: per step", real["median_step_s"] * ms, ""),
+            ("real tiny preset on Ray actors: per step", ray_real["median_step_s"] * ms, "ray_real_step_ms"),
+            ("  Ray adds per real step", result["ray_real_adds_ms_per_step"], "ray_real_adds_ms_per_step"),
+        ]
+        for name, value, key in ray_rows:
+            print(f"{name:<52}{value:>12.1f}" + (f"   [{key}]" if key else ""))
+        print(
+            f"ratio, Ray to local: instant steps {result['ray_instant_ratio']:.2f}x, without Prefect "
+            f"{result['ray_no_prefect_ratio']:.2f}x, real steps {result['ray_real_ratio']:.2f}x"
+        )
     print(
         f"\norchestration share of the tiny step: {100 * result['share_of_tiny_step']:.1f} %   "
         f"(targets: <= 50 ms per step: {'met' if result['orchestration_ms_per_step'] <= 50 else 'NOT met'}; "
@@ -317,6 +369,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "importing flows makes it up to 100)",
     )
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile the instant run; print the top N")
+    parser.add_argument(
+        "--backend",
+        choices=["local", "ray"],
+        default="local",
+        help="ray: also run the instant and real steps on Ray actors (RAY_ADDRESS, else a local Ray instance) "
+        "and print what Ray adds per step against the local backend",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     for name in ("steps", "real_steps", "floor_steps"):
@@ -332,6 +391,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flat = run_instant(workdir, args.steps, 0, step_subflows=False)
         floor = run_prefect_floor(args.floor_steps, TASKS_PER_STEP)
         real = run_real(workdir, args.real_steps, model)
+        if args.backend == "ray":
+            ray_instant = run_instant(workdir, args.steps, 0, ray=True)
+            ray_real = run_real(workdir, args.real_steps, model, ray=True)
     walk = parameter_walk_ms()
     result = {
         "parameter_walk_ms": walk,
@@ -356,6 +418,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "instant_no_subflows": flat,
         "real": real,
     }
+    if args.backend == "ray":
+        result.update(
+            ray_instant_ms_per_step=ray_instant["median_step_s"] * 1000,
+            ray_adds_ms_per_step=(ray_instant["median_step_s"] - instant["median_step_s"]) * 1000,
+            ray_instant_ratio=ray_instant["median_step_s"] / instant["median_step_s"],
+            ray_instant_stage_ms={k: v * 1000 for k, v in ray_instant["median_stage_s"].items()},
+            ray_no_prefect_ms_per_step=ray_instant["median_direct_step_s"] * 1000,
+            ray_adds_no_prefect_ms_per_step=(ray_instant["median_direct_step_s"] - instant["median_direct_step_s"])
+            * 1000,
+            ray_no_prefect_ratio=ray_instant["median_direct_step_s"] / instant["median_direct_step_s"],
+            ray_real_step_ms=ray_real["median_step_s"] * 1000,
+            ray_real_adds_ms_per_step=(ray_real["median_step_s"] - real["median_step_s"]) * 1000,
+            ray_real_ratio=ray_real["median_step_s"] / real["median_step_s"],
+            ray_instant=ray_instant,
+            ray_real=ray_real,
+        )
     print_report(instant, flat, real, floor, result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

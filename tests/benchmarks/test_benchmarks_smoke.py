@@ -47,6 +47,33 @@ def test_instant_workers_run_the_real_flow_and_direct_steps_continue_it(prefect_
     assert storage.read_metrics().column("step").to_pylist() == [1, 2, 3, 4]
 
 
+def test_instant_workers_as_ray_actors_run_the_real_flow(prefect_server, tmp_path, ray_cluster):
+    """What `benchmarks/orchestration.py --backend ray` times: the flow with instant workers in Ray actors."""
+    from flows.grpo import grpo
+
+    config = preset_config(
+        "tiny",
+        model=instant_model_dir(tmp_path / "model"),
+        storage_root=str(tmp_path / "storage"),
+        run_id="instant-ray",
+        max_steps=2,
+        save_steps=1,
+        eval_prompts=0,
+        backend="ray",
+        ray_address=ray_cluster.address,
+        actor_cpus=1,
+        rollout_cpus=0.5,
+    )
+    with instant_workers(ray=True) as running:
+        summary = grpo(config)
+        assert not running  # released at the run's end
+    assert summary["status"] == "completed"
+    rows = RunStorage(config.storage_root, "instant-ray").read_metrics().to_pylist()
+    assert [r["synced_version"] for r in rows] == [1, 2] and all(r["sync/bytes"] == 16384 for r in rows)
+    assert RunStorage(config.storage_root, "instant-ray").complete_checkpoints() == [1, 2]
+    assert not ray_cluster.named_actors("grpo-flow/instant-ray/")
+
+
 def test_memory_rollouts_table_has_the_requested_shape():
     table = rollouts_table(rows=3, prompt_tokens=5, completion_tokens=2, vocab=1000)
     assert table.num_rows == 3
