@@ -244,6 +244,14 @@ def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False)
         yield _WORKERS
     finally:
         backends.run_workers, backends.release = saved
+        # Workers a run left behind (the direct steps are not released by a flow's end): Ray ones hold
+        # their placement group's CPUs until closed, and the next run on the cluster would wait for them.
+        with _LOCK:
+            left = list(_WORKERS.values())
+            _WORKERS.clear()
+        for workers in left:
+            if hasattr(workers, "close"):
+                workers.close()
 
 
 def instant_model_dir(folder: Path) -> str:

@@ -18,6 +18,8 @@ a checkpoint every step (`--save-steps`), workers that answer at once
   `resume_500_over_10` (target <= 1.2; the key keeps its name for other --steps).
 - reading: `grpo runs` and `grpo rollouts RUN --step N/2` on the N-step run, as a user types them
   (a fresh interpreter each time) and as the command's own time in this process. Target < 1 s.
+  `grpo runs` checks every step's shard sizes against its manifest, `grpo rollouts` that step's
+  sha256. `grpo verify RUN` (every byte of every step and checkpoint) is timed too, no target.
 
 Steps 1..W and N-W+1..N run through the real `grpo` flow. By default the steps between are written
 by the same task functions called directly, without Prefect (`--fill direct`): the run's folders
@@ -222,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rollouts_latency = cli_latency(
             storage_root, ["rollouts", "long", "--step", str(args.steps // 2)], args.cli_repeats
         )
+        verify_latency = cli_latency(storage_root, ["verify", "long"], 1)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -235,6 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "grpo_rollouts_s": rollouts_latency["command_s"],
         "grpo_runs_in_process_s": runs_latency["in_process_s"],
         "grpo_rollouts_in_process_s": rollouts_latency["in_process_s"],
+        "grpo_verify_s": verify_latency["command_s"],
+        "grpo_verify_in_process_s": verify_latency["in_process_s"],
         "resume_short_s": resume_short,
         "resume_long_s": resume_long,
         "resume_short_whole_s": statistics.median(r["whole_s"] for r in resumes["short"]),
@@ -289,6 +294,7 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
         f"{f'grpo rollouts long --step {n // 2}, s':<58}{r['grpo_rollouts_s']:>10.2f}"
         f"{r['grpo_rollouts_in_process_s']:>10.3f}   [target < 1 s]"
     )
+    print(f"{'grpo verify long (every byte), s':<58}{r['grpo_verify_s']:>10.2f}{r['grpo_verify_in_process_s']:>10.3f}")
 
 
 if __name__ == "__main__":

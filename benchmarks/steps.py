@@ -9,8 +9,9 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 QUIET_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -35,12 +36,20 @@ class StepClock:
     steps (the progress artifact, the progress bar), i.e. what each step costs a run.
     """
 
-    def __init__(self, counter: ApiCounter | None = None, count_from: int = 2) -> None:
+    def __init__(
+        self,
+        counter: ApiCounter | None = None,
+        count_from: int = 2,
+        after_step: Callable[[Any, Any, int], None] | None = None,
+    ) -> None:
         self.starts: dict[int, float] = {}
         self.ends: dict[int, float] = {}
         self.counter, self.count_from = counter, count_from  # API calls from step `count_from` on
         self.counted: dict[str, Any] | None = None
         self.plan: Any = None  # the RunPlan the flow passed to its first step
+        # Called as after_step(config, plan, step) once a step has finished, before the flow goes on
+        # (benchmarks/learning.py copies the actor's weights there).
+        self.after_step = after_step
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[StepClock]:
@@ -59,12 +68,15 @@ class StepClock:
                     self.starts[step] = time.perf_counter()
                     self.ends.pop(step, None)
                 try:
-                    return original(config, plan, step, *args, **kwargs)
+                    result = original(config, plan, step, *args, **kwargs)
                 finally:
                     if outer:
                         self.ends[step] = time.perf_counter()
                         if self.counter is not None and step == plan.total_steps and step >= self.count_from:
                             self.counted = self.counter.per_step(step - self.count_from + 1)
+                if outer and self.after_step is not None:
+                    self.after_step(config, plan, step)
+                return result
 
             return timed_step
 

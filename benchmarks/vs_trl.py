@@ -10,7 +10,8 @@ rate, loss type, beta) and number of steps, fp32 on CPU on both sides. Generated
 per step are counted on both sides and printed, so a difference in work shows.
 
 Each side's first step is a warm-up and is left out of its median. grpo-flow's step time
-is measured around each `grpo-step` subflow call (so it includes Prefect's orchestration);
+is measured around each step (its `grpo-step` subflow call, or with `step_subflows` off the step in
+the run's own flow run; grpo-flow runs both shapes), so it includes Prefect's orchestration;
 its phases come from the run's Parquet metrics; TRL's phases come from timing wrappers put
 on the trainer instance's `_generate`, `_calculate_rewards` and
 `_generate_and_score_completions` methods.
@@ -70,10 +71,9 @@ def timed_method(obj: Any, name: str, sink: list[float]) -> None:
 
 
 def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
 
+    from benchmarks.trl_side import grpo_config, grpo_trainer
     from workers.data.loaders import load_task
     from workers.rewards.functions import last_digit
 
@@ -94,36 +94,9 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
             self.seconds.append(time.perf_counter() - self.started)
 
     task = load_task("last_digit")
-    args = GRPOConfig(
-        output_dir=str(workdir / "trl"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        max_steps=steps,
-        per_device_train_batch_size=WORK["prompts_per_step"] * WORK["num_generations"],
-        gradient_accumulation_steps=1,
-        num_generations=WORK["num_generations"],
-        max_completion_length=WORK["max_completion_length"],
-        temperature=WORK["temperature"],
-        top_p=WORK["top_p"],
-        learning_rate=WORK["learning_rate"],
-        lr_scheduler_type="constant",
-        loss_type=WORK["loss_type"],
-        beta=WORK["beta"],
-        seed=WORK["seed"],
-    )
+    args = grpo_config(workdir / "trl", steps=steps, **WORK)
     timer = StepTimer()
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
-        reward_funcs=counted_last_digit,
-        args=args,
-        train_dataset=task.train,
-        processing_class=AutoTokenizer.from_pretrained(model_path, padding_side="left"),
-        callbacks=[timer],
-    )
+    trainer = grpo_trainer(model_path, counted_last_digit, args, task.train, callbacks=[timer])
     phases: dict[str, list[float]] = {"generate": [], "score": [], "prepare": []}
     timed_method(trainer, "_generate", phases["generate"])
     timed_method(trainer, "_calculate_rewards", phases["score"])
@@ -148,13 +121,13 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     }
 
 
-def run_grpo_flow(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
+def run_grpo_flow(model_path: str, steps: int, workdir: Path, step_subflows: bool = True) -> dict[str, Any]:
     from flows.grpo import grpo
     from schemas.config import GRPOFlowConfig
     from workers.state.storage import RunStorage
 
     config = GRPOFlowConfig(
-        run_id="vs-trl",
+        run_id="vs-trl" if step_subflows else "vs-trl-no-subflows",
         storage_root=str(workdir / "grpo-flow"),
         model=model_path,
         dataset="last_digit",
@@ -165,6 +138,7 @@ def run_grpo_flow(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
         save_steps=10**6,  # only the last step writes a checkpoint
         eval_prompts=0,
         bf16=False,
+        step_subflows=step_subflows,
         **WORK,
     )
     summary = grpo(config)
@@ -187,7 +161,7 @@ def run_grpo_flow(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     }
 
 
-def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, ours: dict) -> None:
+def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, ours: dict, flat: dict) -> None:
     ratio = ours["step_s"] / trl["step_s"]
     work = WORK
     print(
@@ -200,10 +174,12 @@ def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, o
     print(f"{'side':<12}{'median step (s)':>17}{'tokens generated/step':>24}{'steps':>7}")
     print(f"{'TRL':<12}{trl['step_s']:>17.3f}{trl['tokens_per_step']:>24.1f}{trl['steps']:>7}")
     print(f"{'grpo-flow':<12}{ours['step_s']:>17.3f}{ours['tokens_per_step']:>24.1f}{ours['steps']:>7}")
+    print(f"{'  no subflows':<12}{flat['step_s']:>17.3f}{flat['tokens_per_step']:>24.1f}{flat['steps']:>7}")
     print(
-        f"\nratio grpo-flow / TRL: {ratio:.2f}   (grpo-flow inside its step subflow: {ours['in_subflow_step_s']:.3f} s)"
+        f"\nratio grpo-flow / TRL: {ratio:.2f} with step subflows (target <= 1.2; inside its step subflow: "
+        f"{ours['in_subflow_step_s']:.3f} s), {flat['step_s'] / trl['step_s']:.2f} without (target <= 1.0)"
     )
-    for side, result in (("grpo-flow", ours), ("TRL", trl)):
+    for side, result in (("grpo-flow", ours), ("grpo-flow, step_subflows off", flat), ("TRL", trl)):
         print(f"\n{side} phases, median seconds per step:")
         for name, seconds in result["phases"].items():
             print(f"  {name:<58}{seconds:>8.3f}")
@@ -226,15 +202,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"the model has {params} parameters; the comparison needs at least 5M")
         trl = run_trl(model_path, args.steps, workdir)
         ours = run_grpo_flow(model_path, args.steps, workdir)
-    print_report(params, args.hidden_size, args.layers, args.steps, trl, ours)
+        flat = run_grpo_flow(model_path, args.steps, workdir, step_subflows=False)
+    print_report(params, args.hidden_size, args.layers, args.steps, trl, ours, flat)
     result = {
         "grpo_flow_step_s": ours["step_s"],
         "trl_step_s": trl["step_s"],
         "ratio": ours["step_s"] / trl["step_s"],
+        "grpo_flow_no_subflows_step_s": flat["step_s"],
+        "ratio_no_subflows": flat["step_s"] / trl["step_s"],
         "parameters": params,
         "steps": args.steps,
         "work": WORK,
         "grpo_flow": ours,
+        "grpo_flow_no_subflows": flat,
         "trl": trl,
     }
     if args.json:

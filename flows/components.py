@@ -37,6 +37,8 @@ def command_test_rollout(args: argparse.Namespace) -> int:
     overrides = {"backend": args.backend, "storage_root": args.storage_root, "run_id": "component-test-rollout"}
     if args.model:
         overrides["model"] = args.model
+    if args.rollout_engine:
+        overrides["rollout_engine"] = args.rollout_engine
     try:
         config = preset_config(args.preset, **overrides)
     except KeyError as error:
@@ -45,6 +47,12 @@ def command_test_rollout(args: argparse.Namespace) -> int:
         raise ComponentError(describe_validation_error(error)) from None
     if args.n < 1 or args.max_tokens < 1:
         raise ComponentError("--n and --max-tokens must be at least 1")
+    from workers.backends.vllm_env import VLLMNotReady, check_vllm_ready
+
+    try:
+        check_vllm_ready(config)
+    except VLLMNotReady as error:
+        raise ComponentError(str(error)) from None
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     prompts = args.prompt or [DEFAULT_PROMPT]
     started = time.perf_counter()
@@ -74,11 +82,20 @@ def command_test_rollout(args: argparse.Namespace) -> int:
 
 
 def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, str]:
-    """One rollout worker's answer: the local transformers engine, or the Modal RolloutWorker (vLLM on
-    its GPU; `.local()` on the CPU engine when GRPO_FLOW_MODAL_MODE=local)."""
+    """One rollout worker's answer: the local engine (transformers, or vLLM in its own environment), or
+    the Modal RolloutWorker (`.local()` on CPU when GRPO_FLOW_MODAL_MODE=local)."""
     from workers.data.tiny_model import resolve_model_path
 
     model_path = resolve_model_path(config.model, config.storage_root)
+    if config.backend == "local" and config.rollout_engine == "vllm":
+        from workers.backends.vllm_env import local_engine
+
+        engine = local_engine(config, model_path, 0, threads=None, log_dir=None)
+        engine.load()
+        try:
+            return engine.generate(prompts, params, config.max_prompt_length), "local vLLM engine (own process)"
+        finally:
+            engine.close()
     if config.backend == "local":
         from workers.rollout.transformers_engine import TransformersRolloutEngine
 
@@ -95,11 +112,14 @@ def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, st
         config_json=worker_config_json(config),
         model_path=model_path,
         worker_index=0,
-        backend="cpu" if local else "vllm",
+        engine=config.rollout_engine,
+        device="cpu" if local else "cuda",
         storage_root=config.storage_root if local else VOLUME_PATH,
     )
     if local:
-        return worker.generate.local(prompts, params, config.max_prompt_length), "Modal RolloutWorker (.local(), CPU)"
+        return worker.generate.local(prompts, params, config.max_prompt_length), (
+            f"Modal RolloutWorker (.local(), CPU, {config.rollout_engine})"
+        )
     with app.app.run():
         return worker.generate.remote(
             prompts, params, config.max_prompt_length
@@ -199,12 +219,15 @@ def hub_cache_dir() -> Path:
 def cache_entries(storage_root: str, model: str | None) -> list[Path]:
     """The cached copies of `model` (all models when None): the project's models under the storage root
     and the hub's download of a hub id."""
+    from workers.data.tiny_model import TINY_MODELS, tiny_model_path
+
     models_dir = Path(storage_root) / "models"
     entries: list[Path] = []
     if model is None:
         entries += sorted(models_dir.glob("*")) if models_dir.exists() else []
-    elif model == "tiny":
-        entries += sorted(models_dir.glob("tiny*")) if models_dir.exists() else []
+    elif model in TINY_MODELS:
+        folder = tiny_model_path(storage_root, model)
+        entries += [folder] if folder.exists() else []
     else:
         hub_entry = hub_cache_dir() / ("models--" + model.replace("/", "--"))
         if hub_entry.exists():
@@ -213,13 +236,15 @@ def cache_entries(storage_root: str, model: str | None) -> list[Path]:
 
 
 def command_clear_cache(args: argparse.Namespace) -> int:
+    from workers.data.tiny_model import TINY_MODELS
+
     if args.backend == "modal":
         return clear_modal_cache(args)
     entries = cache_entries(args.storage_root, args.model)
     if not entries:
         print(
             f"nothing cached for {args.model or 'any model'} (looked in {Path(args.storage_root) / 'models'}"
-            + ("" if args.model in (None, "tiny") else f" and {hub_cache_dir()}")
+            + ("" if args.model is None or args.model in TINY_MODELS else f" and {hub_cache_dir()}")
             + ")"
         )
         return 0
@@ -240,8 +265,9 @@ def clear_modal_cache(args: argparse.Namespace) -> int:
     from schemas.config import GRPOFlowConfig
     from workers.backends.modal_app import HF_HOME, VOLUME_PATH
     from workers.backends.modal_backend import check_modal_ready
+    from workers.data.tiny_model import TINY_MODELS
 
-    if not args.model or args.model == "tiny":
+    if not args.model or args.model in TINY_MODELS:
         raise ComponentError("--model: name the hub model whose cached download to delete from the Volume")
     config = GRPOFlowConfig(backend="modal", modal_volume=args.modal_volume)
     check_modal_ready(config)
@@ -262,6 +288,9 @@ def add_component_commands(commands: Any, default_storage_root: str) -> None:
     rollout.add_argument("--preset", default="tiny", help=f"one of: {', '.join(sorted(PRESETS))} (default: tiny)")
     rollout.add_argument("--model", default=None, help="model id or path (default: the preset's)")
     rollout.add_argument("--backend", default="local", choices=["local", "modal"])
+    rollout.add_argument(
+        "--rollout-engine", default=None, choices=["transformers", "vllm"], help="the engine (default: the preset's)"
+    )
     rollout.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a sum question)")
     rollout.add_argument("--n", type=int, default=2, help="completions per prompt (default: 2)")
     rollout.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default: 16)")
@@ -290,7 +319,9 @@ def add_component_commands(commands: Any, default_storage_root: str) -> None:
     clear = commands.add_parser(
         "clear-cache", help="delete a cached model so the next run builds or downloads it again"
     )
-    clear.add_argument("--model", default=None, help="`tiny` or a hub id (default: every model under the storage root)")
+    clear.add_argument(
+        "--model", default=None, help="`tiny`, `tiny-reverse` or a hub id (default: every model under the storage root)"
+    )
     clear.add_argument(
         "--backend", default="local", choices=["local", "modal"], help="modal: the hub cache on the run's Modal Volume"
     )

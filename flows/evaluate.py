@@ -30,7 +30,8 @@ prompt_id, sample_index, prompt, completion, completion_tokens, finish_reason, r
 `reward_<function>` column per function, correct, and the data set's answer columns), with the
 summary as JSON in the file's schema metadata (key `grpo_flow.eval`; `read_eval_summary`). A file
 is never overwritten: it is linked into place, which fails if one exists, and a checkpoint that
-has one is read back instead of evaluated again. Also: a Prefect table artifact `eval-<run>`
+has one is read back instead of evaluated again (`force=True` evaluates it again, after moving
+the earlier file to `eval/superseded/`). Also: a Prefect table artifact `eval-<run>`
 (one row per evaluated checkpoint of the run), and wandb when the run's config has
 report_to=wandb (metrics `eval/...` against `eval/checkpoint_step`).
 """
@@ -57,10 +58,18 @@ from prefect.runtime import flow_run
 from schemas.config import GRPOFlowConfig
 from schemas.records import REWARD_PREFIX, RolloutBatch
 from tasks.observability import artifact_key
-from workers.state.storage import RunStorage, list_runs
+from workers.state.storage import (
+    EVAL_METADATA_KEY,
+    RunStorage,
+    clean_stale_temps,
+    list_runs,
+    read_eval_summary,
+    temp_prefix,
+)
+from workers.state.storage import eval_metric_names as metric_names
 from workers.state.tracking import wandb_dir
 
-EVAL_METADATA_KEY = b"grpo_flow.eval"
+__all__ = ["EVAL_METADATA_KEY", "metric_names", "read_eval_summary"]  # kept importable from here
 DEFAULT_K = 8
 DEFAULT_PROMPTS = 100  # when the run's own eval_prompts is 0
 PROMPTS_PER_BATCH = 16  # prompts per generate call: k completions each
@@ -98,27 +107,30 @@ def pass_k_values(k: int) -> list[int]:
 
 # -- eval files ----------------------------------------------------------------------------------------
 def eval_path(storage: RunStorage, step: int) -> Path:
-    return storage.run_dir / "eval" / f"step-{step:06d}.parquet"
+    return storage.eval_path(step)
 
 
 def evaluated_steps(storage: RunStorage) -> list[int]:
     """Checkpoint steps that have an eval file."""
-    return sorted(int(p.stem.split("-")[1]) for p in (storage.run_dir / "eval").glob("step-*.parquet"))
+    return storage.evaluated_steps()
 
 
-def read_eval_summary(path: str | os.PathLike) -> dict[str, Any]:
-    """The summary stored in an eval file's schema metadata."""
-    metadata = pq.read_schema(path).metadata or {}
-    if EVAL_METADATA_KEY not in metadata:
-        raise ValueError(f"{path} has no {EVAL_METADATA_KEY.decode()} metadata")
-    return json.loads(metadata[EVAL_METADATA_KEY])
+def supersede(storage: RunStorage, step: int) -> Path:
+    """Move a checkpoint's stored evaluation to eval/superseded/ (never deleted), so it can be made again."""
+    path = storage.eval_path(step)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    target = path.parent / "superseded" / f"{path.stem}.{stamp}.parquet"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(path, target)
+    return target
 
 
 def write_once(path: Path, table: pa.Table) -> Path:
     """Write `table` to `path` unless a file is there: written to a temporary name, then hard-linked
     into place (atomic, and fails if `path` exists even when two evaluations race), then unlinked."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    clean_stale_temps([path.parent])  # what an evaluation killed mid-write left
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
     os.close(fd)
     try:
         pq.write_table(table, tmp)
@@ -309,11 +321,13 @@ def evaluate_checkpoint(
     temperature: float | None,
     seed: int,
     greedy: bool,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Sample, score and store one checkpoint's evaluation; returns its summary.
 
     Not cached: the eval file is the record. Safe to retry: nothing is stored until the file is
-    linked into place, and a retry that finds the file reads it back.
+    linked into place, and a retry that finds the file reads it back. `force`: a stored
+    evaluation is moved to eval/superseded/ first, and the checkpoint is evaluated again.
     """
     import torch
 
@@ -324,6 +338,8 @@ def evaluate_checkpoint(
 
     storage = RunStorage(storage_root, run_id)
     path = eval_path(storage, step)
+    if path.exists() and force:
+        supersede(storage, step)
     if path.exists():
         return {**read_eval_summary(path), "already_evaluated": True}
     started = time.perf_counter()
@@ -383,12 +399,6 @@ def evaluate_checkpoint(
     except FileExistsError:  # another evaluation of the same checkpoint finished first: keep its file
         return {**read_eval_summary(path), "already_evaluated": True}
     return {**summary, "already_evaluated": False}
-
-
-def metric_names(summary: dict[str, Any]) -> list[str]:
-    """The measured figures of a summary, in display order."""
-    passes = sorted((k for k in summary if k.startswith("pass@")), key=lambda k: int(k.split("@")[1]))
-    return passes + [k for k in ("greedy_accuracy", "mean_reward", "mean_completion_length") if k in summary]
 
 
 @task(name="publish-evaluation", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -525,6 +535,7 @@ def evaluate(
     temperature: float | None = None,
     seed: int = 0,
     greedy: bool = True,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a run's checkpoint on held-out prompts, or, with no run id, every run that needs it.
 
@@ -538,6 +549,7 @@ def evaluate(
         temperature: Sampling temperature; None: the run's.
         seed: Seed of the sampling.
         greedy: Also measure greedy accuracy (one more completion per prompt).
+        force: Evaluate again a checkpoint that has a stored evaluation (moved to eval/superseded/).
     """
     storage_root = storage_root or default_storage_root()
     if run_id is None:
@@ -546,7 +558,7 @@ def evaluate(
         return evaluate_all(storage_root, k, prompts, temperature, seed, greedy)
     storage = RunStorage(storage_root, run_id)
     step = resolve_checkpoint(storage, checkpoint)
-    summary = evaluate_checkpoint(run_id, storage_root, step, k, prompts, temperature, seed, greedy)
+    summary = evaluate_checkpoint(run_id, storage_root, step, k, prompts, temperature, seed, greedy, force)
     if summary["already_evaluated"]:
         get_run_logger().info("checkpoint %d of run %s was already evaluated: %s", step, run_id, summary["path"])
     else:

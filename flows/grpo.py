@@ -2,16 +2,18 @@
 
     prepare_run → [restore_workers, when resuming] → evaluate_heldout (initial)
     for step in first..N:  grpo_step (a subflow; with step_subflows off, run_step in this flow run)
-        sample_batch → generate.map(shards) → score.map(shards) → compute_advantages
-        → write_rollouts.map(shards) → commit_rollouts → actor_step → sync_weights (when due)
-        → log_metrics → save_checkpoint (when due)
+        sample_batch → generate.map(shards) → score.map(shards)
+        → log_rollouts (compute-advantages, write-rollouts per shard, commit-rollouts)
+        → actor_step → sync_weights (when due)
+        → log_metrics (metrics Parquet, wandb, step artifact) → save_checkpoint (when due)
       (a step whose rollouts are already logged skips straight to actor_step: a replay;
        with max_staleness 1, step t+1's rollouts are produced alongside step t's actor_step)
     evaluate_heldout (final) → finish_run
 
 Resuming is the same flow on an existing run id: `prepare_run` finds the newest valid
 checkpoint and the logged steps after it (workers/state/resume.py). Retrying a failed flow run in
-Prefect does the same.
+Prefect does the same. A Ctrl-C or SIGTERM in `grpo train` (flows/interrupt.py) stops the loop
+between steps: summary.json says `interrupted`, and the flow run ends Cancelled.
 
 Runs on Prefect's ephemeral server when PREFECT_API_URL is unset, on a real server otherwise.
 Where it departs from the GRPO paper: the loss is TRL's `loss_type` (dapo by default), not the
@@ -21,6 +23,7 @@ paper's per-sequence mean; num_iterations (GRPO's mu) defaults to 1, as TRL's.
 from __future__ import annotations
 
 import contextvars
+from contextlib import nullcontext
 import re
 import statistics
 import time
@@ -31,10 +34,13 @@ from typing import Any
 
 from prefect import flow, unmapped
 from prefect.runtime import flow_run
+from prefect.states import Cancelled
 from prefect.utilities.annotations import quote
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from tqdm.auto import tqdm
 
+from flows import ephemeral_database_in_memory
+from flows.interrupt import interrupted_summary, resume_command, stop_requested, stop_signal_name
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
 from tasks.observability import (
@@ -43,20 +49,17 @@ from tasks.observability import (
     create_run_progress,
     flush_artifacts,
     publish,
-    step_artifact,
     update_run_progress,
 )
 from tasks.rollout import (
-    commit_rollouts,
-    compute_advantages,
     generate,
     keep_informative_groups,
+    log_rollouts,
     logged_reward_stats,
     sample_batch,
     score,
-    write_rollouts,
 )
-from tasks.run import evaluate_heldout, finish_run, prepare_run
+from tasks.run import evaluate_heldout, finish_run, prepare_run, release_flow_run_locks
 from tasks.train import actor_step, log_metrics, restore_workers, save_checkpoint, sync_weights
 from workers.state.faults import parse_fail_at
 from workers.state.storage import RunStorage
@@ -111,9 +114,10 @@ def refill_with_informative_groups(
 
 def produce_rollouts(
     config: GRPOFlowConfig, plan: RunPlan, step: int, rollout_version: int, fail_at: str | None
-) -> dict[str, float]:
-    """sample_batch → generate.map → score.map → [dynamic sampling] → compute_advantages →
-    write_rollouts.map → commit_rollouts: the step's rows logged; returns its reward statistics.
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """sample_batch → generate.map → score.map → [dynamic sampling] → log_rollouts (advantages,
+    write, commit): the step's rows logged; returns its reward statistics and the three
+    completions its artifact shows.
 
     Each mapped stage is resolved before the next, so a failure surfaces as the failing task's
     own exception rather than as a missing input further down.
@@ -129,17 +133,16 @@ def produce_rollouts(
     scored = score_shards.map(unmapped(config), unmapped(plan), quoted(generated), unmapped(fail_at)).result()
     if config.dynamic_sampling:
         scored, sampling_stats = refill_with_informative_groups(config, plan, step, rollout_version, scored, fail_at)
-    batches, reward_stats = compute_advantages(config, quoted(scored))
+    reward_stats, samples = log_rollouts(config, plan, step, quoted(scored))
     if config.dynamic_sampling:
         reward_stats = {**reward_stats, **sampling_stats}
-    write_rollouts.map(unmapped(config), unmapped(plan), quoted(batches), range(len(batches))).result()
-    commit_rollouts(config, plan, step)
-    return {
+    stats = {
         **reward_stats,
-        "num_completions": float(sum(len(b) for b in batches)),
-        "time/generate_s": sum(b.generate_s for b in batches),
-        "time/score_s": sum(b.score_s for b in batches),
+        "num_completions": float(sum(len(b) for b in scored)),
+        "time/generate_s": sum(b.generate_s for b in scored),
+        "time/score_s": sum(b.score_s for b in scored),
     }
+    return stats, samples
 
 
 def in_background(function: Any, *args: Any) -> Future:
@@ -190,8 +193,9 @@ def run_step(
         started = time.perf_counter()
         retry = {"retry_delay_seconds": config.retry_delay_seconds}
         storage = RunStorage(plan.storage_root, plan.run_id)
+        samples = None  # the artifact's three completions; None: read back from the logged rollouts
         if not storage.rollout_dir(step).exists():
-            rollout_stats = produce_rollouts(config, plan, step, rollout_version, fail_at)
+            rollout_stats, samples = produce_rollouts(config, plan, step, rollout_version, fail_at)
         elif rollout_stats is None:
             # Logged before a crash: the actor trains on the rows as logged, nothing is generated again.
             num_completions, logged_stats = logged_reward_stats(config, plan, step)
@@ -206,7 +210,7 @@ def run_step(
             )
         finally:
             # The weights change at the sync below, so the next step's generation must be over first.
-            next_stats = next_rollouts.result() if next_rollouts is not None else None
+            next_stats = next_rollouts.result()[0] if next_rollouts is not None else None
         last_step = step == plan.total_steps
         synced = sync_weights(config, plan) if step % config.sync_weights_every == 0 or last_step else {}
         row = {
@@ -220,14 +224,20 @@ def run_step(
             "step_s": time.perf_counter() - started,
         }
         # Metrics before the checkpoint: a run resumed from checkpoint N has every row up to N.
-        log_metrics(config, plan, step, row, fail_at)
-        publish(step_artifact, plan, step, row)  # metrics + three logged completions, in the UI; never raises
+        log_metrics(config, plan, step, row, fail_at, samples)  # and the step's artifact, in the UI
         if step % config.save_steps == 0 or last_step:
             save_checkpoint(config, plan, step, fail_at)
         return {**row, "next_rollout_stats": next_stats}
 
 
-@flow(name="grpo", flow_run_name=grpo_run_name, validate_parameters=True)
+@flow(
+    name="grpo",
+    flow_run_name=grpo_run_name,
+    validate_parameters=True,
+    on_failure=[release_flow_run_locks],  # the run's writer lock, when it fails before finish_run
+    on_crashed=[release_flow_run_locks],
+    on_cancellation=[release_flow_run_locks],
+)
 def grpo(
     config: GRPOFlowConfig, show_progress: bool = False, allow_config_change: bool = False, fail_at: str | None = None
 ) -> dict[str, Any]:
@@ -255,8 +265,13 @@ def grpo(
         # Prefect 3.8 joins a heartbeat thread that sleeps in 1 s slices at the end of every
         # flow run, which cost each step about a second; the subflows go without.
         # Artifacts wait while the loop starts and ends subflows and are written inside step bodies:
-        # beside Prefect's own writes they made each subflow start stall ~2 s (tasks/observability.py).
-        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), artifact_writes_paused():
+        # on a SQLite file, beside Prefect's own writes, they made each subflow start stall ~2 s
+        # (tasks/observability.py). Without subflows, or on the ephemeral server's in-memory
+        # database (flows/__init__.py), nothing can collide, and no step waits for an artifact.
+        gate = (
+            artifact_writes_paused() if config.step_subflows and not ephemeral_database_in_memory() else nullcontext()
+        )
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), gate:
             progress = tqdm(
                 range(plan.first_step, plan.total_steps + 1),
                 desc=plan.run_id,
@@ -266,6 +281,9 @@ def grpo(
                 total=plan.total_steps,
             )
             for step in progress:
+                if stop_requested():  # Ctrl-C or SIGTERM in `grpo train` (flows/interrupt.py): stop between steps
+                    progress.close()
+                    break
                 step_started = time.perf_counter()
                 # Looked up here at each step (benchmarks/steps.py times them by replacing it).
                 step_runner = grpo_step if config.step_subflows else run_step
@@ -285,9 +303,21 @@ def grpo(
             steps_completed=failed_step - 1,
             initial_eval_accuracy=initial_accuracy,
         )
+        if isinstance(error, KeyboardInterrupt):  # Ctrl-C in a Python session (the API)
+            summary = interrupted_summary(summary, plan.run_id, failed_step - 1, plan.total_steps)
         flush_artifacts()
         finish_run(config, plan, summary)
         raise
+    if plan.first_step + len(rows) <= plan.total_steps:  # stopped by a signal before the last step
+        last_step = plan.first_step + len(rows) - 1
+        summary = interrupted_summary(summary, plan.run_id, last_step, plan.total_steps)
+        summary.update(initial_eval_accuracy=initial_accuracy, storage=str(plan.storage_root))
+        flush_artifacts()
+        finish_run(config, plan, summary)
+        return Cancelled(  # type: ignore[return-value]
+            message=f"interrupted by {stop_signal_name()} after step {last_step} of {plan.total_steps}; "
+            f"resume with: {resume_command(plan.run_id, plan.storage_root)}"
+        )
     flush_artifacts()  # every step's artifacts written before the run reports its outcome
     final_accuracy = evaluate_heldout(config, plan)
     storage = RunStorage(plan.storage_root, plan.run_id)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.state.storage import RunStorage
+from workers.state.storage import RunStorage, temp_prefix
 
 # (metrics column, panel title, band column drawn as +/- one value around the line)
 PANELS: tuple[tuple[str, str, str | None], ...] = (
@@ -126,7 +126,7 @@ def write_report(storage_root: str | os.PathLike, run_id: str, out: str | os.Pat
 
     path = Path(out) if out is not None else storage.run_dir / "report.png"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
     os.close(fd)
     try:
         figure.savefig(tmp, dpi=110, format="png")

@@ -24,6 +24,8 @@ from typing import Any
 
 from schemas.config import GRPOFlowConfig
 
+HELDOUT_FRACTION = 0.1  # of train_dataset's distinct prompts, held out when evaluating without eval_dataset
+
 
 def _importable_path(func: Any) -> str | None:
     """`module:function` for a module-level function (usable from any process), else None."""
@@ -76,8 +78,13 @@ class GRPOFlowTrainer:
         if train_dataset is not None:
             from workers.data.loaders import task_from_dataset
 
-            self.task = task_from_dataset(train_dataset, eval_dataset, name="api")  # names a missing column
-            config_fields["dataset"] = "registered:" + self._dataset_key(train_dataset, eval_dataset)
+            # Without eval_dataset, 10 % of the distinct prompts are held out for evaluation, unless
+            # evaluation is off (eval_prompts=0): then every prompt trains.
+            evaluates = config_fields.get("eval_prompts", GRPOFlowConfig.model_fields["eval_prompts"].default) != 0
+            fraction = HELDOUT_FRACTION if evaluates and eval_dataset is None else 0.0
+            self.task = task_from_dataset(train_dataset, eval_dataset, name="api", heldout_fraction=fraction)
+            key = self._dataset_key(train_dataset, eval_dataset) + ("" if fraction else "-all")
+            config_fields["dataset"] = "registered:" + key
         elif eval_dataset is not None:
             raise ValueError("eval_dataset: given without train_dataset")
         self._reward_names = names
@@ -89,6 +96,9 @@ class GRPOFlowTrainer:
             reward_weights=list(reward_weights) if reward_weights is not None else None,
             **config_fields,
         )
+        from flows.checks import check_before_start
+
+        check_before_start(self.config, self.reward_objects)  # reward paths, weights, model path, storage root
         if self.config.run_id is None:
             from flows.grpo import new_run_id
 
@@ -101,12 +111,20 @@ class GRPOFlowTrainer:
         return "-".join(keys)
 
     def train(self, allow_config_change: bool = False) -> dict[str, Any]:
-        """Run (or resume) the `grpo` flow; returns the run's summary."""
+        """Run (or resume) the `grpo` flow; returns the run's summary.
+
+        Prints nothing of its own: Prefect's console logs and its ephemeral server's output go to
+        `<storage_root>/logs/prefect.log` from here on (flows/quiet.py), and a warning meant for the
+        user (a step without any reward) is printed as `grpo-flow: warning: ...`.
+        """
         from flows.grpo import grpo
+        from flows.quiet import quiet_libraries, quiet_prefect_run
         from workers.data.loaders import register_task
         from workers.rewards.functions import register_reward_funcs
 
         if self.task is not None:
             register_task(self.config.dataset.removeprefix("registered:"), self.task)
         register_reward_funcs(self.config.run_id, self.reward_objects)
-        return grpo(self.config, allow_config_change=allow_config_change)
+        quiet_prefect_run(self.config.storage_root)
+        with quiet_libraries():
+            return grpo(self.config, allow_config_change=allow_config_change)

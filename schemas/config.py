@@ -21,11 +21,18 @@ ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 Backend = Literal["local", "modal", "ray"]
 WeightSyncMethod = Literal["reload", "volume", "direct", "checkpoint", "lora"]
+RolloutEngine = Literal["transformers", "vllm"]
+VLLMMode = Literal["colocate", "server"]  # TRL's names for where a vLLM engine runs
+VLLMDtype = Literal["auto", "float32", "bfloat16", "float16"]
+# The LoRA ranks a vLLM engine can be started with (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # GPU types Modal accepts in `gpu=` (https://modal.com/docs/guide/gpu); a count is given separately.
 MODAL_GPU_TYPES = ("T4", "L4", "A10G", "A10", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
 
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_publish")
-TASK_NAMES = ("last_digit", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
+TASK_NAMES = ("last_digit", "reverse_digits", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
+# Old name -> new name, for configs stored by an older grpo-flow (runs resume under the new names).
+RENAMED_FIELDS = {"gpu_memory_utilization": "vllm_gpu_memory_utilization", "max_model_len": "vllm_max_model_length"}
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 # Fields that do not change what a run computes; everything else is part of the config hash.
@@ -42,7 +49,10 @@ NON_TRAINING_FIELDS = frozenset(
         "actor_gpu_count",
         "rollout_gpu",
         "weight_sync_method",
-        "gpu_memory_utilization",
+        "vllm_gpu_memory_utilization",
+        "vllm_mode",
+        "vllm_enable_sleep_mode",
+        "vllm_python",
         "modal_volume",
         "modal_secrets",
         "detach",
@@ -62,6 +72,8 @@ NON_TRAINING_FIELDS = frozenset(
         "gradient_checkpointing",
         "max_tokens_per_microbatch",
         "step_subflows",
+        "reward_timeout_s",
+        "max_no_reward_steps",
     }
 )
 
@@ -92,11 +104,13 @@ class GRPOFlowConfig(BaseModel):
     model: str = Field(
         default="tiny",
         min_length=1,
-        description="Hugging Face model id or local path; `tiny` is the project's own offline model.",
+        description="Hugging Face model id or local path; `tiny` (`tiny-reverse` for reverse_digits) is the "
+        "project's own offline model.",
     )
     dataset: str = Field(
         default="last_digit",
-        description="Task: `last_digit` (synthetic, offline), or from the Hugging Face hub `gsm8k` (openai/gsm8k), "
+        description="Task: `last_digit` or `reverse_digits` (synthetic, offline), or from the Hugging Face hub "
+        "`gsm8k` (openai/gsm8k), "
         "`math` (MATH), `math500` (MATH train, MATH-500 held out), `mbpp` (MBPP, code with tests); or "
         "`hf:<hub id or local path>`, any data set with a `prompt` column. (The Python API registers its "
         "Dataset objects as `registered:<fingerprint>`.)",
@@ -252,6 +266,44 @@ class GRPOFlowConfig(BaseModel):
     num_rollout_workers: int = Field(
         default=1, ge=1, description="Rollout workers; each step's groups are split evenly across them."
     )
+    rollout_engine: RolloutEngine = Field(
+        default="transformers",
+        description="What generates the completions: `transformers` (its `generate`, in the actor's process or a "
+        "child of it) or `vllm` (vLLM, in its own environment and process: `grpo setup-vllm` builds it).",
+    )
+    vllm_mode: VLLMMode | None = Field(
+        default=None,
+        description="Where vLLM engines run, TRL's names: `colocate` (on the actor's device, sleeping during the "
+        "actor step where the platform supports it) or `server` (each of num_rollout_workers engines on a device of "
+        "its own). None: colocate on the local backend, server on Modal (each engine has its own container).",
+    )
+    vllm_gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Fraction of the GPU's memory a vLLM engine reserves (vLLM's gpu_memory_utilization). None: 0.3 "
+        "in colocate mode (TRL's default), 0.9 in server mode. On vLLM's CPU build the KV cache is sized by "
+        "VLLM_CPU_KVCACHE_SPACE (GiB) instead; 256 MiB if unset.",
+    )
+    vllm_enable_sleep_mode: bool | None = Field(
+        default=None,
+        description="vLLM sleep mode (TRL's option): the engine frees its GPU memory while the actor steps. None: on "
+        "in colocate mode on a CUDA GPU, off elsewhere. vLLM's CPU build has no sleep mode.",
+    )
+    vllm_dtype: VLLMDtype | None = Field(
+        default=None,
+        description="The vLLM engine's dtype. None: the actor's on CPU (float32, or bfloat16 with bf16), bfloat16 "
+        "on a GPU. Log-probs of a bfloat16 engine differ from the fp32 actor's (the README gives the measured gap); "
+        "the importance-sampling correction accounts for it.",
+    )
+    vllm_max_model_length: int | None = Field(
+        default=None, ge=16, description="vLLM max_model_len (TRL's vllm_max_model_length); None: prompt + completion."
+    )
+    vllm_python: str | None = Field(
+        default=None,
+        description="Python of the environment vLLM engines run in (vLLM cannot share one with Prefect). None: "
+        "$GRPO_FLOW_VLLM_PYTHON, else where `grpo setup-vllm` puts it (beside this environment: <env>-vllm).",
+    )
     step_subflows: bool = Field(
         default=True,
         description="Run each step as its own Prefect subflow (`<run>-step-N`). Off: the step's tasks run in the "
@@ -298,6 +350,21 @@ class GRPOFlowConfig(BaseModel):
         default=1, ge=0, description="Retries of the actor step (safe: the actor checks the policy version it holds)."
     )
     retry_delay_seconds: float = Field(default=1.0, ge=0, description="Delay between retries.")
+    reward_timeout_s: float | None = Field(
+        default=600.0,
+        gt=0,
+        description="Longest one call of a reward function may take (one call scores a rollout shard); past it "
+        "the step fails naming the function and is not retried. An async function is cancelled; a sync one runs "
+        "on its own thread, which is stopped at its next Python instruction, or, if it is blocked inside a C call "
+        "(a socket read, a sleep), left behind as a daemon thread that cannot keep the process alive. Code that "
+        "must be killable belongs in the sandbox (execute_in_sandbox). None: no limit.",
+    )
+    max_no_reward_steps: int = Field(
+        default=3,
+        ge=1,
+        description="Steps in a row in which every completion got no reward (every function returned None for "
+        "every sample) before the run fails; the first such step prints a warning naming the functions.",
+    )
 
     # Modal backend (the seeds' option names); ignored by the local backend
     actor_gpu: str = Field(
@@ -311,8 +378,6 @@ class GRPOFlowConfig(BaseModel):
         "(safetensors on the volume, engine reload), `direct` (in memory through Modal calls), `checkpoint` (full "
         "save, engine re-created), `lora` (adapter only).",
     )
-    max_model_len: int | None = Field(default=None, ge=16, description="vLLM max_model_len; None: prompt + completion.")
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="vLLM gpu_memory_utilization.")
     modal_volume: str = Field(default="grpo-flow", min_length=1, description="Modal Volume holding the storage root.")
     modal_secrets: list[str] = Field(
         default_factory=list, description="Modal Secrets by name, e.g. `huggingface-secret`, `wandb-secret`."
@@ -347,6 +412,17 @@ class GRPOFlowConfig(BaseModel):
     )
     report_to: Literal["none", "wandb"] = Field(default="none", description="Where metrics go besides Parquet.")
     wandb_project: str = Field(default="grpo-flow", description="wandb project when `report_to='wandb'`.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data: object) -> object:
+        """Configs stored by an older grpo-flow used vLLM's own names for two fields; now TRL's are used."""
+        if isinstance(data, dict):
+            for old, new in RENAMED_FIELDS.items():
+                if old in data and new not in data:
+                    data = {**data, new: data[old]}
+                    del data[old]
+        return data
 
     @field_validator("dataset")
     @classmethod
@@ -384,6 +460,20 @@ class GRPOFlowConfig(BaseModel):
                 f"vllm_importance_sampling_clip_min ({self.vllm_importance_sampling_clip_min}) must be <= "
                 f"vllm_importance_sampling_clip_max ({self.vllm_importance_sampling_clip_max})"
             )
+        if self.backend == "modal" and self.vllm_mode == "colocate" and self.rollout_engine == "vllm":
+            raise ValueError(
+                "vllm_mode 'colocate' needs the local backend: on Modal each rollout engine has a container of its "
+                "own (vllm_mode 'server')"
+            )
+        if self.backend == "ray" and self.rollout_engine == "vllm":
+            # Not built yet: the Ray backend's engines are the transformers engine (README, Ray backend).
+            raise ValueError(
+                "rollout_engine 'vllm' is not available on backend 'ray' yet; use rollout_engine 'transformers'"
+            )
+        if self.rollout_engine == "vllm" and self.use_lora and (self.lora_r or 16) > VLLM_LORA_RANKS[-1]:
+            raise ValueError(
+                f"lora_r ({self.lora_r}) is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]})"
+            )
         lora_options = [name for name in LORA_OPTIONS if getattr(self, name) is not None]
         if lora_options and not self.use_lora:
             raise ValueError(f"{', '.join(lora_options)}: LoRA options given without use_lora")
@@ -393,6 +483,17 @@ class GRPOFlowConfig(BaseModel):
                     f"{name}: unknown Modal GPU type {getattr(self, name)!r}; known: {', '.join(MODAL_GPU_TYPES)}"
                 )
         return self
+
+    @property
+    def resolved_vllm_mode(self) -> VLLMMode:
+        """vllm_mode, or its default for the backend: colocate locally, server on Modal."""
+        return self.vllm_mode or ("server" if self.backend == "modal" else "colocate")
+
+    @property
+    def vllm_max_lora_rank(self) -> int:
+        """The max_lora_rank a vLLM engine starts with: the smallest rank vLLM allows that holds lora_r."""
+        rank = self.lora_r or 16
+        return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
     @property
     def completions_per_step(self) -> int:
@@ -408,6 +509,101 @@ class GRPOFlowConfig(BaseModel):
         """Hash of the fields that change what a run computes (cache keys, resume checks)."""
         fields = self.model_dump(exclude=set(NON_TRAINING_FIELDS))
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# The fields by topic, in the order `grpo train --help` and the README's config table show them
+# (tests/schemas/test_config_groups.py checks that every field is in exactly one group and the README agrees).
+CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
+    "Run": ("run_id", "storage_root", "backend"),
+    "Model and data": ("model", "dataset", "reward_funcs", "reward_weights"),
+    "Optimisation": (
+        "learning_rate",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "weight_decay",
+        "max_grad_norm",
+        "gradient_checkpointing",
+        "max_tokens_per_microbatch",
+        "bf16",
+        "max_steps",
+        "num_train_epochs",
+        "seed",
+    ),
+    "LoRA": ("use_lora", *LORA_OPTIONS),
+    "GRPO objective": (
+        "num_generations",
+        "prompts_per_step",
+        "loss_type",
+        "beta",
+        "epsilon",
+        "epsilon_high",
+        "scale_rewards",
+        "multi_objective_aggregation",
+        "delta",
+        "sapo_temperature_neg",
+        "sapo_temperature_pos",
+        "vespo_k_pos",
+        "vespo_lambda_pos",
+        "vespo_k_neg",
+        "vespo_lambda_neg",
+        "off_policy_mask_threshold",
+        "use_bias_correction_kl",
+        "importance_sampling_level",
+        "num_iterations",
+        "mask_truncated_completions",
+        "top_entropy_quantile",
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max",
+    ),
+    "Generation": ("max_prompt_length", "max_completion_length", "temperature", "top_p"),
+    "Rollout engine": (
+        "rollout_engine",
+        "vllm_python",
+        "vllm_mode",
+        "vllm_dtype",
+        "vllm_max_model_length",
+        "vllm_gpu_memory_utilization",
+        "vllm_enable_sleep_mode",
+        "weight_sync_method",
+    ),
+    "Workers and schedule": (
+        "num_rollout_workers",
+        "step_subflows",
+        "dynamic_sampling",
+        "dynamic_sampling_max_rounds",
+        "reward_concurrency",
+        "max_staleness",
+        "sync_weights_every",
+        "save_steps",
+        "save_total_limit",
+        "keep_checkpoint_every",
+    ),
+    "Retries, timeouts and checks": (
+        "generate_retries",
+        "score_retries",
+        "actor_retries",
+        "retry_delay_seconds",
+        "reward_timeout_s",
+        "max_no_reward_steps",
+    ),
+    "Modal backend": (
+        "actor_gpu",
+        "actor_gpu_count",
+        "rollout_gpu",
+        "modal_volume",
+        "modal_secrets",
+        "detach",
+    ),
+    "Ray backend": ("ray_address", "actor_gpus", "rollout_gpus", "actor_cpus", "rollout_cpus"),
+    "Evaluation and logging": ("eval_prompts", "report_to", "wandb_project"),
+}
+
+
+def field_group(name: str) -> str:
+    """The group a field is listed under; a field no group names yet is listed under "Other"."""
+    return next((group for group, names in CONFIG_GROUPS.items() if name in names), "Other")
 
 
 def describe_validation_error(error: ValidationError) -> str:

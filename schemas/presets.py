@@ -27,10 +27,32 @@ PRESETS: dict[str, dict[str, Any]] = {
         "save_steps": 20,
         "eval_prompts": 200,
     },
+    # Offline, CPU: the same tiny architecture, warm-started on this task's format (`tiny-reverse`),
+    # learns to write `35060<` backwards (`06053`). Several tokens per answer, each copied from
+    # another position: RL gets the short prompts right long before the long ones, so held-out
+    # exact-match accuracy rises well above the warm start's but stays clearly below 1.0.
+    "reverse": {
+        "model": "tiny-reverse",
+        "dataset": "reverse_digits",
+        "learning_rate": 2e-3,
+        "lr_scheduler_type": "constant",
+        "num_generations": 8,
+        "prompts_per_step": 32,
+        "max_steps": 600,
+        "max_completion_length": 7,
+        "max_prompt_length": 32,
+        "temperature": 1.0,
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "num_rollout_workers": 2,
+        "save_steps": 100,
+        "eval_prompts": 200,
+    },
     # Qwen2.5-0.5B-Instruct on GSM8K: the model and data come from the Hugging Face hub.
     "gsm8k": {
         "model": "Qwen/Qwen2.5-0.5B-Instruct",
         "dataset": "gsm8k",
+        "rollout_engine": "vllm",
         "learning_rate": 1e-6,
         "lr_scheduler_type": "constant",
         "num_generations": 8,
@@ -51,6 +73,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "math": {
         "model": "Qwen/Qwen2.5-1.5B-Instruct",
         "dataset": "math",
+        "rollout_engine": "vllm",
         "reward_funcs": ["math_accuracy"],
         "learning_rate": 1e-6,
         "lr_scheduler_type": "constant",
@@ -72,6 +95,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mbpp": {
         "model": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
         "dataset": "mbpp",
+        "rollout_engine": "vllm",
         "reward_funcs": ["mbpp_tests"],
         "learning_rate": 1e-6,
         "lr_scheduler_type": "constant",

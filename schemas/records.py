@@ -208,10 +208,13 @@ class RunPlan:
     replay_steps: tuple[int, ...] = ()
     first_step: int = 1
     resumes: int = 0  # how many times the run was resumed, this time included
+    # Fresh for every start of the run (new or resumed). A resume count repeats when a run folder is
+    # restored from a backup, and a cache key built on it would hand back a step that is not on disk.
+    session: str = ""
 
     @property
     def cache_scope(self) -> str:
-        return f"{self.run_uid}-r{self.resumes}"
+        return f"{self.run_uid}-{self.session or f'r{self.resumes}'}"
 
 
 @dataclass(frozen=True)

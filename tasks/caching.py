@@ -1,11 +1,15 @@
 """Prefect cache keys for the stages whose result is a reference to something on disk.
 
-A key is (run uid, resume count, step, stage, shard, training-config hash) plus the task's
+A key is (run uid, session, step, stage, shard, training-config hash) plus the task's
 source, so a task that is run again for a stage already done gets its small result (a path)
 back instead of doing it again. The run uid is written when the run is created, so a deleted
-and recreated run of the same name never hits the old run's cache. The resume count is in
-the key because across resumes the files decide, not the cache: a cache cannot see that a
-damaged file was moved to quarantine and must be written again (workers/state/resume.py).
+and recreated run of the same name never hits the old run's cache. The session is fresh at
+every start of the run (`prepare_run`), because across starts the files decide, not the
+cache: a cache cannot see that a damaged file was moved to quarantine and must be written
+again (workers/state/resume.py), nor that the run folder was restored from a backup. (It was
+the resume count once; a restored folder counts its resumes again from the backup's number,
+so a resume after a restore met the keys of the resume that came after the backup, skipped
+the commit of a step that was not on disk and failed with "has no rollouts for step N".)
 Stages that return tensors or whole batches are not cached: results are cloudpickled, and
 what they produce is on disk anyway.
 """

@@ -46,6 +46,10 @@ from schemas.records import REWARD_PREFIX, RolloutBatch, RunPlan
 
 logger = logging.getLogger("grpo_flow.observability")
 
+# A log record with extra={USER_FACING: True} is shown on the terminal even when Prefect's console
+# logs go to the log file (flows/quiet.py), as `grpo-flow: warning: ...`.
+USER_FACING = "grpo_flow_user"
+
 # Shown first, in this order, when the row has them; every other numeric metric follows.
 HEADLINE_METRICS = (
     "reward",

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import torch
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from schemas.config import GRPOFlowConfig
 from schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
 from tasks.caching import STEP_STAGE
+from tasks.observability import USER_FACING
 from workers import backends
 from workers.actor.advantages import multi_objective_advantages
-from workers.state.faults import maybe_fail
+from workers.state.faults import maybe_fail, maybe_kill_engine
 from workers.data.loaders import load_task
-from workers.rewards.functions import RewardTrainerState, resolve_reward_funcs, score_batch
+from workers.rewards.functions import RewardTimeoutError, RewardTrainerState, resolve_reward_funcs, score_batch
 from workers.rollout.base import SamplingParams
 from workers.state.storage import RunStorage
 
@@ -38,6 +40,18 @@ def epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(size)
 
 
+def step_prompt_indices(seed: int, step: int, prompts_per_step: int, size: int) -> list[int]:
+    """The train rows step `step` (from 1) trains on: consecutive slices of the epoch-wise permutations.
+
+    A pure function of its arguments, so anyone (benchmarks/learning.py hands TRL the same order)
+    can know a run's prompts without running it.
+    """
+    start = (step - 1) * prompts_per_step
+    positions = range(start, start + prompts_per_step)
+    orders = {e: epoch_order(seed, e, size) for e in {p // size for p in positions}}
+    return [int(orders[p // size][p % size]) for p in positions]
+
+
 @task(name="sample-batch", cache_policy=NO_CACHE)
 def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int, refill_round: int = 0) -> list[PromptShard]:
     """The step's prompts, a deterministic function of (seed, step): epoch-wise permutations.
@@ -50,10 +64,7 @@ def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int, refill_round:
         rng = np.random.default_rng([config.seed, step, refill_round, 0xD5])
         indices = rng.choice(len(train), size=config.prompts_per_step, replace=len(train) < config.prompts_per_step)
     else:
-        start = (step - 1) * config.prompts_per_step
-        positions = range(start, start + config.prompts_per_step)
-        orders = {e: epoch_order(config.seed, e, len(train)) for e in {p // len(train) for p in positions}}
-        indices = [int(orders[p // len(train)][p % len(train)]) for p in positions]
+        indices = step_prompt_indices(config.seed, step, config.prompts_per_step, len(train))
     rows = train.select([int(i) for i in indices]).to_list()
     per_shard = config.prompts_per_step // config.num_rollout_workers
     return [
@@ -76,6 +87,7 @@ def generate(
     maybe_fail("generate", shard.step, fail_at)
     storage = RunStorage(plan.storage_root, plan.run_id)
     engine = backends.run_workers(config, plan.model_path).ensure_rollout_version(shard.shard, policy_version, storage)
+    maybe_kill_engine(shard.step, shard.shard, engine, fail_at)
     params = SamplingParams(
         n=config.num_generations,
         max_tokens=config.max_completion_length,
@@ -108,7 +120,19 @@ def generate(
     )
 
 
-@task(name="score", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def not_a_timeout(task: object, task_run: object, state: object) -> bool:
+    """Retry condition of `score`: a reward call past reward_timeout_s is not retried (each attempt
+    would wait as long again, and could leave another thread behind)."""
+    error = getattr(state, "data", None)
+    return not isinstance(error, RewardTimeoutError)
+
+
+def not_a_missing_reward(task: object, task_run: object, state: object) -> bool:
+    """Retry condition of `log_rollouts`: steps without any reward fail the same way on every attempt."""
+    return not isinstance(getattr(state, "data", None), NoRewardError)
+
+
+@task(name="score", retries=2, retry_delay_seconds=1, retry_condition_fn=not_a_timeout, cache_policy=NO_CACHE)
 def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, fail_at: str | None = None) -> RolloutBatch:
     """Every reward function on every completion of the shard, and the weighted total."""
     maybe_fail("score", batch.step, fail_at)
@@ -119,7 +143,7 @@ def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, fail_at: s
         epoch=(batch.step - 1) * config.prompts_per_step / plan.num_train_prompts,
     )
     with reward_slots(plan.run_id, config.reward_concurrency):
-        return score_batch(batch, funcs, config.reward_weights, state)
+        return score_batch(batch, funcs, config.reward_weights, state, config.reward_timeout_s)
 
 
 _REWARD_SLOTS: dict[str, threading.BoundedSemaphore] = {}
@@ -131,6 +155,39 @@ def reward_slots(run_id: str, limit: int) -> threading.BoundedSemaphore:
     reward code (sandboxes, judges) is often the scarce resource."""
     with _REWARD_SLOTS_LOCK:
         return _REWARD_SLOTS.setdefault(f"{run_id}/{limit}", threading.BoundedSemaphore(limit))
+
+
+class NoRewardError(RuntimeError):
+    """Steps in a row in which no completion got a reward: the reward functions do not fit the data."""
+
+
+def check_rewards_given(config: GRPOFlowConfig, plan: RunPlan, step: int, stats: dict[str, float]) -> None:
+    """A step whose every completion got no reward (every function returned None for every sample)
+    trains on nothing: warn at the first such step, naming the functions; fail at the
+    `max_no_reward_steps`-th in a row (the earlier ones are counted from their logged metrics)."""
+    if not math.isnan(stats["reward"]):
+        return
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    streak = 1
+    while (
+        streak < config.max_no_reward_steps
+        and storage.metrics_path(step - streak).exists()
+        and math.isnan(storage.read_step_metrics(step - streak)["reward"])
+    ):
+        streak += 1
+    names = ", ".join(plan.reward_names)
+    if streak >= config.max_no_reward_steps:
+        first = f"steps {step - streak + 1}-{step}" if streak > 1 else f"step {step}"
+        raise NoRewardError(
+            f"{first}: no completion got a reward: every reward function ({names}) returned None for every "
+            f"sample (max_no_reward_steps={config.max_no_reward_steps}); check that they fit the data set's columns"
+        )
+    if streak == 1:
+        get_run_logger().warning(
+            f"step {step}: no completion got a reward: every reward function ({names}) returned None for every "
+            f"sample; the run fails after {config.max_no_reward_steps} such steps in a row",
+            extra={USER_FACING: True},
+        )
 
 
 def informative_groups(batch: RolloutBatch, group_size: int) -> list[list[int]]:
@@ -209,9 +266,10 @@ def reward_stats(
     finish_reasons: list[str],
 ) -> dict[str, float]:
     """A step's reward and completion statistics, under TRL's metric names."""
+    rewarded = rewards[~rewards.isnan()]  # a step where no completion got a reward has none
     stats = {
         "reward": float(torch.nanmean(rewards)),
-        "reward_std": float(rewards[~rewards.isnan()].std()) if rewards.numel() > 1 else 0.0,
+        "reward_std": float(rewarded.std()) if rewarded.numel() > 1 else 0.0,
         "frac_reward_zero_std": float(std_is_zero.float().mean()),
         "completions/mean_length": float(np.mean(lengths)),
         "completions/max_length": float(np.max(lengths)),
@@ -253,3 +311,47 @@ def commit_rollouts(config: GRPOFlowConfig, plan: RunPlan, step: int) -> str:
     """Publish the step's staged shards as one logged step. Cached per (run, step, stage, config hash):
     a retried flow run that reaches a committed step gets its path back without touching the files."""
     return str(RunStorage(plan.storage_root, plan.run_id).commit_rollouts(step, config.num_rollout_workers))
+
+
+# One task run for three stages of the design (each its own task run before): none of them has a
+# reason to be retried or shown apart, and each task run costs Prefect ~6 ms and three events per
+# step. The stages are in the task run's name and in its log line, with their times.
+@task(
+    name="log-rollouts",
+    task_run_name="log-rollouts-step-{step}: compute-advantages, write-rollouts, commit-rollouts",
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=not_a_missing_reward,
+    cache_policy=NO_CACHE,
+)
+def log_rollouts(
+    config: GRPOFlowConfig, plan: RunPlan, step: int, batches: list[RolloutBatch]
+) -> tuple[dict[str, float], list[dict]]:
+    """compute-advantages over the whole step, then write-rollouts (one Parquet file per shard,
+    staged) and commit-rollouts (the step's shards renamed into place together). Returns the
+    step's reward statistics and the three completions its artifact shows (best, middle, worst).
+
+    A retry after the commit finds the step logged and leaves it as it is (nothing logged is
+    ever rewritten); the statistics are computed again from the same batches."""
+    from tasks.observability import pick_samples, rollout_rows
+
+    started = time.perf_counter()
+    scored, stats = compute_advantages.fn(config, batches)
+    check_rewards_given(config, plan, step, stats)  # before the step is logged: a fixed function re-scores it
+    advantages_done = time.perf_counter()
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    if not storage.rollout_dir(step).exists():
+        for shard, batch in enumerate(scored):
+            write_rollouts.fn(config, plan, batch, shard)
+        written = time.perf_counter()
+        commit_rollouts.fn(config, plan, step)
+        note = ""
+    else:
+        written, note = advantages_done, " (already committed: left as logged)"
+    done = time.perf_counter()
+    get_run_logger().info(
+        "step %d: compute-advantages %.1f ms, write-rollouts x%d %.1f ms, commit-rollouts %.1f ms%s",
+        step, 1000 * (advantages_done - started), len(scored), 1000 * (written - advantages_done),
+        1000 * (done - written), note,
+    )  # fmt: skip
+    return stats, [dict(row) for row in pick_samples(rollout_rows(plan, step, scored))]

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run as current_flow_run
 
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
 from workers import backends
 from workers.data.loaders import load_task
 from workers.rollout.heldout import heldout_accuracy
-from workers.state.resume import check_config_change, find_resume_point, record_resume
+from workers.state.lock import hold_run_lock, release_run_lock, release_run_locks_of
+from workers.state.resume import check_config_change, check_max_steps, find_resume_point, record_resume
 from workers.rewards.functions import resolve_reward_funcs
 from workers.state.storage import RunStorage
 from workers.data.tiny_model import read_build_info, resolve_model_path
@@ -36,6 +39,9 @@ def check_run_start(config: GRPOFlowConfig, allow_config_change: bool = False) -
 @task(name="prepare-run", cache_policy=NO_CACHE)
 def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False) -> RunPlan:
     """Validate rewards, data and model before writing anything; then create the run, or find where it stands."""
+    # One writer per run: raises RunLockedError naming a live holder. Released by finish_run, or by
+    # the flow's state hooks (release_flow_run_locks) when the run fails before it gets there.
+    hold_run_lock(RunStorage(config.storage_root, config.run_id or "").run_dir, owner=current_flow_run.get_id())
     storage = check_run_start(config, allow_config_change)
     backends.check_backend_ready(config)
     task_data = load_task(config.dataset)
@@ -45,10 +51,13 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False) -> Ru
     if config.reward_weights is not None and len(config.reward_weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(config.reward_weights)} values for {len(funcs)} reward functions")
     model_path = resolve_model_path(config.model, config.storage_root)
+    total_steps = config.total_steps(len(task_data.train))
+    session = uuid.uuid4().hex[:12]
     if storage.exists():
         changes = check_config_change(storage, config, allow_config_change)
+        check_max_steps(storage, total_steps)  # again: with max_steps -1 the total is known only here
         point = find_resume_point(storage)
-        record_resume(storage, config, point, changes)
+        record_resume(storage, config, point, changes, session)
         resume = {
             "resume_checkpoint": point.checkpoint_step,
             "replay_steps": point.replay_steps,
@@ -62,18 +71,22 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False) -> Ru
             list(point.replay_steps),
             point.first_step + len(point.replay_steps),
         )
+        if point.set_aside:
+            get_run_logger().warning("run %s: damaged rollouts of steps %s set aside", storage.run_id, point.set_aside)
     else:
+        storage.clean_temps()
         storage.write_config(config.model_dump(mode="json"))
         resume = {}
     return RunPlan(
         run_id=storage.run_id,
         storage_root=config.storage_root,
         model_path=model_path,
-        total_steps=config.total_steps(len(task_data.train)),
+        total_steps=total_steps,
         reward_names=tuple(funcs),
         extra_columns=tuple(task_data.extra_columns),
         num_train_prompts=len(task_data.train),
         run_uid=storage.run_uid(),
+        session=session,
         **resume,
     )
 
@@ -113,4 +126,11 @@ def finish_run(config: GRPOFlowConfig, plan: RunPlan, summary: dict[str, Any]) -
     )
     wandb_finish(plan.run_id)
     backends.release(config, plan.run_id)
+    release_run_lock(RunStorage(plan.storage_root, plan.run_id).run_dir)
     return summary
+
+
+def release_flow_run_locks(flow: Any, flow_run: Any, state: Any) -> None:
+    """State hook of the `grpo` flow: a run that fails or crashes before finish_run gives its
+    writer lock back, so a later start in the same process (a notebook, a server) is not refused."""
+    release_run_locks_of(str(flow_run.id))

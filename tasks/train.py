@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan, metrics_table
 from tasks.caching import STEP_STAGE
+from tasks.observability import publish, step_artifact
 from workers import backends
 from workers.state.faults import maybe_fail
 from workers.state.storage import RunStorage
@@ -79,18 +80,35 @@ def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int, fail_at: s
     return {"time/checkpoint_s": time.perf_counter() - started, "checkpoints_pruned": len(pruned)}
 
 
-@task(name="log-metrics", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+# Metrics and the step's artifact in one task run: the artifact is a view of the row just
+# written, and a task run of its own cost each step ~6 ms and three events. The artifact is
+# written on the artifact thread (tasks/observability.py), so the step does not wait for the API.
+@task(
+    name="log-metrics",
+    task_run_name="log-metrics-step-{step}: metrics Parquet, wandb, step artifact",
+    retries=2,
+    retry_delay_seconds=1,
+    cache_policy=NO_CACHE,
+)
 def log_metrics(
-    config: GRPOFlowConfig, plan: RunPlan, step: int, row: dict[str, Any], fail_at: str | None = None
+    config: GRPOFlowConfig,
+    plan: RunPlan,
+    step: int,
+    row: dict[str, Any],
+    fail_at: str | None = None,
+    samples: list[dict[str, Any]] | None = None,
 ) -> str:
-    """One Parquet row per step, and wandb when configured. A replayed step's row stays as first logged."""
+    """One Parquet row per step, wandb when configured, then the step's artifact (metrics and
+    three completions: `samples`, or read back from the logged rollouts when None). A replayed
+    step's row stays as first logged."""
     maybe_fail("metrics", step, fail_at)
     storage = RunStorage(plan.storage_root, plan.run_id)
-    if storage.metrics_path(step).exists():
-        return str(storage.metrics_path(step))
-    path = storage.write_metrics(step, metrics_table(row))
-    if config.report_to == "wandb":
-        from workers.state.tracking import wandb_log
+    path = storage.metrics_path(step)
+    if not path.exists():
+        path = storage.write_metrics(step, metrics_table(row))
+        if config.report_to == "wandb":
+            from workers.state.tracking import wandb_log
 
-        wandb_log(config, plan.run_id, step, row)
+            wandb_log(config, plan.run_id, step, row)
+    publish(step_artifact, plan, step, row, samples)  # never raises; linked to this task run
     return str(path)

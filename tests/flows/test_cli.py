@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ from flows.cli import build_config, main, make_parser, parse_overrides
 
 def run_cli(*args, env_extra=None, timeout=600):
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(env_extra or {})}
+    env.pop("WANDB_MODE", None)  # conftest's; with it transformers prints "Running in WANDB offline mode"
     return subprocess.run(
         [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
     )
@@ -108,8 +110,24 @@ def test_train_then_list_then_read_rollouts(tmp_path):
         env_extra=env,
     )
     assert trained.returncode == 0, trained.stderr[-3000:]
-    assert "held-out accuracy, after RL" in trained.stdout
-    assert "steps" in trained.stdout and "2 / 2" in trained.stdout
+    # Only what the user asked for: the run line and the summary; Prefect's logs went to the log file.
+    assert trained.stderr == ""
+    lines = trained.stdout.splitlines()
+    assert lines[0] == "grpo-flow: run cli-run (tiny, last_digit)"
+    assert [line.split("  ")[0] for line in lines[1:]] == [
+        "run",
+        "status",
+        "steps",
+        "held-out accuracy, random init",
+        "held-out accuracy, after warm start",
+        "held-out accuracy, before RL",
+        "held-out accuracy, after RL",
+        "mean reward, last 5 steps",
+        "wall time",
+        "storage",
+    ]
+    assert lines[3].split() == ["steps", "2", "/", "2"]
+    assert " train --preset tiny --max-steps 2 " in (root / "logs" / "prefect.log").read_text()
 
     listed = run_cli("runs", "--storage-root", str(root))
     assert listed.returncode == 0
@@ -127,3 +145,123 @@ def test_train_then_list_then_read_rollouts(tmp_path):
     assert again.returncode == 2 and "learning_rate: 0.005 -> 0.5" in again.stderr
     missing_step = run_cli("rollouts", "cli-run", "--step", "9", "--storage-root", str(root))
     assert missing_step.returncode == 2 and "--step" in missing_step.stderr
+
+
+# -- checked before anything starts (issue 15, item 8) -------------------------------------------------
+DATA = ["--reward-funcs", "last_digit"]  # a data set named by path or hub id has no default rewards
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--reward-funcs", "no_such_module:score"], "--reward-funcs: cannot import 'no_such_module:score'"),
+        (["--reward-funcs", "last_digit", "unknown"], "--reward-funcs: 'unknown' is neither a built-in reward"),
+        (["--reward-weights", "1", "2"], "--reward-weights: 2 weights for 1 reward functions (last_digit)"),
+        (["--dataset", "hf:data.jsonl"], "--reward-funcs: data set 'hf:data.jsonl' has no default rewards"),
+        (["--dataset", "hf:./no/such.jsonl", *DATA], "--dataset: './no/such.jsonl': no such file or folder"),
+        (["--dataset", "hf:not a hub id", *DATA], "--dataset: 'not a hub id' is neither a local path nor a Hugging"),
+        (["--model", "./no-such-model"], "--model: './no-such-model': no such file or folder"),
+        (["--model", "not a model"], "--model: 'not a model' is neither a local path nor a Hugging Face hub id"),
+    ],
+)
+def test_what_can_be_checked_before_a_run_starts_is_one_line_and_exit_2(tmp_path, capsys, argv, expected):
+    root = tmp_path / "store"
+    assert main(["train", *argv, "--storage-root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo train: " + expected) and err.count("\n") == 1, err
+    assert not root.exists()
+
+
+def test_a_storage_root_that_cannot_be_written_is_refused_even_as_root(tmp_path, capsys):
+    # /sys is read-only for everyone; os.access() says root may write there, so the check writes a file.
+    assert main(["train", "--storage-root", "/sys/grpo-flow-check"]) == 2
+    assert capsys.readouterr().err.startswith("grpo train: --storage-root: '/sys/grpo-flow-check' is not a writable")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)
+    try:
+        if os.geteuid() != 0:  # root writes into a 0500 folder anyway; /sys above covers root
+            assert main(["train", "--storage-root", str(tmp_path / "ro" / "sub")]) == 2
+            assert "--storage-root" in capsys.readouterr().err
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+
+
+def test_checks_load_no_model_torch_or_prefect(tmp_path):
+    """Why they take about a second: the refusal happens before any heavy import."""
+    code = (
+        "import sys; from flows.cli import main; "
+        f"rc = main(['train', '--reward-funcs', 'no_such_module:score', '--storage-root', {str(tmp_path)!r}]); "
+        "print(rc, sorted(m for m in ('torch', 'prefect', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[0] == "2 []", done.stderr
+
+
+def test_the_resume_hint_is_shown_only_for_a_run_that_exists(prefect_server, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    failed = run_cli(
+        "train",
+        "--dataset",
+        "hf:nobody-grpo-flow/no-such-data-set",  # passes the checks (a hub id), fails to load offline
+        "--reward-funcs",
+        "last_digit",
+        "--run-id",
+        "never-started",
+        "--storage-root",
+        str(tmp_path),
+        env_extra={"PREFECT_API_URL": PREFECT_API_URL.value(), "HF_HUB_OFFLINE": "1"},
+    )
+    assert failed.returncode == 1
+    lines = failed.stderr.strip().splitlines()
+    assert lines[-2].startswith("grpo train: run never-started failed:") and "resume it with" not in failed.stderr
+    assert lines[-1].startswith("(add --verbose for the traceback; Prefect's log:")
+    assert not (tmp_path / "runs" / "never-started").exists()
+
+
+# -- the ephemeral Prefect server (item 7) -------------------------------------------------------------
+def test_the_ephemeral_server_gets_time_to_start_and_a_timeout_says_what_to_do(tmp_path):
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PREFECT_API_URL", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+    }
+    code = "import flows; from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as t; print(t.value())"
+    default = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert default.stdout.strip() == "120"  # Prefect's own default, 20 s, was overrun on a busy machine
+
+    (tmp_path / "home").mkdir()
+    env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0")
+    refused = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", "--storage-root", str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines() == [
+        "grpo train: Prefect's ephemeral server did not answer within 0 s (a busy machine?): set "
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher (e.g. 300), or start a server with "
+        f"`prefect server start` and set PREFECT_API_URL; server log: {tmp_path / 'store' / 'logs' / 'prefect.log'}"
+    ]
+    assert not (tmp_path / "store" / "runs").exists()
+
+
+# -- grpo train --help (item 13) ------------------------------------------------------------------------
+def test_help_shows_each_option_with_its_allowed_values_and_default_grouped_as_the_config():
+    from schemas.config import CONFIG_GROUPS
+
+    help_text = make_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert not re.search(r"--[a-z0-9-]+ VALUE", help_text)  # every option says what it takes
+    flat = " ".join(help_text.split())  # argparse wraps the text
+    assert "--loss-type {grpo,dapo,dr_grpo,bnpo,cispo,sapo,luspo,vespo}" in flat
+    assert "(default: dapo)" in flat and "--use-lora {true,false}" in flat and "(default: false)" in flat
+    assert "--learning-rate X" in flat and "(default: 1e-06; > 0)" in flat and "--num-generations N" in flat
+    assert "(default: 600.0; > 0)" in flat  # reward_timeout_s
+    headings = [line[:-1] for line in help_text.splitlines() if line.endswith(" (config fields):")]
+    assert headings == [f"{group} (config fields)" for group in CONFIG_GROUPS]
+    sections = help_text.split(" (config fields):")[1:]
+    for group, section in zip(CONFIG_GROUPS.values(), sections, strict=True):
+        flags = [word for word in section.split() if word.startswith("--")]
+        assert flags == ["--" + name.replace("_", "-") for name in group]

@@ -330,3 +330,37 @@ def test_a_volume_file_that_no_longer_matches_its_pointer_is_refused(eval_root, 
     with pytest.raises(ValueError, match=r"model/config.json of checkpoint .* does not match its pointer"):
         checkpoint_model_dir(tmp_path / "runs" / "evaluated" / "checkpoints" / "step-000001", tmp_path / "cache")
     assert not list((tmp_path / "cache").rglob("config.json*"))  # nothing half-written is left to be trusted
+
+
+def test_grpo_eval_of_an_evaluated_checkpoint_shows_the_stored_result_without_loading_a_model(eval_root):
+    """Reported: 21 s to show what was already on disk. A fresh `grpo` process prints the stored
+    figures without importing torch, transformers or Prefect; --force evaluates again, and the earlier
+    file is moved aside, never deleted."""
+    import subprocess
+    import sys
+
+    root, _ = eval_root
+    storage = RunStorage(root, "evaluated")
+    path = eval_path(storage, 1)
+    if not path.exists():
+        evaluate(run_id="evaluated", storage_root=str(root), checkpoint=1, k=4, prompts=8)
+    stored = read_eval_summary(path)
+    code = (
+        "import sys\nfrom flows.cli import main\nrc = main(sys.argv[1:])\n"
+        "print('loaded:', [m for m in ('torch', 'transformers', 'prefect') if m in sys.modules])\nsys.exit(rc)\n"
+    )
+    argv = [sys.executable, "-c", code, "eval", "evaluated", "--checkpoint", "1", "--storage-root", str(root)]
+    shown = subprocess.run(argv + ["--k", "2"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert f"{stored['pass@1']:.4f}" in shown.stdout and "--force evaluates again" in shown.stdout
+    assert "loaded: []" in shown.stdout
+    assert f"note: stored with k={stored['setting_k']}, you asked k=2" in shown.stdout
+
+    forced = main(
+        ["eval", "evaluated", "--checkpoint", "1", "--k", "2", "--prompts", "4", "--force"]
+        + ["--storage-root", str(root)]
+    )
+    assert forced == 0
+    assert read_eval_summary(path)["samples_per_prompt"] == 2  # measured again, with the options given
+    (earlier,) = (path.parent / "superseded").glob("step-000001.*.parquet")
+    assert read_eval_summary(earlier) == stored

@@ -4,7 +4,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,39 +12,14 @@ import httpx
 import pytest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def running_prefect_server(home):
-    """`prefect server start` on a free local port with its own database; yields its API URL."""
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("prefect server did not start within 90 s")
+def running_prefect_server(home, database_url=None):
+    """`prefect server start` on a free local port with its own home and database (a SQLite file
+    in `home` unless `database_url` says otherwise); yields its API URL."""
+    from deployments.local_server import prefect_server
+
+    with prefect_server(home, database_url, log=os.path.join(home, "server.log")) as url:
         yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

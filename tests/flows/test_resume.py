@@ -5,6 +5,7 @@ The killed runs are `grpo train` processes that SIGKILL themselves at a chosen s
 this process.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from flows.grpo import grpo
 from schemas.presets import preset_config
 from workers.backends import local
+from workers.state.lock import this_host
 from workers.state.storage import RunStorage
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
@@ -48,14 +50,18 @@ def assert_one_set_of_rows_per_step(storage: RunStorage, steps: int, per_step: i
     assert storage.logged_steps() == list(range(1, steps + 1))
 
 
-def cli(storage_root, run_id, *args, fail_at=None):
+def cli_env(fail_at=None):
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop(("GRPO_FLOW_FAIL_AT"), None)
     if fail_at:
         env["GRPO_FLOW_FAIL_AT"] = fail_at
-    argv = [
+    return env
+
+
+def train_argv(storage_root, run_id, *args):
+    return [
         sys.executable,
         "-m",
         "flows.cli",
@@ -67,7 +73,16 @@ def cli(storage_root, run_id, *args, fail_at=None):
         "--no-progress",
         *args,
     ]
-    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+
+
+def cli(storage_root, run_id, *args, fail_at=None):
+    argv = train_argv(storage_root, run_id, *args)
+    return subprocess.run(argv, capture_output=True, text=True, env=cli_env(fail_at), timeout=600)
+
+
+def grpo_command(*argv):
+    """Any other `grpo` command, in its own process (none of them starts Prefect)."""
+    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], capture_output=True, text=True, timeout=120)
 
 
 # -- the equality test: SIGKILL at four places, resume, compare with an uninterrupted run ---------
@@ -202,3 +217,146 @@ def test_changing_a_training_field_on_resume_is_refused_unless_allowed(six_steps
     summary = grpo(small_config(storage_root, "six-baseline", max_steps=7, save_steps=5))  # safe fields
     assert summary["status"] == "completed" and summary["steps_completed"] == 7 and summary["resumed_from_step"] == 6
     assert storage.logged_steps() == list(range(1, 8))
+
+
+# -- hardening (issue 15): backups, two writers, damaged earlier steps, max_steps ------------------------
+def test_a_run_restored_from_a_backup_resumes_to_the_same_weights(uninterrupted, storage_root, tmp_path):
+    """Reported: a run folder restored from a backup, then resumed, failed with "run 'X' has no rollouts
+    for step 5" and left `.step-000005.staging` behind. The backup's resume count came back with it, so
+    the resume met the Prefect cache keys of the resume made after the backup and skipped committing a
+    step that was not on disk."""
+    import shutil
+
+    run_id = "restored"
+    killed = cli(storage_root, run_id, *KILL_RUN, fail_at="generate@5:kill")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    storage = RunStorage(storage_root, run_id)
+    backup = tmp_path / "backup"
+    shutil.copytree(storage.run_dir, backup)
+    resumed = cli(storage_root, run_id, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    shutil.rmtree(storage.run_dir)
+    shutil.copytree(backup, storage.run_dir)  # the backup, back in place
+
+    again = cli(storage_root, run_id, "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert_same_weights(final_weights(storage, 8), final_weights(uninterrupted, 8))
+    assert_one_set_of_rows_per_step(storage, steps=8, per_step=32)
+    assert not list((storage.run_dir / "rollouts").glob(".*"))  # no staging leftover
+
+
+def test_a_second_writer_is_refused_naming_the_first_and_a_killed_writers_lock_is_taken_over(
+    prefect_server, storage_root
+):
+    """Real processes: `grpo train` twice on one run. The first stops (alive) at step 2's actor step."""
+    import signal
+    import time
+
+    from workers.state.lock import LOCK_FILE
+
+    run_id = "two-writers"
+    argv = train_argv(storage_root, run_id, "--preset", "tiny", "--max-steps", "4", "--save-steps", "3", *CLI_SMALL)
+    first = subprocess.Popen(argv, env=cli_env("actor@2:hang"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    storage = RunStorage(storage_root, run_id)
+    try:
+        deadline = time.monotonic() + 300
+        while not storage.rollout_dir(2).exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.poll() is None, first.communicate()[1][-3000:]
+
+        second = cli(storage_root, run_id, "--resume")
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"pid {first.pid} on host {this_host()} since 20" in second.stderr
+        assert "resuming run" not in second.stdout  # refused before anything started
+        listed = grpo_command("runs", "--storage-root", str(storage_root))
+        assert any(line.split()[:2] == [run_id, "running"] for line in listed.stdout.splitlines())
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+    assert (storage.run_dir / LOCK_FILE).exists()  # left behind by the killed process
+
+    third = cli(storage_root, run_id, "--resume")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"taking over the writer lock of pid {first.pid} on host {this_host()}" in third.stderr
+    assert storage.read_summary()["status"] == "completed" and storage.logged_steps() == [1, 2, 3, 4]
+    assert not (storage.run_dir / LOCK_FILE).exists()  # released at the end
+
+
+@pytest.fixture
+def damaged_copy(uninterrupted, storage_root, tmp_path):
+    """The finished 8-step run (checkpoints 3, 6, 8) in a storage root of its own, its step 2 (before
+    the newest checkpoint) cut to half its size, as the issue reported it for step 20 of 30."""
+    import shutil
+
+    root = tmp_path / "root"
+    shutil.copytree(storage_root / "models", root / "models")
+    shutil.copytree(uninterrupted.run_dir, root / "runs" / uninterrupted.run_id)
+    storage = RunStorage(root, uninterrupted.run_id)
+    shard = storage.rollout_dir(2) / "shard-01.parquet"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    return storage, f"rollouts/step-000002/shard-01.parquet: {size // 2} bytes, its manifest says {size}"
+
+
+def test_a_damaged_earlier_step_is_named_by_every_reader_and_set_aside_by_verify(damaged_copy):
+    import pandas as pd
+
+    storage, problem = damaged_copy
+    run, root = storage.run_id, str(storage.root)
+    listed = grpo_command("runs", "--storage-root", root)
+    assert listed.returncode == 0 and problem in listed.stderr and "damaged: 1 file(s)" in listed.stdout
+    shown = grpo_command("rollouts", run, "--step", "2", "--limit", "1000", "--storage-root", root)
+    assert shown.returncode == 1 and problem in shown.stderr and not shown.stdout  # not half the step, silently
+    with pytest.raises(Exception, match="magic bytes"):
+        pd.read_parquet(storage.run_dir / "rollouts")  # what the user met: the whole run unreadable
+
+    verified = grpo_command("verify", run, "--storage-root", root)
+    assert verified.returncode == 1, verified.stderr
+    assert f"damaged: {problem}" in verified.stdout
+    assert "step 2's rollouts: moved to quarantine/rollouts-step-000002; not needed to resume (checkpoint 8" in (
+        verified.stdout
+    )
+    assert len(pd.read_parquet(storage.run_dir / "rollouts")) == 7 * 32  # the rest reads again
+    again = grpo_command("verify", run, "--storage-root", root)
+    assert again.returncode == 0 and "7 step(s) of rollouts (14 shards" in again.stdout
+    assert "3 checkpoint(s) and 8 metrics file(s) intact" in again.stdout
+    shown = grpo_command("rollouts", run, "--step", "2", "--storage-root", root)
+    assert shown.returncode == 1 and "the rollouts of step 2 are moved to quarantine/" in shown.stderr
+
+
+def test_a_resume_sets_a_damaged_earlier_step_aside_and_cleans_killed_writers_files(damaged_copy):
+    """Resuming needs only the steps after its checkpoint; one before it is moved aside, named, and the
+    run goes on. A temporary file of a writer killed mid-write (its pid gone) is removed at the start."""
+    storage, _ = damaged_copy
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    leftover = storage.run_dir / "metrics" / f".step-000009.parquet.w{gone.pid}@{this_host()}.x1y2z3.tmp"
+    leftover.write_bytes(b"half a file")
+    resumed = cli(storage.root, storage.run_id, "--resume", "--max-steps", "9")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert storage.quarantined() == ["rollouts-step-000002"]
+    record = json.loads(sorted((storage.run_dir / "resumes").iterdir())[-1].read_text())
+    assert record["set_aside_steps"] == [2] and record["checkpoint_step"] == 8
+    assert storage.logged_steps()[-1] == 9 and not leftover.exists()
+
+
+def test_a_resume_to_fewer_steps_than_the_run_has_is_refused_everywhere(uninterrupted, six_steps, storage_root):
+    """Reported: `--resume --max-steps 5` on a finished 30-step run rewrote its summary as "5 / 5"."""
+    from deployments.grpo import DeploymentConfigError, resolve_config
+    from workers.state.resume import ResumeError, last_step
+
+    summary = uninterrupted.summary_path.read_bytes()
+    resumes = sorted(p.name for p in (uninterrupted.run_dir / "resumes").glob("*"))
+    refused = cli(storage_root, uninterrupted.run_id, "--resume", "--max-steps", "5")
+    assert refused.returncode == 2
+    assert "--max-steps: 5 is below the last step of run 'kill-baseline', 8" in refused.stderr
+    assert uninterrupted.summary_path.read_bytes() == summary
+    assert sorted(p.name for p in (uninterrupted.run_dir / "resumes").glob("*")) == resumes
+
+    last = last_step(six_steps)
+    with pytest.raises(ResumeError, match=f"max_steps: 3 is below the last step of run 'six-baseline', {last}"):
+        grpo(small_config(storage_root, "six-baseline", max_steps=3))
+    with pytest.raises(
+        DeploymentConfigError, match=f"max_steps: 3 is below the last step of run 'six-baseline', {last}"
+    ):
+        resolve_config("tiny", {"run_id": "six-baseline", "storage_root": str(storage_root), "max_steps": 3})

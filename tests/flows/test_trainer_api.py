@@ -132,3 +132,77 @@ def test_generated_run_ids_are_valid_for_every_kind_of_data_set(dataset):
     run_id = new_run_id(GRPOFlowConfig(dataset=dataset))
     assert re.match(RUN_ID_PATTERN, run_id), run_id
     assert GRPOFlowConfig(dataset=dataset, run_id=run_id).run_id == run_id
+
+
+def test_nothing_is_held_out_when_evaluation_is_off(tmp_path):
+    three = Dataset.from_dict({"prompt": ["11=", "22=", "33="], "answer": ["1", "2", "3"]})
+    off = GRPOFlowTrainer(reward_funcs=[exact_digit], train_dataset=three, eval_prompts=0, storage_root=str(tmp_path))
+    assert (off.task.train.num_rows, off.task.heldout.num_rows) == (3, 0)  # a 3-prompt data set trains on 3
+    on = GRPOFlowTrainer(reward_funcs=[exact_digit], train_dataset=digits_dataset(40), storage_root=str(tmp_path))
+    assert (on.task.train.num_rows, on.task.heldout.num_rows) == (36, 4)  # 10 % of the prompts, for evaluation
+    assert off.config.dataset != on.config.dataset  # what trains differs, so a resume sees the change
+
+
+def never_applies(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def test_a_reward_that_never_applies_warns_at_the_first_step_and_fails_after_n(prefect_server, storage_root, caplog):
+    from tasks.observability import USER_FACING
+    from tasks.rollout import NoRewardError
+
+    trainer = GRPOFlowTrainer(
+        reward_funcs=[never_applies],
+        train_dataset=digits_dataset(),
+        run_id="api-no-reward",
+        storage_root=str(storage_root),
+        max_no_reward_steps=3,
+        **{**SMALL, "max_steps": 5},
+    )
+    with pytest.raises(
+        NoRewardError, match=r"steps 1-3: no completion got a reward: every reward function \(never_applies\)"
+    ):
+        trainer.train()
+    warnings = [r for r in caplog.records if getattr(r, USER_FACING, False)]
+    assert [r.getMessage() for r in warnings] == [
+        "step 1: no completion got a reward: every reward function (never_applies) returned None for every sample; "
+        "the run fails after 3 such steps in a row"
+    ]
+    storage = RunStorage(storage_root, "api-no-reward")
+    assert storage.logged_steps() == [1, 2]  # the failing step is not logged: a fixed function scores it again
+    assert "step 3" in storage.read_summary()["error"]
+
+
+API_SCRIPT = """
+from datasets import Dataset
+from flows.trainer import GRPOFlowTrainer
+
+def exact(completions, answer, **kwargs):
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+prompts = [f"{1000 + 37 * i}=" for i in range(200)]
+dataset = Dataset.from_dict({"prompt": prompts, "answer": [p[-2] for p in prompts]})
+trainer = GRPOFlowTrainer(model="tiny", reward_funcs=[exact], train_dataset=dataset,
+                          max_steps=3, prompts_per_step=8, num_generations=4,
+                          max_completion_length=2, learning_rate=5e-3, eval_prompts=0)
+summary = trainer.train()
+print("trained:", summary["status"], summary["steps_completed"])
+"""
+
+
+def test_a_python_api_run_prints_only_what_the_script_prints(storage_root, tmp_path):
+    """The README's example as a script, on its own ephemeral Prefect server, as a user runs it."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "grpo-storage").symlink_to(storage_root)  # the config's default root: the built tiny model
+    (tmp_path / "prefect-home").mkdir()
+    (tmp_path / "train.py").write_text(API_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED")}
+    env.pop("WANDB_MODE", None)  # conftest's; with it transformers prints "Running in WANDB offline mode"
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    done = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "trained: completed 3\n", "")

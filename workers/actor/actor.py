@@ -125,6 +125,15 @@ def micro_batches(inputs: dict[str, torch.Tensor], max_tokens: int | None) -> li
     return parts
 
 
+def sampling_matches_actor(config: GRPOFlowConfig, actor_bf16: bool) -> bool:
+    """Whether the rollout engine's log-probs equal the actor's at the same weights, so the IS correction
+    has nothing to correct: only the local backend's fp32 transformers engine (the actor's own code on
+    the same device; the Ray backend's engines are that engine in other processes). vLLM (any dtype: other kernels), a Modal container's engine (another GPU) and a
+    bf16 actor all differ. Decided from the run's config, so a worker that runs elsewhere (a Modal
+    container) decides the same as the process that started the run."""
+    return config.backend in ("local", "ray") and config.rollout_engine == "transformers" and not actor_bf16
+
+
 class Actor:
     def __init__(self, config: GRPOFlowConfig, model_path: str | Path, device: str = "cpu"):
         self.config = config
@@ -135,9 +144,8 @@ class Actor:
         self.tokenizer: Any = None
         self.objective: Any = None
         self._last_step: tuple[int, dict[str, float]] | None = None  # (version it produced, its metrics)
-        # Whether the rollout engine's log-probs equal this actor's at the same weights: the local
-        # backend's fp32 transformers engine does. Otherwise (vLLM on Modal, bf16) the IS correction
-        # applies to every step; set in load().
+        # Whether the rollout engine's log-probs equal this actor's at the same weights (see
+        # sampling_matches_actor); otherwise the IS correction applies to every step. Set in load().
         self.sampling_matches_actor = False
 
     @property
@@ -159,8 +167,7 @@ class Actor:
         model = model.to(self.device)
         self.objective = trl_objective.make_objective(model, self.tokenizer, self.config)
         self.model = self.objective.model  # the PeftModel with use_lora
-        # The Ray backend's engines are the same fp32 transformers engine, in other processes.
-        self.sampling_matches_actor = self.config.backend in ("local", "ray") and not self.objective.args.bf16
+        self.sampling_matches_actor = sampling_matches_actor(self.config, bool(self.objective.args.bf16))
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The scheduler counts optimizer steps: num_iterations per step. max_steps may be -1 (epochs);

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from schemas.config import GRPOFlowConfig
-from workers.backends import local
+
+# `local` (torch, TRL) is imported where used: a Modal container built from the vLLM image imports
+# this package for `modal_app` and has neither.
 
 
 def run_workers(config: GRPOFlowConfig, model_path: str | Path) -> Any:
@@ -35,16 +37,20 @@ def run_workers(config: GRPOFlowConfig, model_path: str | Path) -> Any:
         from workers.backends.modal_backend import modal_workers
 
         if os.environ.get("GRPO_FLOW_MODAL_MODE") == "local":
-            return modal_workers(config, model_path, mode="local", rollout_backend="cpu", actor_device="cpu")
+            return modal_workers(config, model_path, mode="local", rollout_device="cpu", actor_device="cpu")
         return modal_workers(config, model_path)
     if config.backend == "ray":
         from workers.backends.ray_backend import ray_workers
 
         return ray_workers(config, model_path)
+    from workers.backends import local
+
     return local.local_workers(config, model_path)
 
 
 def release(config: GRPOFlowConfig, run_id: str) -> None:
+    from workers.backends import local
+
     if config.backend == "modal":
         from workers.backends.modal_backend import release as release_modal
 

@@ -1,4 +1,9 @@
-"""The embedded backend: the actor and the rollout engines live in this process.
+"""The embedded backend: the actor lives in this process, the rollout engines here or in child processes.
+
+Engines: transformers in this process (on-policy), or each in a child process of this
+interpreter (one-step-off pipelining); with rollout_engine='vllm', each a vLLM engine in a
+process of the vLLM environment (`vllm_env.local_engine`), synced by the run's
+weight_sync_method through `weight_sync` (the same code the Modal backend uses).
 
 Workers are caches of the run's state, keyed by run id; `release` drops them at the end.
 They heal themselves: an actor asked for a policy version it does not hold restores the
@@ -15,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from schemas.config import GRPOFlowConfig
 from workers.actor import trl_objective
 from workers.actor.actor import Actor
+from workers.backends import vllm_env, weight_sync
 from workers.rollout.process_engine import ProcessRolloutEngine
 from workers.state.resume import replay_actor_to
 from workers.rollout.transformers_engine import TransformersRolloutEngine
@@ -42,7 +49,19 @@ class LocalWorkers:
         self.model_path = str(model_path)
         self.actor = Actor(config, model_path)
         self.rollout: list[Any]
-        if config.max_staleness:
+        self.uses_vllm = config.rollout_engine == "vllm"
+        if self.uses_vllm:
+            # Each engine in its own process of the vLLM environment; on CPU the cores are shared out
+            # between the engines (they generate their shards at once), and the actor when pipelined.
+            threads = max(1, (os.cpu_count() or 2) // (config.num_rollout_workers + (1 if config.max_staleness else 0)))
+            if config.max_staleness:
+                torch.set_num_threads(threads)
+            log_dir = RunStorage(config.storage_root, config.run_id or "unnamed").run_dir / "logs"
+            self.rollout = [
+                vllm_env.local_engine(config, model_path, i, threads, log_dir)
+                for i in range(config.num_rollout_workers)
+            ]
+        elif config.max_staleness:
             # One-step-off pipelining: each rollout engine in its own process, so generating the next
             # step really overlaps the actor's step; the cores are shared out between them.
             threads = max(1, (os.cpu_count() or 2) // (config.num_rollout_workers + 1))
@@ -62,13 +81,33 @@ class LocalWorkers:
         # weights were lost heals the actor while it holds the lock (ray_backend.RayWorkers._load).
         self._heal_lock = threading.RLock()
         self.actor.load()
-        for engine in self.rollout:
-            engine.load()
-        # With use_lora and lora_publish='adapter', engines take the adapter alone over their base model.
-        self.adapter_config = (
-            trl_objective.lora_config(config) if config.use_lora and config.lora_publish == "adapter" else None
+        try:
+            if self.uses_vllm:  # separate processes: their starts (imports, engine build) overlap
+                with ThreadPoolExecutor(max_workers=len(self.rollout)) as pool:
+                    list(pool.map(lambda engine: engine.load(), self.rollout))
+            else:
+                for engine in self.rollout:
+                    engine.load()
+        except BaseException:
+            self.close()  # no engine process outlives a failed start
+            raise
+        # With use_lora and lora_publish='adapter' (or a vLLM run's 'lora' sync), engines take the adapter
+        # alone over their base model.
+        adapters = config.use_lora and (
+            config.lora_publish == "adapter" or (self.uses_vllm and config.weight_sync_method == "lora")
         )
+        self.adapter_config = trl_objective.lora_config(config) if adapters else None
         self.last_sync: dict[str, float] = {}
+
+    def close(self) -> None:
+        """End the engines' processes (the in-process engines have none)."""
+        for engine in self.rollout:
+            if hasattr(engine, "close"):
+                engine.close()
+
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """What the engines take: the adapter alone when they generate with adapters, else the full weights."""
+        return self.actor.adapter_state_dict() if self.adapter_config is not None else self.actor.policy_state_dict()
 
     def _load(self, engine: Any, weights: Any, version: int) -> None:
         engine.load_state_dict(weights, version, self.adapter_config)
@@ -76,7 +115,7 @@ class LocalWorkers:
     # -- how published weights are held and moved (here: tensors in this process's memory) --------
     def _publish(self) -> Any:
         """The actor's current weights (or adapter), as this backend hands them to engines."""
-        return self.actor.published_weights()
+        return self.published_weights()
 
     def _load_all(self, weights: Any, version: int) -> None:
         for engine in self.rollout:
@@ -95,9 +134,20 @@ class LocalWorkers:
         return load_file(folder / ROLLOUT_WEIGHTS)
 
     def sync_weights(self) -> int:
-        """Copy the actor's weights (or adapter) into every rollout engine (in memory); returns the version."""
+        """Give every rollout engine the actor's weights (or adapter); returns the version.
+
+        In-process and pipelined transformers engines take them in memory. vLLM engines take them
+        by the run's weight_sync_method (`lora` when they generate with adapters): a file on the
+        storage root reloaded in place (`reload`, `volume`), safetensors bytes over their socket
+        (`direct`), a saved model they restart on (`checkpoint`), an adapter folder (`lora`).
+        """
         weights = self._publish()
         self.published = (self.actor.policy_version, weights)
+        if self.uses_vllm:
+            method = "lora" if self.adapter_config is not None else self.config.weight_sync_method
+            run_dir = RunStorage(self.config.storage_root, self.config.run_id or "unnamed").run_dir
+            self.last_sync = weight_sync.sync_weights(method, self.actor, self.rollout, run_dir)
+            return self.actor.policy_version
         self._load_all(weights, self.actor.policy_version)
         self.last_sync = {"bytes": self._moved_bytes(weights)}
         return self.actor.policy_version
@@ -174,9 +224,16 @@ def local_workers(config: GRPOFlowConfig, model_path: str | Path) -> LocalWorker
         return _WORKERS[config.run_id]
 
 
+def kill(run_id: str) -> None:
+    """End the run's engine processes now, without waiting for a call under way (the process is about
+    to exit at once: a second Ctrl-C). In-process workers go with the process."""
+    for engine in _WORKERS[run_id].rollout if run_id in _WORKERS else []:
+        if isinstance(engine, ProcessRolloutEngine):
+            engine.kill()
+
+
 def release(run_id: str) -> None:
     with _LOCK:
         workers = _WORKERS.pop(run_id, None)
-    for engine in workers.rollout if workers else []:
-        if isinstance(engine, ProcessRolloutEngine):
-            engine.close()
+    if workers is not None:
+        workers.close()

@@ -4,10 +4,12 @@ Built with no network: images, the Volume and Secrets are lazy handles until the
 
 - `ActorWorker` wraps `workers.actor.actor.Actor`: `load`, `step`, `save_checkpoint`,
   `publish_weights` (the Volume is committed after every write).
-- `RolloutWorker` wraps a rollout engine (`VLLMRolloutEngine`, or the transformers engine when
-  `backend="cpu"`): `generate`, `sync_weights` (the Volume is reloaded before every read),
-  `policy_version`. `worker_index` is a `modal.parameter()`, so rollout worker i has its own
-  container pool and keeps its engine warm between steps.
+- `RolloutWorker` wraps a rollout engine (`VLLMRolloutEngine` with rollout_engine='vllm', in an
+  image of its own: vLLM's pins cannot share one with the actor's, as locally they cannot share
+  an environment; or the transformers engine): `generate`, `sync_weights` (the Volume is
+  reloaded before every read), `policy_version`, `reset`. `worker_index` is a
+  `modal.parameter()`, so rollout worker i has its own container pool and keeps its engine warm
+  between steps.
 
 The GPU type comes from the run's config, but Modal fixes it when a class is decorated; so the
 classes below are plain, undecorated classes at module scope, and `build_app(config)`
@@ -19,13 +21,15 @@ definition the app registered (modal/_runtime/user_code_imports.py, "local scope
 
 Tested offline (tests/workers/backends/test_modal_app.py): the app builds, declares these classes with
 the GPUs, volume, image, timeouts and retries asked for, and every wrapped method runs with
-`Cls(...).method.local(...)` on the CPU engines (`.local()` runs `@modal.enter` and the
-method in this process; the Volume is not mounted, commit/reload are skipped). UNTESTED HERE
-(no network to Modal, no GPU): building the CUDA image, running the classes remotely, Volume
-commit/reload, and the vLLM engine inside them.
+`Cls(...).method.local(...)` on CPU engines (`.local()` runs `@modal.enter` and the method in
+this process; the Volume is not mounted, commit/reload are skipped). With rollout_engine='vllm'
+the local run reaches the real vLLM engine through the local vLLM environment (tests/flows/
+test_vllm_train.py). UNTESTED HERE (no network to Modal, no GPU): building the CUDA images,
+running the classes remotely, Volume commit/reload, and vLLM in a container of its own image.
 """
 
 # No `from __future__ import annotations`: Modal reads the classes' parameter annotations as types.
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ from typing import Any
 import modal
 
 from schemas.config import GRPOFlowConfig
+from workers.backends.vllm_env import CUDA_PACKAGES
 
 APP_NAME = "grpo-flow"
 VOLUME_PATH = "/grpo-storage"  # the storage root inside every container: the run Volume is mounted here
@@ -40,12 +45,10 @@ HF_HOME = f"{VOLUME_PATH}/hf-cache"  # hub downloads land on the Volume: one dow
 
 CUDA_BASE_IMAGE = "nvidia/cuda:12.8.0-devel-ubuntu22.04"
 PYTHON_VERSION = "3.11"  # the local client's, so pickled arguments and results read the same on both sides
-# vLLM 0.31.0 is the newest release TRL 1.16 supports (0.22-0.31); it pins torch 2.13.0 (our ceiling)
-# and transformers < 5.18. The rest match what the project's own tests run with.
+# The actor's image (and the transformers rollout engine's): what the project's own tests run with.
 GPU_PACKAGES: tuple[str, ...] = (
-    "vllm==0.31.0",
     "torch==2.13.0",
-    "transformers==5.17.0",
+    "transformers==5.23.0",
     "trl==1.16.0",
     "peft==0.21.2",
     "accelerate==1.15.0",
@@ -55,6 +58,9 @@ GPU_PACKAGES: tuple[str, ...] = (
     "pandas==3.1.1",
     "pydantic==2.14.3",
 )
+# vLLM rollout engines get an image of their own, as locally an environment of their own: the
+# vLLM that `grpo setup-vllm` installs on a CUDA machine, with the torch and transformers it pins.
+VLLM_PACKAGES: tuple[str, ...] = CUDA_PACKAGES
 LOCAL_SOURCES = ("schemas", "workers")  # workers never import Prefect, flows or tasks
 
 # Per attempt (Modal's timeouts are per attempt; a retry gets a fresh one).
@@ -69,22 +75,25 @@ SANDBOX_TIMEOUT_S = 10 * 60
 
 
 # -- images, volume, secrets ----------------------------------------------------------------------------
-def gpu_image() -> modal.Image:
-    """CUDA base + pinned vLLM / torch / TRL / transformers + this project's `schemas` and `workers`."""
+def _cuda_image(packages: tuple[str, ...], env: dict[str, str]) -> modal.Image:
     return (
         modal.Image.from_registry(CUDA_BASE_IMAGE, add_python=PYTHON_VERSION)
         .entrypoint([])  # the CUDA image's entrypoint only prints a banner
-        .uv_pip_install(*GPU_PACKAGES)
-        .env(
-            {
-                "HF_HOME": HF_HOME,
-                "TOKENIZERS_PARALLELISM": "false",
-                # Weight sync sends our own module-level functions to vLLM's worker processes.
-                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-            }
-        )
+        .uv_pip_install(*packages)
+        .env({"HF_HOME": HF_HOME, "TOKENIZERS_PARALLELISM": "false", **env})
         .add_local_python_source(*LOCAL_SOURCES)  # last: added at container start, no rebuild on code edits
     )
+
+
+def gpu_image() -> modal.Image:
+    """CUDA base + pinned torch / TRL / transformers + this project's `schemas` and `workers`: the actor."""
+    return _cuda_image(GPU_PACKAGES, {})
+
+
+def vllm_image() -> modal.Image:
+    """CUDA base + the pinned vLLM (with the torch and transformers it pins) + `schemas` and `workers`."""
+    # Weight sync sends our own module-level function to vLLM's worker process.
+    return _cuda_image(VLLM_PACKAGES, {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
 
 
 def sandbox_image() -> modal.Image:
@@ -106,12 +115,9 @@ def actor_gpu(config: GRPOFlowConfig) -> str:
 
 
 def worker_config_json(config: GRPOFlowConfig) -> str:
-    """The config as the workers get it (a class parameter, <= 16 KiB).
-
-    `backend` is set to `local`: inside a container the workers are the local ones, and the
-    config validator refuses `modal` in this release.
-    """
-    return config.model_copy(update={"backend": "local"}).model_dump_json()
+    """The config as the workers get it (a class parameter, <= 16 KiB), unchanged: `backend` stays
+    `modal`, so the actor in its container knows its engines are elsewhere (and corrects for them)."""
+    return config.model_dump_json()
 
 
 class VolumeSync:
@@ -204,26 +210,27 @@ class ActorWorker:
         return payload
 
 
-def make_rollout_engine(config: GRPOFlowConfig, model_path: str, worker_index: int, backend: str) -> Any:
-    """`vllm`: the vLLM engine with the config's memory and length settings; `cpu`: the transformers engine."""
+def make_rollout_engine(config: GRPOFlowConfig, model_path: str, worker_index: int, engine: str, device: str) -> Any:
+    """Rollout worker `worker_index`'s engine: transformers on `device`, or vLLM.
+
+    vLLM runs in this process where it is importable (a container of the vLLM image); elsewhere
+    (GRPO_FLOW_MODAL_MODE=local, in the project's own environment) in a process of the local
+    vLLM environment, as the local backend runs it.
+    """
     worker_id = f"rollout-{worker_index}"
-    if backend == "cpu":
+    if engine == "transformers":
         from workers.rollout.transformers_engine import TransformersRolloutEngine
 
-        return TransformersRolloutEngine(model_path, worker_id=worker_id)
-    if backend != "vllm":
-        raise ValueError(f"rollout backend must be 'vllm' or 'cpu', got {backend!r}")
-    from workers.rollout.vllm_engine import VLLMOptions, VLLMRolloutEngine
+        return TransformersRolloutEngine(model_path, worker_id=worker_id, device=device)
+    if engine != "vllm":
+        raise ValueError(f"rollout engine must be 'vllm' or 'transformers', got {engine!r}")
+    from workers.backends import vllm_env
 
-    max_model_len = config.max_model_len or ((config.max_prompt_length or 512) + config.max_completion_length)
-    options = VLLMOptions(
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_model_len=max_model_len,
-        # Sleep mode frees GPU memory only for a colocated trainer; it is used by the `reload` sync.
-        enable_sleep_mode=config.weight_sync_method == "reload",
-        enable_lora=config.weight_sync_method == "lora",
-        seed=config.seed + worker_index,
-    )
+    if importlib.util.find_spec("vllm") is None:
+        return vllm_env.local_engine(config, model_path, worker_index, threads=None, log_dir=None)
+    from workers.rollout.vllm_engine import VLLMRolloutEngine
+
+    options = vllm_env.engine_options(config, worker_index, gpu=device == "cuda")
     return VLLMRolloutEngine(model_path, worker_id=worker_id, options=options)
 
 
@@ -233,7 +240,8 @@ class RolloutWorker:
     config_json: str = modal.parameter()
     model_path: str = modal.parameter()
     worker_index: int = modal.parameter(default=0)  # each index gets its own container pool
-    backend: str = modal.parameter(default="vllm")  # "cpu": the transformers engine (tests)
+    engine: str = modal.parameter(default="vllm")  # or "transformers"
+    device: str = modal.parameter(default="cuda")  # "cpu" for `.local()` tests
     storage_root: str = modal.parameter(default=VOLUME_PATH)
 
     @modal.enter()
@@ -241,28 +249,44 @@ class RolloutWorker:
         self.config = GRPOFlowConfig.model_validate_json(self.config_json)
         self.volume = VolumeSync(self.config.modal_volume)
         self.volume.reload()
-        self.engine = make_rollout_engine(self.config, self.model_path, self.worker_index, self.backend)
-        self.engine.load()
+        self.rollout_engine = make_rollout_engine(
+            self.config, self.model_path, self.worker_index, self.engine, self.device
+        )
+        self.rollout_engine.load()
+
+    def _close_engine(self) -> None:
+        close = getattr(self.rollout_engine, "close", None)  # the transformers engine holds no process
+        if close is not None:
+            close()
+
+    @modal.exit()
+    def stop(self) -> None:
+        """Shut the engine down with the container (a vLLM engine ends its own processes)."""
+        self._close_engine()
 
     @modal.method()
     def policy_version(self) -> int:
-        return self.engine.policy_version
+        return self.rollout_engine.policy_version
 
     @modal.method()
     def reset(self) -> int:
-        """A fresh engine on the initial model (a resumed run that has no checkpoint yet)."""
-        self.engine = make_rollout_engine(self.config, self.model_path, self.worker_index, self.backend)
-        self.engine.load()
-        return self.engine.policy_version
+        """A fresh engine on the initial model (a resumed run that has no checkpoint yet); the old one is
+        shut down first (on a GPU its weights and memory reservation would stay otherwise)."""
+        self._close_engine()
+        self.rollout_engine = make_rollout_engine(
+            self.config, self.model_path, self.worker_index, self.engine, self.device
+        )
+        self.rollout_engine.load()
+        return self.rollout_engine.policy_version
 
     @modal.method()
     def generate(self, prompts: list[Any], params: Any, max_prompt_length: int | None = None) -> Any:
         """A GenerationResult; `extra` carries the worker id, the policy version and the decoded prompts."""
-        result = self.engine.generate(prompts, params, max_prompt_length)
+        result = self.rollout_engine.generate(prompts, params, max_prompt_length)
         result.extra.update(
-            worker_id=self.engine.worker_id,
-            policy_version=self.engine.policy_version,
-            prompt_texts=self.engine.tokenizer.batch_decode(result.prompt_token_ids),
+            worker_id=self.rollout_engine.worker_id,
+            policy_version=self.rollout_engine.policy_version,
+            prompt_texts=self.rollout_engine.tokenizer.batch_decode(result.prompt_token_ids),
         )
         return result
 
@@ -277,11 +301,11 @@ class RolloutWorker:
         """
         from workers.backends.weight_sync import WeightPayload, apply_weights
 
-        if self.engine.policy_version == version:
+        if self.rollout_engine.policy_version == version:
             return {"method": method, "version": version, "bytes": 0, "seconds": 0.0, "skipped": True}
         if path is not None:
             self.volume.reload()  # see the actor's commit
-        return apply_weights(self.engine, WeightPayload(method, version, path=path, data=data, nbytes=nbytes))
+        return apply_weights(self.rollout_engine, WeightPayload(method, version, path=path, data=data, nbytes=nbytes))
 
 
 # -- the app ------------------------------------------------------------------------------------------
@@ -294,6 +318,7 @@ class WorkerApp:
     rollout_cls: Any
     volume: modal.Volume
     gpu_image: modal.Image
+    rollout_image: modal.Image  # the vLLM image with rollout_engine='vllm', else gpu_image
     sandbox_image: modal.Image
     options: dict[str, dict[str, Any]]  # what each class was declared with, for logs and tests
 
@@ -310,8 +335,8 @@ def build_worker_app(
     app = modal.App(APP_NAME)
     volume = storage_volume(config)
     image = gpu_image()
+    rollout_image = vllm_image() if config.rollout_engine == "vllm" else image
     common: dict[str, Any] = dict(
-        image=image,
         volumes={VOLUME_PATH: volume},
         secrets=secrets(config),
         startup_timeout=STARTUP_TIMEOUT_S,
@@ -338,8 +363,8 @@ def build_worker_app(
             max_retries=getattr(config, "generate_retries", 2), backoff_coefficient=2.0, initial_delay=5.0
         ),
     )
-    actor_cls = app.cls(**common, **actor_options)(ActorWorker)
-    rollout_cls = app.cls(**common, **rollout_options)(RolloutWorker)
+    actor_cls = app.cls(image=image, **common, **actor_options)(ActorWorker)
+    rollout_cls = app.cls(image=rollout_image, **common, **rollout_options)(RolloutWorker)
 
     def described(options: dict[str, Any]) -> dict[str, Any]:
         retries = options["retries"]
@@ -359,6 +384,7 @@ def build_worker_app(
         rollout_cls=rollout_cls,
         volume=volume,
         gpu_image=image,
+        rollout_image=rollout_image,
         sandbox_image=sandbox_image(),
         options={"ActorWorker": described(actor_options), "RolloutWorker": described(rollout_options)},
     )

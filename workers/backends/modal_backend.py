@@ -248,7 +248,7 @@ class ModalWorkers:
         model_path: str | Path,
         *,
         mode: Mode = "remote",
-        rollout_backend: str = "vllm",
+        rollout_device: str = "cuda",
         actor_device: str = "cuda",
         worker_app: WorkerApp | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -268,12 +268,12 @@ class ModalWorkers:
         if mode == "remote":
             self._exit.enter_context(self.worker_app.app.run(detach=config.detach))
         try:
-            self._start_workers(rollout_backend, actor_device)
+            self._start_workers(rollout_device, actor_device)
         except BaseException:
             self._exit.close()  # stop the app: nothing should keep running for workers that never started
             raise
 
-    def _start_workers(self, rollout_backend: str, actor_device: str) -> None:
+    def _start_workers(self, rollout_device: str, actor_device: str) -> None:
         config = self.config
         worker_model_path = self._model_path_for_workers()
         config_json = worker_config_json(config)
@@ -293,7 +293,8 @@ class ModalWorkers:
                     config_json=config_json,
                     model_path=worker_model_path,
                     worker_index=i,
-                    backend=rollout_backend,
+                    engine=config.rollout_engine,
+                    device=rollout_device,
                     storage_root=self.worker_storage_root,
                 ),
                 i,

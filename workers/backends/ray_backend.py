@@ -337,6 +337,7 @@ class RayWorkers(LocalWorkers):
         self.model_path = str(Path(model_path).resolve()) if Path(model_path).exists() else str(model_path)
         self.storage = RunStorage(Path(config.storage_root).resolve(), config.run_id)
         self.published: tuple[int, Any] | None = None
+        self.uses_vllm = False  # schemas.config refuses rollout_engine='vllm' on Ray for now
         self._heal_lock = threading.RLock()
         self._depth = threading.local()  # retry loops nest: only the outermost one heals and retries
         self.adapter_config = (

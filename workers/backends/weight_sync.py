@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from schemas.config import WeightSyncMethod
+from workers.state.storage import temp_prefix
 
 METHODS: tuple[str, ...] = ("reload", "volume", "direct", "checkpoint", "lora")
 WEIGHTS_FILE = "model.safetensors"
@@ -120,7 +121,7 @@ def _atomic_folder(final: Path, write: Callable[[Path], None]) -> bool:
     if final.exists():
         return False
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(final.name), suffix=".tmp"))
     try:
         write(staging)
         os.replace(staging, final)
@@ -137,7 +138,7 @@ def _atomic_folder(final: Path, write: Callable[[Path], None]) -> bool:
 
 def _atomic_file(final: Path, write: Callable[[Path], None]) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=temp_prefix(final.name), suffix=".tmp")
     os.close(fd)
     try:
         write(Path(tmp))

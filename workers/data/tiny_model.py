@@ -3,12 +3,17 @@
 Built on first use under `<storage_root>/models/tiny-qwen2/` and loaded from there with
 `from_pretrained` like any hub model, so everything runs offline.
 
-Format warm start: a randomly initialised model does not yet know that an answer is one of
-the digits it was shown, followed by end-of-sequence. A short supervised pass teaches that
-answer format on targets drawn *at random from the prompt's digits*, so the model learns to
-copy some digit but not which one: held-out accuracy ends near 1/length (about 0.25).
-Learning which digit (the last) is left to RL. `build_info.json` records held-out
-accuracy before and after the warm start.
+Format warm start: a randomly initialised model does not yet know what an answer looks like
+(for `last_digit`, one of the digits it was shown, followed by end-of-sequence). A short
+supervised pass teaches that answer format on targets the task draws *at random in its
+format* (`TaskData.format_answer`): for `last_digit` a random digit of the prompt, so the
+model learns to copy some digit but not which one, and held-out accuracy ends near
+1/length (about 0.3). Learning which digit (the last) is left to RL. `build_info.json`
+records held-out accuracy before and after the warm start.
+
+One architecture, one warm start per task: `tiny` is warm-started on `last_digit`'s format,
+`tiny-reverse` on `reverse_digits`' (the prompt's digits in a random order), each in its own
+folder (TINY_MODELS).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,12 @@ import torch
 
 TINY_MODEL_NAME = "tiny"
 TINY_DIR = "tiny-qwen2"
+# Model names the project builds itself -> (folder under <storage_root>/models, the task whose answer
+# format its warm start teaches). Same architecture and initial weights; only the warm start differs.
+TINY_MODELS = {
+    TINY_MODEL_NAME: (TINY_DIR, "last_digit"),
+    "tiny-reverse": (f"{TINY_DIR}-reverse", "reverse_digits"),
+}
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"  # Qwen2's names
 BUILD_SEED = 0
 
@@ -72,16 +84,22 @@ def build_model(tokenizer: Any, hidden_size: int = 64, layers: int = 2, seed: in
 
 
 def format_warm_start(
-    model: Any, tokenizer: Any, prompts: list[str], steps: int = 200, seed: int = BUILD_SEED
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    format_answer: Callable[[str, random.Random], str],
+    steps: int = 200,
+    seed: int = BUILD_SEED,
 ) -> float:
-    """Supervised steps on `prompt -> one of its digits, at random, <eos>`: the format, not the answer."""
+    """Supervised steps on `prompt -> format_answer(prompt), <eos>`: a random answer in the task's
+    format (for last_digit, one of the prompt's digits), so the format, not the answer."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     loss = torch.tensor(0.0)
     for _ in range(steps):
         batch = rng.sample(prompts, 64)
-        texts = [p + rng.choice(p[:-1]) for p in batch]
+        texts = [p + format_answer(p, rng) for p in batch]
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
         prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in batch]
         width = max(map(len, ids))
@@ -100,38 +118,47 @@ def format_warm_start(
     return float(loss.detach())
 
 
-def tiny_model_path(storage_root: str | os.PathLike) -> Path:
-    return Path(storage_root) / "models" / TINY_DIR
+def tiny_model_path(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:
+    return Path(storage_root) / "models" / TINY_MODELS[name][0]
 
 
-def ensure_tiny_model(storage_root: str | os.PathLike) -> Path:
-    """The tiny model's folder, building it (once, atomically) if it is not there yet."""
+def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:
+    """The folder of tiny model `name` (a TINY_MODELS key), building it (once, atomically) if it is not there yet."""
     from workers.data.loaders import load_task
     from workers.rollout.heldout import heldout_accuracy
     from workers.rollout.transformers_engine import TransformersRolloutEngine
 
-    final = tiny_model_path(storage_root)
+    from workers.state.storage import clean_stale_temps, temp_prefix
+
+    folder, task_name = TINY_MODELS[name]
+    final = tiny_model_path(storage_root, name)
+    if final.parent.is_dir():
+        clean_stale_temps([final.parent])  # builds killed midway (their pid is in the folder's name)
     if (final / "build_info.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{TINY_DIR}.", suffix=".tmp"))
-    task = load_task("last_digit")
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(folder), suffix=".tmp"))
+    task = load_task(task_name)
+    assert task.format_answer is not None, f"{task_name} has no format_answer for a warm start"
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
+    # The longest answer plus end-of-sequence: every character is a token for this tokenizer.
+    answer_tokens = max(len(answer) for answer in task.heldout["answer"]) + 1
 
     def accuracy() -> float:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         engine = TransformersRolloutEngine(staging)
         engine.load()
-        return heldout_accuracy(engine, task, limit=200, max_tokens=2)
+        return heldout_accuracy(engine, task, limit=200, max_tokens=answer_tokens)
 
     before = accuracy()
-    warm_start_loss = format_warm_start(model, tokenizer, task.train["prompt"])
+    warm_start_loss = format_warm_start(model, tokenizer, task.train["prompt"], task.format_answer)
     after = accuracy()
     info = {
         "architecture": "Qwen2ForCausalLM",
         "parameters": sum(p.numel() for p in model.parameters()),
+        "warm_start_task": task_name,
         "heldout_accuracy_random_init": before,
         "heldout_accuracy_after_warm_start": after,
         "warm_start_loss": warm_start_loss,
@@ -150,7 +177,8 @@ def read_build_info(model_path: str | os.PathLike) -> dict[str, Any]:
 
 
 def resolve_model_path(model: str, storage_root: str | os.PathLike) -> str:
-    """`tiny` builds or finds the project's model; anything else is a local path or a hub id."""
-    if model == TINY_MODEL_NAME:
-        return str(ensure_tiny_model(storage_root))
+    """`tiny` (or another TINY_MODELS name) builds or finds the project's model; anything else is a
+    local path or a hub id."""
+    if model in TINY_MODELS:
+        return str(ensure_tiny_model(storage_root, model))
     return model

@@ -191,22 +191,39 @@ def as_reward_function(env: Any, name: str | None = None) -> RewardFunc:
     batch = getattr(env, "score_batch", None)
     score_batch = batch if callable(batch) else (lambda c, p, **cols: score_each(env.score, c, p, cols))
 
-    def reward(
+    def checked(scores: Any, count: int) -> list[Score]:
+        scores = list(scores)
+        if len(scores) != count:
+            raise ValueError(f"{reward.__name__}: {len(scores)} scores for {count} completions")
+        return [None if s is None else float(s) for s in scores]
+
+    def scores_or_awaitable(
         prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
-    ) -> list[Score]:
+    ) -> list[Score] | Awaitable[list[Score]]:
         texts = [completion_text(c) for c in completions]
         if completion_ids is not None:
             kwargs["completion_ids"] = completion_ids
         scores = score_batch(texts, list(prompts), **kwargs)
         if inspect.isawaitable(scores):
-            scores = run_coroutine(scores)
-        scores = list(scores)
-        if len(scores) != len(texts):
-            raise ValueError(f"{reward.__name__}: {len(scores)} scores for {len(texts)} completions")
-        return [None if s is None else float(s) for s in scores]
+            pending = scores
+
+            async def finish() -> list[Score]:
+                return checked(await pending, len(texts))
+
+            return finish()
+        return checked(scores, len(texts))
+
+    def reward(
+        prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
+    ) -> list[Score]:
+        scores = scores_or_awaitable(prompts, completions, completion_ids, **kwargs)
+        return run_coroutine(scores) if inspect.isawaitable(scores) else scores
 
     reward.__name__ = reward.__qualname__ = name or snake_case(type(env).__name__)
     reward.environment = env  # type: ignore[attr-defined]
+    # What a timed reward call uses instead (workers/rewards/functions.py), so that asyncio can cancel
+    # an async environment's coroutine at the deadline rather than wait on a loop it cannot reach.
+    reward.scores_or_awaitable = scores_or_awaitable  # type: ignore[attr-defined]
     return reward
 
 

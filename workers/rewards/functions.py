@@ -4,14 +4,25 @@ A reward function is called as TRL calls it: `func(prompts=..., completions=...,
 completion_ids=..., **dataset_columns)` and returns one float (or None: "does not apply")
 per completion. The total reward is the weighted sum of the functions that apply
 (TRL's nansum rule).
+
+With a timeout (the config's `reward_timeout_s`), each call runs on a thread of its own, so the
+caller can stop waiting: an async function (or reward environment) is cancelled at the deadline
+by asyncio; a sync one gets an exception raised in its thread, which stops it at its next Python
+instruction; one blocked inside a C call (a sleep, a socket read) cannot be stopped from Python and
+is left on its daemon thread, which cannot keep the process alive. The step fails either way with a
+RewardTimeoutError naming the function and the step.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import ctypes
 import importlib
 import inspect
 import json
 import math
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -27,6 +38,22 @@ RewardFunc = Callable[..., Sequence[float | None]]
 def last_digit(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
     """1.0 when the completion is exactly the expected digit."""
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def reverse_digits(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+    """1.0 when the completion is exactly the prompt's digits reversed."""
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def reverse_digits_partial(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+    """The share of positions right: matching characters over the longer of completion and answer,
+    so a missing or an extra digit costs as much as a wrong one; 1.0 only for the exact answer."""
+    scores = []
+    for completion, expected in zip(completions, answer, strict=True):
+        text = completion.strip()
+        right = sum(1 for got, want in zip(text, expected, strict=False) if got == want)
+        scores.append(right / max(len(text), len(expected)))
+    return scores
 
 
 def gsm8k_accuracy(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
@@ -62,6 +89,8 @@ def _environment_rewards() -> dict[str, RewardFunc]:
 
 BUILTIN_REWARDS: dict[str, RewardFunc] = {
     "last_digit": last_digit,
+    "reverse_digits": reverse_digits,
+    "reverse_digits_partial": reverse_digits_partial,
     "gsm8k_accuracy": gsm8k_accuracy,
     **_environment_rewards(),
 }
@@ -144,6 +173,11 @@ class RewardFunctionError(RuntimeError):
     """A reward function raised: names the function, the sample and the step, with the traceback."""
 
 
+class RewardTimeoutError(RewardFunctionError):
+    """A reward function did not return within reward_timeout_s: names the function, the step and
+    what became of the call (cancelled, stopped, or left running on a daemon thread)."""
+
+
 @dataclass(frozen=True)
 class RewardTrainerState:
     """What reward functions get as `trainer_state` (TRL passes its TrainerState): the fields used for
@@ -154,19 +188,93 @@ class RewardTrainerState:
     epoch: float
 
 
-def _call(func: RewardFunc, **kwargs: Any) -> Any:
+def _call(func: RewardFunc, timeout: float | None, /, **kwargs: Any) -> Any:
     from workers.rewards.environments import run_coroutine
 
+    if timeout is not None:
+        return _call_with_timeout(func, timeout, kwargs)
     result = func(**kwargs)
     return run_coroutine(result) if inspect.isawaitable(result) else result
 
 
-def _failing_sample(func: RewardFunc, kwargs: dict[str, Any], n: int) -> tuple[int, str] | None:
+class _CallTimedOut(Exception):
+    """A reward call past its deadline; `outcome` says what became of it."""
+
+    def __init__(self, outcome: str):
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+class _StopReward(BaseException):
+    """Raised inside a reward call's thread past its deadline. A BaseException, so that the function's
+    own `except Exception` (a retry loop, say) does not swallow it."""
+
+
+# How long a call that was told to stop (cancelled, or sent _StopReward) gets to end before it is
+# left behind.
+STOP_GRACE_S = 2.0
+
+
+def _call_with_timeout(func: RewardFunc, timeout: float, kwargs: dict[str, Any]) -> Any:
+    """`func(**kwargs)` on its own daemon thread; raises _CallTimedOut past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    # A reward environment's wrapper hands over its coroutine (if it has one) so asyncio can cancel it.
+    target = getattr(func, "scores_or_awaitable", func)
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    async def until_deadline(awaitable: Any) -> Any:
+        return await asyncio.wait_for(_awaited(awaitable), max(0.0, deadline - time.monotonic()))
+
+    def body() -> None:
+        try:
+            result = target(**kwargs)
+            if inspect.isawaitable(result):
+                outcome["async"] = True
+                result = asyncio.run(until_deadline(result))
+            outcome["value"] = result
+        except BaseException as error:  # handed to the caller below
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(body,), name="grpo-flow-reward", daemon=True)
+    thread.start()
+    if not done.wait(timeout) and outcome.get("async"):
+        done.wait(STOP_GRACE_S)  # asyncio cancels the coroutine at the same deadline
+    if done.is_set():
+        error = outcome.get("error")
+        if outcome.get("async") and isinstance(error, asyncio.TimeoutError):
+            raise _CallTimedOut("it was cancelled")
+        if error is not None:
+            raise error
+        return outcome["value"]
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0), ctypes.py_object(_StopReward))
+    if done.wait(STOP_GRACE_S):
+        if "value" in outcome:  # it returned just as the deadline passed
+            return outcome["value"]
+        raise _CallTimedOut("its thread was stopped")
+    raise _CallTimedOut(
+        "it is blocked in a call Python cannot interrupt (a sleep, a socket read), so its thread was left "
+        "running as a daemon thread, which cannot keep the process alive; code that must be killable "
+        "belongs in the sandbox (execute_in_sandbox)"
+    )
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _failing_sample(
+    func: RewardFunc, kwargs: dict[str, Any], n: int, timeout: float | None = None
+) -> tuple[int, str] | None:
     """Call the function one sample at a time to find the first sample it fails on."""
     for i in range(n):
         one = {k: [v[i]] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
         try:
-            _call(func, **one)
+            _call(func, timeout, **one)
+        except _CallTimedOut:
+            return None
         except Exception:
             return i, traceback.format_exc()
     return None
@@ -202,11 +310,13 @@ def score_batch(
     funcs: dict[str, RewardFunc],
     weights: Sequence[float] | None,
     state: RewardTrainerState | None = None,
+    timeout_s: float | None = None,
 ) -> RolloutBatch:
     """Each function's scores and the weighted total (TRL's nansum rule), as new columns of the batch.
 
     Functions are called as TRL calls them: prompts, completions, completion_ids, every data
-    set column, trainer_state, log_extra and log_metric; plain or async.
+    set column, trainer_state, log_extra and log_metric; plain or async. `timeout_s` bounds each
+    call (see the module docstring); past it a RewardTimeoutError names the function and the step.
     """
     started = time.perf_counter()
     weights = list(weights) if weights is not None else [1.0] * len(funcs)
@@ -227,9 +337,14 @@ def score_batch(
     for name, func in funcs.items():
         func_started = time.perf_counter()
         try:
-            raw = _call(func, **kwargs)
+            raw = _call(func, timeout_s, **kwargs)
+        except _CallTimedOut as timed_out:
+            raise RewardTimeoutError(
+                f"reward function {name!r} did not return within reward_timeout_s={timeout_s:g} s on step "
+                f"{batch.step} ({len(batch)} completions); {timed_out.outcome}"
+            ) from None
         except Exception as error:
-            found = _failing_sample(func, kwargs, len(batch))
+            found = _failing_sample(func, kwargs, len(batch), timeout_s)
             where = f"sample {found[0]} (prompt_id {batch.prompt_id[found[0]]!r})" if found else "the batch"
             trace = found[1] if found else traceback.format_exc()
             raise RewardFunctionError(

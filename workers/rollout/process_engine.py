@@ -14,15 +14,15 @@ so a killed parent leaves no engine behind.
 from __future__ import annotations
 
 import threading
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from workers.rollout import channel
+from workers.rollout.channel import EngineProcessError
 
-class EngineProcessError(RuntimeError):
-    """The engine process failed a call (the message carries its traceback) or died."""
+__all__ = ["EngineProcessError", "ProcessRolloutEngine"]
 
 
 def _serve(conn: Any, model_path: str, worker_id: str, threads: int) -> None:
@@ -31,19 +31,7 @@ def _serve(conn: Any, model_path: str, worker_id: str, threads: int) -> None:
     from workers.rollout.transformers_engine import TransformersRolloutEngine
 
     torch.set_num_threads(threads)
-    engine = TransformersRolloutEngine(model_path, worker_id=worker_id)
-    while True:
-        try:
-            method, args = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
-            return
-        if method == "close":
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", getattr(engine, method)(*args)))
-        except BaseException as error:  # the parent raises it, with this side's traceback
-            conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    channel.serve(conn, TransformersRolloutEngine(model_path, worker_id=worker_id))
 
 
 class ProcessRolloutEngine:
@@ -80,14 +68,12 @@ class ProcessRolloutEngine:
             if self._process is None or not self._process.is_alive():
                 self._start()
             try:
-                self._conn.send((method, args))
-                status, value = self._conn.recv()
-            except (EOFError, OSError, BrokenPipeError) as error:
+                return channel.call(self._conn, self.worker_id, method, *args)
+            except channel.EngineCallError:
+                raise
+            except EngineProcessError:
                 self._process = None
-                raise EngineProcessError(f"rollout engine process {self.worker_id} died during {method}") from error
-        if status == "error":
-            raise EngineProcessError(f"rollout engine process {self.worker_id} failed in {method}: {value}")
-        return value
+                raise
 
     def load(self) -> None:
         from workers.rollout.base import load_generation_tokenizer
@@ -104,10 +90,16 @@ class ProcessRolloutEngine:
     def generate(self, prompts: list[Any], params: Any, max_prompt_length: int | None = None) -> Any:
         return self._call("generate", prompts, params, max_prompt_length)
 
+    def kill(self) -> None:
+        """End the engine process at once, even mid-call (nothing it holds is the truth: a run's state is on disk)."""
+        process = self._process
+        if process is not None and process.is_alive():
+            process.kill()
+
     def close(self) -> None:
         if self._process is not None and self._process.is_alive():
             try:
-                self._call("close")
+                self._call(channel.CLOSE)
             except EngineProcessError:
                 pass
             self._process.join(timeout=10)

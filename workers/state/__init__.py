@@ -3,6 +3,8 @@
 - `storage`: the run folder's files, each written atomically (config, Parquet rollouts and
   metrics, checkpoints with manifests, quarantine of damaged files).
 - `resume`: where a run stands on disk and what resuming it means (config changes, replay).
+- `lock`: one writer per run (a lock on the run folder naming its holder; a lease on Volumes).
+- `verify`: every step and checkpoint of a run checked byte for byte (`grpo verify`).
 - `faults`: fault injection (`stage@step[:kill]`) for testing recovery.
 - `tracking`: wandb, for runs that report to it.
 

@@ -3,7 +3,13 @@
 The state of a run is its newest checkpoint whose files match their manifest, plus the
 rollouts logged after it. Resuming restores the checkpoint, replays the logged rollouts
 through the actor (no generation), and continues. Nothing logged is rewritten: a damaged
-file is moved to the run's quarantine folder and its step is generated again.
+file is moved to the run's quarantine folder. A damaged step after the checkpoint is
+generated again; one before it is not needed to resume (the checkpoint holds the weights
+trained on it), so it is only set aside, and its rows are no longer part of the log.
+
+The steps a resume replays are checked against their manifests byte for byte (sha256): they
+are read anyway. The steps before the checkpoint get the size check only, one stat per file,
+so resuming a long run stays as fast as resuming a short one; `grpo verify` reads them all.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class ResumePoint:
     replay_steps: tuple[int, ...]  # logged steps after it: the actor trains on them again, no generation
     first_step: int  # the first step after the checkpoint
     changed_fields: tuple[str, ...] = ()
+    set_aside: tuple[int, ...] = ()  # steps whose damaged rollouts were moved to quarantine/
 
 
 def changed_training_fields(stored: dict[str, Any], config: GRPOFlowConfig) -> dict[str, tuple[Any, Any]]:
@@ -56,6 +63,8 @@ def check_config_change(
     """Refuse a change to a training field of an existing run unless it is allowed; return the changes."""
     stored = storage.effective_config()
     changes = changed_training_fields(stored, config)
+    if config.max_steps > 0:
+        check_max_steps(storage, config.max_steps)
     if changes and not allow_config_change:
         listed = "; ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in sorted(changes.items()))
         belongs = ""
@@ -68,6 +77,23 @@ def check_config_change(
     return changes
 
 
+def last_step(storage: RunStorage) -> int:
+    """The last step a run trained: its last metrics row (logged before that step's checkpoint)."""
+    steps = storage.logged_steps()
+    return max([steps[-1] if steps else 0, *storage.complete_checkpoints()])
+
+
+def check_max_steps(storage: RunStorage, total_steps: int) -> None:
+    """Refuse to resume a run with fewer steps than it has already trained: its weights are already
+    past them, and its summary would report steps it did not end at."""
+    last = last_step(storage)
+    if total_steps < last:
+        raise ResumeError(
+            f"max_steps: {total_steps} is below the last step of run {storage.run_id!r}, {last} "
+            f"(its weights are already past step {total_steps}); give max_steps {last} or more"
+        )
+
+
 def config_for_resume(storage: RunStorage, overrides: dict[str, Any]) -> GRPOFlowConfig:
     """The run's config in force, with the fields a user gave on the command line applied."""
     return GRPOFlowConfig(**{**storage.effective_config(), **overrides})
@@ -76,32 +102,46 @@ def config_for_resume(storage: RunStorage, overrides: dict[str, Any]) -> GRPOFlo
 def find_resume_point(storage: RunStorage) -> ResumePoint:
     """Newest valid checkpoint and the logged steps after it; tidies what a killed process left.
 
-    Staging folders (never logged) are removed. A damaged checkpoint newer than the one used
-    and a damaged step's rollouts are moved to quarantine, so that step is written again.
+    The caller holds the run's writer lock. Staging folders (never logged) and killed writers'
+    temporary files are removed. A damaged checkpoint newer than the one used and a damaged
+    step's rollouts are moved to quarantine: after the checkpoint the step is written again,
+    before it the step is not needed (and is named in a warning).
     """
     storage.discard_staging()
+    storage.clean_temps()
     checkpoint = storage.latest_valid_checkpoint()
     after = (checkpoint or 0) + 1
     for step in storage.checkpoint_steps():
         if step > (checkpoint or 0):
             storage.quarantine(storage.checkpoint_dir(step), "checkpoint does not match its manifest")
-    replay = []
+    replay, set_aside = [], []
     for step in storage.rollout_steps():
-        if step < after:
-            continue
-        try:
-            storage.check_rollouts(step)
-        except ValueError as error:
-            storage.quarantine(storage.rollout_dir(step), str(error))
-            continue
-        replay.append(step)
-    return ResumePoint(checkpoint_step=checkpoint, replay_steps=tuple(replay), first_step=after)
+        before = step < after
+        problems = storage.step_problems(step, checksums=not before)
+        if problems:
+            consequence = (
+                f"not needed to resume (checkpoint {checkpoint} holds the weights trained on it); "
+                "its rows are no longer part of the run's log"
+                if before
+                else "the step is generated again"
+            )
+            storage.quarantine(storage.rollout_dir(step), f"damaged ({'; '.join(problems)}); {consequence}")
+            set_aside.append(step)
+        elif not before:
+            replay.append(step)
+    return ResumePoint(
+        checkpoint_step=checkpoint, replay_steps=tuple(replay), first_step=after, set_aside=tuple(set_aside)
+    )
 
 
-def record_resume(storage: RunStorage, config: GRPOFlowConfig, point: ResumePoint, changes: dict) -> None:
+def record_resume(
+    storage: RunStorage, config: GRPOFlowConfig, point: ResumePoint, changes: dict, session: str = ""
+) -> None:
     storage.write_resume(
         {
             "time": datetime.now(timezone.utc).isoformat(),
+            "session": session,
+            "set_aside_steps": list(point.set_aside),
             "checkpoint_step": point.checkpoint_step,
             "replay_steps": list(point.replay_steps),
             "first_step": point.first_step,

@@ -3,17 +3,34 @@
     <root>/runs/<run_id>/config.json                     frozen config of the run
     <root>/runs/<run_id>/resumes/resume-001.json         each resume: config in force, step, changes
     <root>/runs/<run_id>/rollouts/step-000042/shard-00.parquet
+    <root>/runs/<run_id>/rollouts/step-000042/_manifest.json   each shard's size and sha256
     <root>/runs/<run_id>/metrics/step-000042.parquet
     <root>/runs/<run_id>/checkpoints/step-000040/        manifest.json written last = complete
     <root>/runs/<run_id>/eval/initial.json               held-out accuracy before RL
     <root>/runs/<run_id>/quarantine/                     damaged files moved aside, never deleted
     <root>/runs/<run_id>/summary.json
+    <root>/runs/<run_id>/writer.lock                     who writes the run now (workers/state/lock.py)
     <root>/models/<name>/                                models the project builds itself
 
 Every file is written to a temporary name in its own folder and renamed into place, so a
 reader never sees a partial file. A step's rollout shards are written into a hidden staging
 folder and the folder is renamed into place once every shard is there, so a step's rollouts
-are all logged or not at all. Logged rollouts and metrics are never overwritten.
+are all logged or not at all; its `_manifest.json` (each shard's size and sha256) is written
+into the staging folder last, so a committed step always has one. Logged rollouts and metrics
+are never overwritten.
+
+Checking a step against its manifest comes in two strengths: sizes only (a stat per shard:
+`grpo runs`, every read of a step, and the steps before a resume's checkpoint) and sizes plus
+sha256 (`grpo verify`, `grpo rollouts`, and the steps a resume replays). A truncated file, the
+common damage, is caught by either; bit rot of the same size only by the checksum, which reads
+every byte and is kept off the paths that must stay fast on a long run.
+
+Temporary files are named `.<name>.w<pid>@<host>.<random>.tmp`, so a later start can tell a
+killed writer's leftover (its pid is gone) from a live writer's (`clean_stale_temps`).
+
+The leading underscore of `_manifest.json` keeps it out of pyarrow's and pandas' data set
+discovery (they skip names starting with `_` or `.`), so `pd.read_parquet(<run>/rollouts)`
+still reads only the shards.
 
 Step folders are named `step-000042`, not hive-style `step=000042`: every row already
 carries its `step` column, and a hive folder of the same name makes pandas and pyarrow
@@ -27,17 +44,26 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from workers.state.lock import live_holder, pid_alive, this_host
+
 MANIFEST = "manifest.json"
+STEP_MANIFEST = "_manifest.json"
+EVAL_METADATA_KEY = b"grpo_flow.eval"
+# A temporary file whose writer cannot be told alive (written on another host, or named before
+# names carried the writer) is a leftover once it is this old; no write of a run takes a day.
+STALE_TEMP_AGE_S = 24 * 3600
 logger = logging.getLogger("grpo_flow.storage")
 
 
@@ -49,15 +75,62 @@ class DamagedCheckpointError(RuntimeError):
     """A checkpoint's manifest is missing, or its files do not match the manifest."""
 
 
+class DamagedStepError(ValueError):
+    """A logged step's rollout files do not match its manifest (or cannot be read); names each file."""
+
+
 def _explain_write_error(path: Path, error: OSError) -> OSError:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         return StorageFullError(error.errno, f"no space left on the device while writing {path}; nothing was logged")
     return error
 
 
+# -- temporary files ---------------------------------------------------------------------------------
+_TEMP_WRITER = re.compile(r"\.w(\d+)@([A-Za-z0-9-]+)\.[^.]*\.tmp$")
+
+
+def temp_prefix(name: str) -> str:
+    """`.<name>.w<pid>@<host>.`: the prefix of a temporary file or folder this process writes for `name`
+    (give it to mkstemp / mkdtemp with suffix `.tmp`)."""
+    return f".{name}.w{os.getpid()}@{this_host()}."
+
+
+def is_stale_temp(path: Path, now: float | None = None) -> bool:
+    """Whether a temporary file or folder is a killed writer's leftover: its writer's pid is gone (on
+    this host), or, where that cannot be told, it has not changed for STALE_TEMP_AGE_S."""
+    match = _TEMP_WRITER.search(path.name)
+    if match and match.group(2) == this_host():
+        return not pid_alive(int(match.group(1)))
+    try:
+        changed = max(
+            [path.stat().st_mtime] + [p.stat().st_mtime for p in path.rglob("*")]
+            if path.is_dir()
+            else [path.stat().st_mtime]
+        )
+    except OSError:
+        return False
+    return (time.time() if now is None else now) - changed > STALE_TEMP_AGE_S
+
+
+def clean_stale_temps(folders: Iterable[Path]) -> list[Path]:
+    """Remove the stale temporary files and folders (`.*.tmp`) directly in `folders`; returns them."""
+    removed = []
+    for folder in folders:
+        for path in folder.glob(".*.tmp"):
+            if not is_stale_temp(path):
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
+            logger.info("removed %s, left by a writer that is gone", path)
+    return removed
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -78,7 +151,7 @@ def atomic_write_json(path: Path, payload: Any) -> None:
 
 def atomic_write_parquet(path: Path, table: pa.Table) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
     os.close(fd)
     try:
         pq.write_table(table, tmp)
@@ -99,11 +172,12 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_manifest(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every file under `folder`, by relative path: its size and sha256 (a checkpoint manifest's `files`)."""
+def file_manifest(folder: Path, pattern: str = "*") -> dict[str, dict[str, Any]]:
+    """Every file under `folder` matching `pattern`, by relative path: its size and sha256 (a
+    checkpoint manifest's `files`, a step manifest's shards)."""
     return {
         str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-        for p in sorted(folder.rglob("*"))
+        for p in sorted(folder.rglob(pattern))
         if p.is_file()
     }
 
@@ -113,12 +187,28 @@ def file_matches(path: Path, expected: dict[str, Any]) -> bool:
     return path.is_file() and path.stat().st_size == expected["bytes"] and file_sha256(path) == expected["sha256"]
 
 
+def read_eval_summary(path: str | os.PathLike) -> dict[str, Any]:
+    """The summary stored in an eval file's schema metadata (flows/evaluate.py writes them)."""
+    metadata = pq.read_schema(path).metadata or {}
+    if EVAL_METADATA_KEY not in metadata:
+        raise ValueError(f"{path} has no {EVAL_METADATA_KEY.decode()} metadata")
+    return json.loads(metadata[EVAL_METADATA_KEY])
+
+
+def eval_metric_names(summary: dict[str, Any]) -> list[str]:
+    """The measured figures of an eval summary, in display order."""
+    passes = sorted((k for k in summary if k.startswith("pass@")), key=lambda k: int(k.split("@")[1]))
+    return passes + [k for k in ("greedy_accuracy", "mean_reward", "mean_completion_length") if k in summary]
+
+
 @dataclass(frozen=True)
 class RunInfo:
     run_id: str
-    status: str
+    status: str  # completed, failed or incomplete as summary.json says; running while a writer holds the lock
     last_step: int | None
     path: Path
+    damaged: tuple[str, ...] = ()  # files of logged steps that fail the size check, as "<file>: <why>"
+    writer: dict[str, Any] | None = None  # the live holder of the run's writer lock
 
 
 class RunStorage:
@@ -190,13 +280,16 @@ class RunStorage:
         return path
 
     def commit_rollouts(self, step: int, num_shards: int) -> Path:
-        """Rename the step's staging folder into place: the step is logged whole, or not at all."""
+        """Write the step's manifest (each shard's size and sha256) into its staging folder, then rename
+        the folder into place: the step is logged whole, or not at all."""
         staging, final = self.staging_rollout_dir(step), self.rollout_dir(step)
         if final.exists():
             raise FileExistsError(f"rollouts of step {step} are already logged at {final}")
         missing = [s for s in range(num_shards) if not (staging / f"shard-{s:02d}.parquet").exists()]
         if missing:
             raise FileNotFoundError(f"rollouts of step {step}: shards {missing} were never written")
+        files = file_manifest(staging, "shard-*.parquet")
+        atomic_write_json(staging / STEP_MANIFEST, {"step": step, "files": files})
         os.replace(staging, final)
         return final
 
@@ -204,19 +297,70 @@ class RunStorage:
         """Steps whose rollouts are logged (committed)."""
         return sorted(int(p.name.split("-")[1]) for p in (self.run_dir / "rollouts").glob("step-*") if p.is_dir())
 
-    def check_rollouts(self, step: int) -> None:
-        """Raise if a logged shard of the step cannot be read (a truncated or corrupt Parquet file)."""
-        shards = sorted(self.rollout_dir(step).glob("shard-*.parquet"))
-        if not shards:
-            raise ValueError(f"rollouts of step {step} have no shard files")
-        for shard in shards:
-            try:
-                pq.ParquetFile(shard).read()
-            except Exception as error:  # pyarrow raises several types for damaged files
-                raise ValueError(f"{shard} is damaged: {error}") from error
+    def relative(self, path: Path) -> str:
+        """A path as messages name it: relative to the run folder."""
+        try:
+            return str(path.relative_to(self.run_dir))
+        except ValueError:
+            return str(path)
 
-    def quarantine(self, path: Path, reason: str) -> Path:
-        """Move a damaged file or folder aside (never delete what was logged) and say so."""
+    def step_problems(self, step: int, checksums: bool = True) -> list[str]:
+        """What is wrong with a logged step's rollout files, one `<file>: <why>` each (empty: intact).
+
+        Against the step's manifest: every shard it lists is there with its size (and, with
+        `checksums`, its sha256), and no other shard is. A step logged before steps had manifests
+        is read in full instead when `checksums` is asked for (there is nothing to compare sizes with).
+        """
+        folder = self.rollout_dir(step)
+        # os.scandir and plain strings, not pathlib: `grpo runs` and a resume run this on every step of a run.
+        try:
+            entries = {entry.name: entry for entry in os.scandir(folder)}
+        except FileNotFoundError:
+            return [f"{self.relative(folder)}: missing"]
+        shards = sorted(name for name in entries if name.startswith("shard-") and name.endswith(".parquet"))
+        if STEP_MANIFEST not in entries:
+            if not shards:
+                return [f"{self.relative(folder)}: no shard files and no {STEP_MANIFEST}"]
+            return (
+                [problem for name in shards for problem in self._parquet_problems(folder / name)] if checksums else []
+            )
+        try:
+            with open(entries[STEP_MANIFEST].path, "rb") as handle:
+                files = json.loads(handle.read())["files"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            return [f"{self.relative(folder / STEP_MANIFEST)}: unreadable ({error})"]
+        problems = []
+        for name, expected in files.items():
+            entry = entries.get(name)
+            if entry is None:
+                problems.append(f"{self.relative(folder / name)}: missing")
+                continue
+            size = entry.stat().st_size
+            if size != expected["bytes"]:
+                problems.append(f"{self.relative(folder / name)}: {size} bytes, its manifest says {expected['bytes']}")
+            elif checksums and file_sha256(Path(entry.path)) != expected["sha256"]:
+                problems.append(f"{self.relative(folder / name)}: does not match its sha256 in {STEP_MANIFEST}")
+        problems += [
+            f"{self.relative(folder / n)}: not in the step's {STEP_MANIFEST}" for n in shards if n not in files
+        ]
+        return problems
+
+    def _parquet_problems(self, path: Path) -> list[str]:
+        try:
+            pq.ParquetFile(path).read()
+        except Exception as error:  # pyarrow raises several types for damaged files
+            return [f"{self.relative(path)}: unreadable Parquet ({error})"]
+        return []
+
+    def check_rollouts(self, step: int, checksums: bool = True) -> None:
+        """Raise DamagedStepError naming each damaged file of the step (see `step_problems`)."""
+        problems = self.step_problems(step, checksums)
+        if problems:
+            raise DamagedStepError(f"rollouts of step {step} are damaged: " + "; ".join(problems))
+
+    def quarantine(self, path: Path, reason: str, log: bool = True) -> Path:
+        """Move a damaged file or folder aside (never delete what was logged) and say so (unless the
+        caller says it itself)."""
         target = self.run_dir / "quarantine" / f"{path.parent.name}-{path.name}"
         counter = 1
         while target.exists():
@@ -224,26 +368,71 @@ class RunStorage:
             target = target.with_name(f"{path.parent.name}-{path.name}.{counter}")
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, target)
-        logger.warning("%s: %s; moved to %s", path, reason, target)
+        if log:
+            logger.warning("%s: %s; moved to %s", path, reason, target)
         return target
 
+    def quarantined(self) -> list[str]:
+        """What was moved to quarantine/, by name (e.g. `rollouts-step-000020`)."""
+        folder = self.run_dir / "quarantine"
+        return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
     def discard_staging(self) -> list[Path]:
-        """Remove staging folders a killed process left behind (never logged, so nothing is lost)."""
+        """Remove staging folders a killed process left behind (never logged, so nothing is lost).
+
+        Only the run's writer calls this (it holds the run's lock), so no live process is still
+        filling them; a folder restored from a backup is discarded the same way.
+        """
         leftovers = list((self.run_dir / "rollouts").glob(".step-*.staging"))
         leftovers += list((self.run_dir / "checkpoints").glob(".step-*.tmp"))
         for path in leftovers:
             shutil.rmtree(path, ignore_errors=True)
         return leftovers
 
+    def clean_temps(self) -> list[Path]:
+        """Remove killed writers' temporary files in the run folder (`clean_stale_temps`): the run
+        folder, each folder in it, and the weight-sync folders; committed step and checkpoint
+        folders are renamed into place whole, so none is inside them."""
+        if not self.run_dir.is_dir():
+            return []
+        folders = [self.run_dir] + [p for p in self.run_dir.iterdir() if p.is_dir() and p.name != "quarantine"]
+        weights = self.run_dir / "weights"
+        if weights.is_dir():
+            folders += [p for p in weights.iterdir() if p.is_dir() and not p.name.startswith(".")]
+        return clean_stale_temps(folders)
+
     def read_rollouts(self, step: int | None = None, columns: list[str] | None = None) -> pa.Table:
-        """Rollouts of one step (or of the whole run), ordered by step, group and sample."""
+        """Rollouts of one step (or of the whole run), ordered by step, group and sample.
+
+        Every step read is checked against its manifest's sizes first. One step that fails raises
+        DamagedStepError naming the file; reading the whole run skips a damaged step with a warning.
+        """
         source = self.rollout_dir(step) if step is not None else self.run_dir / "rollouts"
         if not source.exists():
             raise FileNotFoundError(f"run {self.run_id!r} has no rollouts" + (f" for step {step}" if step else ""))
         import pyarrow.dataset as ds  # here, not at the top: it imports pandas, a second of `grpo runs`
 
-        dataset = ds.dataset(source, format="parquet", exclude_invalid_files=True)
-        table = dataset.to_table(columns=columns)
+        if step is not None:
+            self.check_rollouts(step, checksums=False)
+            steps = [step]
+        else:
+            steps = []
+            for logged in self.rollout_steps():
+                problems = self.step_problems(logged, checksums=False)
+                if problems:
+                    logger.warning(
+                        "run %s: skipping step %d, its rollouts are damaged (%s); `grpo verify %s` moves it aside",
+                        self.run_id,
+                        logged,
+                        "; ".join(problems),
+                        self.run_id,
+                    )
+                    continue
+                steps.append(logged)
+        files = [str(p) for s in steps for p in sorted(self.rollout_dir(s).glob("shard-*.parquet"))]
+        if not files:
+            return pa.table({})
+        table = ds.dataset(files, format="parquet").to_table(columns=columns)
         sort_keys = [(k, "ascending") for k in ("step", "group_index", "sample_index") if k in table.column_names]
         return table.sort_by(sort_keys) if sort_keys else table
 
@@ -255,11 +444,16 @@ class RunStorage:
         return path
 
     def read_metrics(self) -> pa.Table:
-        """All metric rows of the run; columns that appear only at some steps are null elsewhere."""
-        files = sorted((self.run_dir / "metrics").glob("step-*.parquet"))
-        if not files:
+        """All metric rows of the run; columns that appear only at some steps are null elsewhere.
+        A metrics file that cannot be read is skipped with a warning (`grpo verify` names it)."""
+        tables = []
+        for path in sorted((self.run_dir / "metrics").glob("step-*.parquet")):
+            try:
+                tables.append(pq.read_table(path))
+            except Exception as error:  # pyarrow raises several types for damaged files
+                logger.warning("run %s: skipping %s, it cannot be read: %s", self.run_id, self.relative(path), error)
+        if not tables:
             return pa.table({})
-        tables = [pq.read_table(f) for f in files]
         return pa.concat_tables(tables, promote_options="default").sort_by("step")
 
     def logged_steps(self) -> list[int]:
@@ -291,6 +485,33 @@ class RunStorage:
         if not self.initial_eval_path.exists():
             atomic_write_json(self.initial_eval_path, {"accuracy": accuracy})
 
+    def eval_path(self, step: int) -> Path:
+        """The evaluation of checkpoint `step` (flows/evaluate.py): written once, never overwritten."""
+        return self.run_dir / "eval" / f"step-{step:06d}.parquet"
+
+    def evaluated_steps(self) -> list[int]:
+        """Checkpoint steps that have an eval file."""
+        return sorted(int(p.stem.split("-")[1]) for p in (self.run_dir / "eval").glob("step-*.parquet"))
+
+    def stored_evaluation(self, checkpoint: int | None = None) -> dict[str, Any] | None:
+        """The stored evaluation summary of checkpoint `checkpoint`, or of the newest checkpoint whose
+        files have their manifest's sizes (no checksums: hashing a large model's optimizer state takes
+        long); None if it has none, or its file cannot be read."""
+        if checkpoint is None:
+            for step in reversed(self.checkpoint_steps()):
+                try:
+                    self.verify_checkpoint(step, checksums=False)
+                except DamagedCheckpointError:
+                    continue
+                checkpoint = step
+                break
+        if checkpoint is None or not self.eval_path(checkpoint).exists():
+            return None
+        try:
+            return read_eval_summary(self.eval_path(checkpoint))
+        except Exception:  # unreadable: evaluate as if there were none
+            return None
+
     def read_initial_eval(self) -> float | None:
         if not self.initial_eval_path.exists():
             return None
@@ -301,7 +522,7 @@ class RunStorage:
         """An empty hidden folder to write a checkpoint into before `commit_checkpoint`."""
         parent = self.run_dir / "checkpoints"
         parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(dir=parent, prefix=f".step-{step:06d}.", suffix=".tmp"))
+        return Path(tempfile.mkdtemp(dir=parent, prefix=temp_prefix(f"step-{step:06d}"), suffix=".tmp"))
 
     def commit_checkpoint(self, step: int, staging: Path, extra: dict[str, Any]) -> Path:
         """Write the manifest (file list with sizes and checksums) last, then rename into place."""
@@ -321,17 +542,26 @@ class RunStorage:
         """Every checkpoint folder in place, complete or not."""
         return sorted(int(p.name.split("-")[1]) for p in (self.run_dir / "checkpoints").glob("step-*") if p.is_dir())
 
-    def verify_checkpoint(self, step: int) -> dict[str, Any]:
-        """The manifest, after checking every file it lists (size and sha256); raises DamagedCheckpointError."""
+    def verify_checkpoint(self, step: int, checksums: bool = True) -> dict[str, Any]:
+        """The manifest, after checking every file it lists (size, and sha256 unless `checksums` is
+        False); raises DamagedCheckpointError."""
         folder = self.checkpoint_dir(step)
         if not (folder / MANIFEST).exists():
             raise DamagedCheckpointError(f"checkpoint {folder} has no {MANIFEST}")
-        manifest = json.loads((folder / MANIFEST).read_text())
-        for name, expected in manifest["files"].items():
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+            files = manifest["files"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise DamagedCheckpointError(f"checkpoint {folder}: {MANIFEST} is unreadable ({error})") from None
+        for name, expected in files.items():
             path = folder / name
             if not path.exists():
                 raise DamagedCheckpointError(f"checkpoint {folder}: {name} is missing")
-            if not file_matches(path, expected):
+            if path.stat().st_size != expected["bytes"]:
+                raise DamagedCheckpointError(
+                    f"checkpoint {folder}: {name} is {path.stat().st_size} bytes, its manifest says {expected['bytes']}"
+                )
+            if checksums and not file_matches(path, expected):
                 raise DamagedCheckpointError(f"checkpoint {folder}: {name} does not match its checksum")
         return manifest
 
@@ -362,8 +592,11 @@ class RunStorage:
         return removed
 
 
-def list_runs(root: str | os.PathLike) -> list[RunInfo]:
-    """Every run under the root with its status (`completed`, `failed` or `incomplete`) and last step."""
+def list_runs(root: str | os.PathLike, check: bool = True) -> list[RunInfo]:
+    """Every run under the root with its status (`completed`, `failed`, `incomplete`, or `running`
+    while a live process holds its writer lock) and last step; with `check`, each logged step's
+    shards against its manifest's sizes (a stat per file: fast on a long run; `grpo verify` reads
+    every byte)."""
     runs = []
     for run_dir in sorted((Path(root) / "runs").glob("*")):
         if not (run_dir / "config.json").exists():
@@ -371,12 +604,18 @@ def list_runs(root: str | os.PathLike) -> list[RunInfo]:
         storage = RunStorage(root, run_dir.name)
         steps = storage.logged_steps()
         summary = storage.read_summary() or {}
+        writer = live_holder(run_dir)
+        damaged = (
+            [p for s in storage.rollout_steps() for p in storage.step_problems(s, checksums=False)] if check else []
+        )
         runs.append(
             RunInfo(
                 run_id=run_dir.name,
-                status=summary.get("status", "incomplete"),
+                status="running" if writer else summary.get("status", "incomplete"),
                 last_step=steps[-1] if steps else None,
                 path=run_dir,
+                damaged=tuple(damaged),
+                writer=writer,
             )
         )
     return runs

@@ -137,20 +137,50 @@ def test_the_run_volume_is_mounted_and_secrets_come_by_name():
         ]
 
 
+def install_command(image):
+    return next(c for _, cmds in image_layers(image) for c in cmds if "uv pip install" in c)
+
+
 def test_the_gpu_image_is_cuda_with_pinned_packages_hf_cache_on_the_volume_and_our_source():
-    worker_app = build_worker_app(modal_config())
+    worker_app = build_worker_app(modal_config(rollout_engine="transformers"))
     for cls in (worker_app.actor_cls, worker_app.rollout_cls):
         assert service_function(cls)._spec.image is synchronizer._translate_in(worker_app.gpu_image)
     layers = image_layers(worker_app.gpu_image)
     reprs = " ".join(rep for rep, _ in layers)
     commands = [c for _, cmds in layers for c in cmds]
     assert f"from_registry('{CUDA_BASE_IMAGE}')" in reprs
-    install = next(c for c in commands if "uv pip install" in c)
-    for pin in ("vllm==0.31.0", "torch==2.13.0", "trl==1.16.0", "transformers==5.17.0", "peft==0.21.2"):
+    install = install_command(worker_app.gpu_image)
+    for pin in ("torch==2.13.0", "trl==1.16.0", "transformers==5.23.0", "peft==0.21.2"):
         assert pin in install
+    assert "vllm" not in install  # vLLM's pins cannot share an environment with the actor's (fastapi, transformers)
     assert f"ENV HF_HOME={VOLUME_PATH}/hf-cache" in commands
     mounts = repr(synchronizer._translate_in(worker_app.gpu_image)._deps())
     assert "module_name='schemas'" in mounts and "module_name='workers'" in mounts
+
+
+def test_vllm_engines_get_an_image_of_their_own_pinned_as_grpo_setup_vllm_installs():
+    from workers.backends.vllm_env import CUDA_PACKAGES, VLLM_VERSION
+
+    worker_app = build_worker_app(modal_config(rollout_engine="vllm"))
+    assert service_function(worker_app.rollout_cls)._spec.image is synchronizer._translate_in(worker_app.rollout_image)
+    assert service_function(worker_app.actor_cls)._spec.image is synchronizer._translate_in(worker_app.gpu_image)
+    install = install_command(worker_app.rollout_image)
+    assert all(pin in install for pin in CUDA_PACKAGES) and f"vllm=={VLLM_VERSION}" in install
+    assert "trl" not in install and "torch==" not in install  # vLLM brings the torch it pins
+    commands = [c for _, cmds in image_layers(worker_app.rollout_image) for c in cmds]
+    assert "ENV VLLM_ALLOW_INSECURE_SERIALIZATION=1" in commands
+    mounts = repr(synchronizer._translate_in(worker_app.rollout_image)._deps())
+    assert "module_name='schemas'" in mounts and "module_name='workers'" in mounts
+
+
+def test_a_vllm_container_imports_the_wrapped_classes_without_torch_or_trl():
+    """The vLLM image has neither TRL nor the actor's stack: importing the app module must not need them."""
+    code = (
+        "import sys; import workers.backends.modal_app; "
+        "print(sorted(m for m in ('trl', 'torch', 'prefect', 'peft') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_unknown_gpu_is_refused_by_the_config():
@@ -163,7 +193,9 @@ def test_unknown_gpu_is_refused_by_the_config():
 def test_workers_get_a_config_they_can_validate():
     config = modal_config().model_copy(update={"backend": "modal"})  # as the flow will hold it
     parsed = GRPOFlowConfig.model_validate_json(worker_config_json(config))
-    assert parsed.backend == "local" and parsed.actor_gpu == "H100" and parsed.run_id == "modal-test"
+    # The backend stays `modal`: it used to be rewritten to `local`, and the actor then took the remote
+    # engine's log-probs for its own and skipped the IS correction.
+    assert parsed.backend == "modal" and parsed.actor_gpu == "H100" and parsed.run_id == "modal-test"
     assert len(worker_config_json(config)) < 16 * 1024  # Modal's limit on class parameters
 
 
@@ -192,7 +224,12 @@ def test_wrapped_methods_run_locally_on_cpu(model_path, tmp_path):
         config_json=config_json, model_path=model_path, device="cpu", storage_root=str(tmp_path)
     )
     rollout = worker_app.rollout_cls(
-        config_json=config_json, model_path=model_path, worker_index=1, backend="cpu", storage_root=str(tmp_path)
+        config_json=config_json,
+        model_path=model_path,
+        worker_index=1,
+        engine="transformers",
+        device="cpu",
+        storage_root=str(tmp_path),
     )
     assert actor.load.local() == {"policy_version": 0}
     assert rollout.policy_version.local() == 0
@@ -230,7 +267,11 @@ def test_rollout_worker_samples_what_the_actor_would_after_a_direct_sync(model_p
         config_json=config_json, model_path=model_path, device="cpu", storage_root=str(tmp_path)
     )
     rollout = worker_app.rollout_cls(
-        config_json=config_json, model_path=model_path, backend="cpu", storage_root=str(tmp_path)
+        config_json=config_json,
+        model_path=model_path,
+        engine="transformers",
+        device="cpu",
+        storage_root=str(tmp_path),
     )
     prompts = load_task("last_digit").train.select(range(6))["prompt"]
     result = rollout.generate.local(prompts, SamplingParams(n=4, max_tokens=3, seed=1), 32)
@@ -255,13 +296,13 @@ def test_rollout_worker_samples_what_the_actor_would_after_a_direct_sync(model_p
     torch.testing.assert_close(logps[completion_mask], sampled[completion_mask], atol=1e-4, rtol=1e-4)
 
 
-def test_unknown_rollout_backend_is_refused(model_path, tmp_path):
+def test_unknown_rollout_engine_is_refused(model_path, tmp_path):
     config = local_config(tmp_path)
     worker_app = build_worker_app(config)
     rollout = worker_app.rollout_cls(
-        config_json=worker_config_json(config), model_path=model_path, backend="tpu", storage_root=str(tmp_path)
+        config_json=worker_config_json(config), model_path=model_path, engine="tpu", storage_root=str(tmp_path)
     )
-    with pytest.raises(ValueError, match="rollout backend must be 'vllm' or 'cpu'"):
+    with pytest.raises(ValueError, match="rollout engine must be 'vllm' or 'transformers'"):
         rollout.policy_version.local()
 
 
@@ -287,7 +328,7 @@ class TickingClock:
 def test_modal_workers_have_the_local_workers_surface(model_path, tmp_path):
     config = local_config(tmp_path, weight_sync_method="checkpoint", actor_gpu_count=2)
     workers = ModalWorkers(
-        config, model_path, mode="local", rollout_backend="cpu", actor_device="cpu", clock=TickingClock()
+        config, model_path, mode="local", rollout_device="cpu", actor_device="cpu", clock=TickingClock()
     )
     assert len(workers.rollout) == config.num_rollout_workers == 2
     # Starting: one load call per worker, 1 s each, times the GPUs of each container.

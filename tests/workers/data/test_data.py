@@ -221,13 +221,54 @@ def test_hub_set_in_another_format_is_a_clear_error():
 
 
 def test_load_task_knows_its_names_and_refuses_others():
-    assert KNOWN_TASKS == ("last_digit", "gsm8k", "math", "math500", "mbpp")
-    with pytest.raises(ValueError, match="unknown task 'nope'; known: last_digit, gsm8k, math, math500, mbpp"):
+    assert KNOWN_TASKS == ("last_digit", "reverse_digits", "gsm8k", "math", "math500", "mbpp")
+    known = "known: last_digit, reverse_digits, gsm8k, math, math500, mbpp"
+    with pytest.raises(ValueError, match=f"unknown task 'nope'; {known}"):
         load_task("nope")
 
 
 def test_last_digit_still_builds_with_its_shape():
     check_task_shape(load_task("last_digit"))
+
+
+def test_reverse_digits_is_fixed_disjoint_and_answers_are_the_digits_backwards():
+    task = load_task("reverse_digits")
+    check_task_shape(task)
+    assert (len(task.train), len(task.heldout)) == (4000, 500)
+    assert task.default_rewards == ("reverse_digits_partial",) and task.accuracy_reward == "reverse_digits"
+    for prompt, answer in zip(task.train["prompt"], task.train["answer"], strict=True):
+        digits = prompt[:-1]
+        assert prompt.endswith("<") and digits.isdigit() and 3 <= len(digits) <= 6
+        assert answer == digits[::-1]
+    # Built by code from a fixed seed: the same rows in a fresh build, whatever else ran before.
+    fresh = data.build_reverse_digits()
+    assert fresh.train["prompt"] == task.train["prompt"] and fresh.heldout["prompt"] == task.heldout["prompt"]
+    assert fresh.heldout["answer"] == task.heldout["answer"]
+    # Its own stream: not last_digit's prompts with another end marker.
+    last = load_task("last_digit")
+    assert [p[:-1] for p in task.train["prompt"][:50]] != [p[:-1] for p in last.train["prompt"][:50]]
+
+
+def test_synthetic_tasks_draw_format_answers_that_are_not_the_answer():
+    import random
+
+    rng = random.Random(0)
+    reverse = load_task("reverse_digits")
+    drawn = [
+        (reverse.format_answer(p, rng), p, a)
+        for p, a in zip(reverse.train["prompt"][:400], reverse.train["answer"][:400], strict=True)
+    ]
+    # The format: every digit of the prompt, once each, in some order (so the right length) ...
+    assert all(sorted(guess) == sorted(prompt[:-1]) for guess, prompt, _ in drawn)
+    # ... and the right order only by chance (1/n! or better for repeated digits: about 0.1 here).
+    assert sum(guess == answer for guess, _, answer in drawn) / len(drawn) < 0.2
+    last = load_task("last_digit")
+    guesses = [
+        (last.format_answer(p, rng), p, a)
+        for p, a in zip(last.train["prompt"][:400], last.train["answer"][:400], strict=True)
+    ]
+    assert all(guess in prompt[:-1] for guess, prompt, _ in guesses)
+    assert sum(guess == answer for guess, _, answer in guesses) / len(guesses) < 0.5
 
 
 # ----------------------------------------------------------------------------- any data set with a prompt column

@@ -8,7 +8,15 @@ import pytest
 
 from schemas.records import RolloutBatch
 from workers.data.loaders import clear_task_cache, extract_final_number, gsm8k_answer, gsm8k_rows, load_task
-from workers.rewards.functions import check_scores, gsm8k_accuracy, last_digit, resolve_reward_funcs, score_batch
+from workers.rewards.functions import (
+    check_scores,
+    gsm8k_accuracy,
+    last_digit,
+    resolve_reward_funcs,
+    reverse_digits,
+    reverse_digits_partial,
+    score_batch,
+)
 
 
 def batch(completions, answers):
@@ -103,6 +111,19 @@ def test_last_digit_task_is_fixed_and_its_splits_disjoint():
         assert prompt.endswith("=") and prompt[-2] == answer
     clear_task_cache()
     assert load_task("last_digit").train["prompt"][:20] == task.train["prompt"][:20]
+
+
+def test_reverse_digits_rewards_exact_and_per_position():
+    completions = ["06053", " 06053\n", "06050", "0605", "060533", "35060", "", "abc"]
+    answer = ["06053"] * len(completions)
+    assert reverse_digits(completions=completions, answer=answer) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    partial = reverse_digits_partial(completions=completions, answer=answer)
+    # Positions right over the longer string: a wrong, a missing and an extra digit each cost 1/5 or 1/6.
+    assert partial == pytest.approx([1.0, 1.0, 4 / 5, 4 / 5, 5 / 6, 1 / 5, 0.0, 0.0])
+    assert resolve_reward_funcs(["reverse_digits", "reverse_digits_partial"]) == {
+        "reverse_digits": reverse_digits,
+        "reverse_digits_partial": reverse_digits_partial,
+    }
 
 
 def test_gsm8k_rows_from_hub_format():

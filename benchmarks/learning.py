@@ -1,0 +1,522 @@
+"""Learning, side by side with TRL: held-out accuracy against step and against seconds.
+
+    python -m benchmarks.learning [--tasks last_digit reverse_digits] [--seeds 3] [--first-seed 0]
+        [--steps N] [--eval-every K] [--eval-prompts 200] [--json FILE] [--png FILE] [--storage-root DIR]
+
+For each task, TRL's GRPOTrainer and grpo-flow start from the same model (the project's tiny
+model after the task's format warm start, built once and loaded by both with
+`from_pretrained`) and train with the task's preset: the same reward functions, learning rate
+and schedule, prompts per step, generations, completion length, temperature, loss, beta and
+number of steps, once per seed (seeds 0, 1, ...; each side gets the same seed). TRL is handed
+the training prompts in the order grpo-flow's run with that seed visits them
+(`tasks.rollout.step_prompt_indices`) and told not to shuffle, so at every step both sides
+train on the same 32 prompts.
+
+Held-out accuracy is measured the same way for both: every `--eval-every` steps the policy's
+weights are copied in memory (a TRL callback; a hook after each grpo-flow step), with the
+clock paused, and after the runs every copy is scored by the project's own held-out code
+(`workers.rollout.heldout.heldout_accuracy`: greedy, the first `--eval-prompts` held-out
+prompts, the task's 0/1 accuracy reward). Scoring after the runs matters: the scoring engine
+seeds torch's global RNG, which TRL's sampling draws from.
+
+Seconds are wall-clock from the start of a side's run (model load included; Prefect's
+ephemeral server is started beforehand, as a long-lived server would be) to the end of each
+step, less the paused copies. Gain is final held-out accuracy minus the start model's; gain
+per minute divides it by the run's wall time. Mean and spread (sample standard deviation)
+over seeds, and every seed's curve, go to the JSON. `--json` merges into an existing file: other
+tasks are kept, and runs of the same task and set-up (steps, evaluation, start model) are pooled
+by seed, so a long benchmark can be split into invocations (one task, or a few seeds, each) and
+plotted together. The benchmark also checks, from TRL's reward calls and grpo-flow's rollout log,
+that both sides trained on the same prompts at every step, and lists GRPO options whose defaults
+differ between the two configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.steps import quiet
+
+quiet()  # before Prefect is first imported
+import flows  # noqa: E402,F401  Prefect's recorder batched before its server starts (flows/__init__.py)
+
+# The task's preset, the steps and the evaluation interval each runs by default.
+TASKS: dict[str, dict[str, Any]] = {
+    "last_digit": {"preset": "tiny", "steps": 60, "eval_every": 5},
+    "reverse_digits": {"preset": "reverse", "steps": 400, "eval_every": 25},
+}
+# The GRPO fields both sides are given (grpo-flow's names; benchmarks/trl_side.py maps them to TRL's).
+SHARED_FIELDS = (
+    "prompts_per_step",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "learning_rate",
+    "lr_scheduler_type",
+    "loss_type",
+    "beta",
+)
+SIDES = ("trl", "grpo_flow")
+LABELS = {"trl": "TRL GRPOTrainer", "grpo_flow": "grpo-flow"}
+COLORS = {"trl": "tab:orange", "grpo_flow": "tab:blue"}
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has been busy, CPU seconds this process and its children used),
+    from /proc/stat and os.times; None where there is no /proc/stat."""
+    try:
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle and iowait
+    busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already in user
+    own = os.times()
+    return busy, own.user + own.system + own.children_user + own.children_system
+
+
+@contextlib.contextmanager
+def other_cpu(run: SideRun) -> Iterator[None]:
+    """Record in `run` the CPU seconds other processes used while the block ran."""
+    before = cpu_seconds()
+    try:
+        yield
+    finally:
+        after = cpu_seconds()
+        if before is not None and after is not None:
+            run.other_cpu_s = max(0.0, (after[0] - before[0]) - (after[1] - before[1]))
+
+
+class PausableClock:
+    """Seconds since start, less the time spent inside `paused()` (copying weights for evaluation)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.paused_s = 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started - self.paused_s
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - began
+
+
+@dataclass
+class SideRun:
+    """One side's run with one seed: weight copies by step (with the seconds at that step), and the
+    mean training reward of every step."""
+
+    seed: int
+    snapshots: dict[int, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    rewards: list[float] = field(default_factory=list)
+    prompts: list[list[str]] = field(default_factory=list)  # each step's distinct prompts, sorted
+    wall_s: float = 0.0
+    # CPU seconds other processes used while this run ran: well above zero, the machine was not quiet.
+    other_cpu_s: float | None = None
+
+
+def eval_steps(steps: int, every: int) -> list[int]:
+    """Steps after which the policy is copied: every `every` steps, and the last step."""
+    return sorted({*range(every, steps + 1, every), steps})
+
+
+def clone(weights: dict[str, Any]) -> dict[str, Any]:
+    return {name: tensor.detach().clone() for name, tensor in weights.items()}
+
+
+def trl_prompt_order(task: Any, seed: int, steps: int, prompts_per_step: int) -> Any:
+    """The train split in the order a grpo-flow run with `seed` visits it, one step's prompts after another."""
+    from tasks.rollout import step_prompt_indices
+
+    order = [
+        i for step in range(1, steps + 1) for i in step_prompt_indices(seed, step, prompts_per_step, len(task.train))
+    ]
+    return task.train.select(order)
+
+
+def reward_funcs(task: Any) -> dict[str, Any]:
+    from workers.rewards.functions import resolve_reward_funcs
+
+    return resolve_reward_funcs(task.default_rewards)
+
+
+def run_trl(
+    model_path: str, task: Any, work: dict[str, Any], steps: int, seed: int, at: list[int], workdir: Path
+) -> SideRun:
+    from transformers import TrainerCallback
+
+    from benchmarks.trl_side import grpo_config, grpo_trainer
+
+    run = SideRun(seed)
+    per_call: list[float] = []
+
+    def recorded(func: Any, first: bool) -> Any:
+        # TRL calls each reward function once per step with the whole batch: its mean score, and the
+        # step's prompts (from the first function), to be compared with grpo-flow's rollout log.
+        @functools.wraps(func)
+        def reward(**kwargs: Any) -> list[float]:
+            scores = func(**kwargs)
+            per_call.append(sum(scores) / len(scores))
+            if first:
+                run.prompts.append(sorted(set(kwargs["prompts"])))
+            return scores
+
+        return reward
+
+    funcs = reward_funcs(task)
+
+    class CopyWeights(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step in at:
+                seconds = clock.elapsed()
+                with clock.paused():
+                    run.snapshots[state.global_step] = (seconds, clone(kwargs["model"].state_dict()))
+
+    clock = PausableClock()
+    args = grpo_config(
+        workdir / f"trl-{task.name}-{seed}",
+        steps=steps,
+        seed=seed,
+        shuffle_dataset=False,  # the prompts come in grpo-flow's order (trl_prompt_order)
+        **{k: v for k, v in work.items() if k in SHARED_FIELDS},
+    )
+    dataset = trl_prompt_order(task, seed, steps, work["prompts_per_step"])
+    recorded_funcs = [recorded(f, i == 0) for i, f in enumerate(funcs.values())]
+    with other_cpu(run):
+        trainer = grpo_trainer(model_path, recorded_funcs, args, dataset, callbacks=[CopyWeights()])
+        trainer.train()
+    run.wall_s = clock.elapsed()
+    # One mean per function per step: the step's total reward is their sum (weights 1, as both sides use).
+    per_step = len(funcs)
+    run.rewards = [sum(per_call[i : i + per_step]) for i in range(0, len(per_call), per_step)]
+    return run
+
+
+def run_grpo_flow(model_path: str, preset: str, steps: int, seed: int, at: list[int], workdir: Path) -> SideRun:
+    from benchmarks.steps import StepClock
+    from flows.grpo import grpo
+    from schemas.presets import preset_config
+    from workers import backends
+    from workers.state.storage import RunStorage
+
+    run = SideRun(seed)
+    config = preset_config(
+        preset,
+        model=model_path,
+        storage_root=str(workdir / "grpo-flow"),
+        run_id=f"learning-{preset}-seed{seed}",
+        seed=seed,
+        max_steps=steps,
+        eval_prompts=0,  # evaluated here, from the copies, with the same code as TRL's copies
+        save_steps=10**6,  # like TRL's side, no checkpoints but the one a run always ends with
+    )
+
+    def copy_weights(step_config: Any, plan: Any, step: int) -> None:
+        if step in at:
+            seconds = clock.elapsed()
+            with clock.paused():
+                actor = backends.run_workers(step_config, plan.model_path).actor
+                run.snapshots[step] = (seconds, clone(actor.policy_state_dict()))
+
+    clock = PausableClock()
+    with other_cpu(run), StepClock(after_step=copy_weights).watch():
+        summary = grpo(config)
+    run.wall_s = clock.elapsed()
+    if summary["status"] != "completed":
+        raise RuntimeError(f"grpo-flow run {config.run_id}: {summary.get('error')}")
+    storage = RunStorage(config.storage_root, config.run_id)
+    run.rewards = [float(r) for r in storage.read_metrics().column("reward").to_pylist()]
+    run.prompts = [
+        sorted(set(storage.read_rollouts(step).column("prompt").to_pylist())) for step in range(1, steps + 1)
+    ]
+    return run
+
+
+def start_prefect() -> None:
+    """Prefect's ephemeral server starts with the first flow run of a process (seconds); started here so
+    no run's clock counts it."""
+    from prefect import flow
+
+    @flow(name="learning-benchmark-start")
+    def start() -> None:
+        return None
+
+    start()
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+# GRPOConfig options that differ between the two sides by design and do not touch what is learned:
+# grpo-flow's actor counts its own steps (its scheduler is made for config.max_steps), logs its own
+# metrics, and TRL gets the prompts in grpo-flow's order instead of shuffling them itself.
+NOT_LEARNING = {"output_dir", "logging_dir", "logging_strategy", "disable_tqdm", "max_steps", "shuffle_dataset"}
+
+
+def config_differences(config: Any, trl_args: Any) -> dict[str, list[str]]:
+    """Every GRPOConfig option (TRL's defaults included) whose value differs between TRL's side and the
+    GRPOConfig grpo-flow's actor builds TRL's objective from (workers/actor/trl_objective.grpo_args),
+    but for NOT_LEARNING: what could make the two sides learn differently."""
+    import dataclasses
+
+    from workers.actor.trl_objective import grpo_args
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = grpo_args(config, tmp)
+    differ = {}
+    for option in dataclasses.fields(trl_args):
+        if option.name in NOT_LEARNING:
+            continue
+        theirs, mine = getattr(trl_args, option.name), getattr(ours, option.name, None)
+        if mine != theirs:
+            differ[option.name] = [str(mine), str(theirs)]
+    return differ
+
+
+def benchmark_task(
+    name: str, steps: int, every: int, seeds: list[int], eval_prompts: int, storage_root: Path, workdir: Path
+) -> dict[str, Any]:
+    """Both sides' runs of one task, each seed's curve scored; `summarize` adds the figures."""
+    from schemas.presets import PRESETS, preset_config
+    from workers.data.loaders import load_task
+    from workers.data.tiny_model import ensure_tiny_model
+    from workers.rollout.heldout import heldout_accuracy
+    from workers.rollout.transformers_engine import TransformersRolloutEngine
+
+    preset = TASKS[name]["preset"]
+    work = preset_config(preset).model_dump()
+    model_path = str(ensure_tiny_model(storage_root, PRESETS[preset]["model"]))
+    task = load_task(name)
+    at = eval_steps(steps, every)
+    runs: dict[str, list[SideRun]] = {side: [] for side in SIDES}
+    for seed in seeds:  # the sides alternate, so a slower minute of the machine hits both
+        print(f"[{name}] seed {seed}: TRL ...", flush=True)
+        runs["trl"].append(run_trl(model_path, task, work, steps, seed, at, workdir))
+        print(f"[{name}] seed {seed}: grpo-flow ...", flush=True)
+        runs["grpo_flow"].append(run_grpo_flow(model_path, preset, steps, seed, at, workdir))
+
+    engine = TransformersRolloutEngine(model_path)
+    engine.load()
+
+    def accuracy() -> float:
+        return heldout_accuracy(engine, task, eval_prompts, work["max_completion_length"], work["max_prompt_length"])
+
+    start = accuracy()
+    result: dict[str, Any] = {
+        "preset": preset,
+        "steps": steps,
+        "eval_every": every,
+        "eval_prompts": eval_prompts,
+        "start_model_sha256": hashlib.sha256((Path(model_path) / "model.safetensors").read_bytes()).hexdigest(),
+        "start_accuracy": start,
+        "work": {k: work[k] for k in SHARED_FIELDS},
+        "config_differences": config_differences(preset_config(preset), trl_args_for(work, steps)),
+        "runs": {},
+    }
+    for side in SIDES:
+        side_runs = []
+        for run, other in zip(runs[side], runs["grpo_flow" if side == "trl" else "trl"], strict=True):
+            curve = [[0, 0.0, start]]
+            for step in sorted(run.snapshots):
+                seconds, weights = run.snapshots[step]
+                engine.load_state_dict(weights, step)
+                curve.append([step, seconds, accuracy()])
+            side_runs.append(
+                {
+                    "seed": run.seed,
+                    "wall_s": run.wall_s,
+                    "curve": curve,
+                    "train_reward": run.rewards,
+                    "same_prompts_as_other_side": run.prompts == other.prompts,
+                    "other_cpu_s": run.other_cpu_s,
+                }
+            )
+        result["runs"][side] = side_runs
+    return summarize(result)
+
+
+# What must match for runs of two invocations to be pooled as seeds of one experiment.
+SETUP_KEYS = ("preset", "steps", "eval_every", "eval_prompts", "start_model_sha256", "work")
+
+
+def merge(earlier: dict[str, Any] | None, result: dict[str, Any]) -> dict[str, Any]:
+    """An earlier invocation's runs of the same set-up join this one's (a seed run again replaces its
+    earlier run), so a long benchmark can be split into several; another set-up is replaced."""
+    if earlier is None or any(earlier.get(k) != result[k] for k in SETUP_KEYS):
+        return result
+    merged = dict(result, runs={})
+    for side in SIDES:
+        by_seed = {r["seed"]: r for r in earlier["runs"][side]} | {r["seed"]: r for r in result["runs"][side]}
+        merged["runs"][side] = [by_seed[seed] for seed in sorted(by_seed)]
+    return summarize(merged)
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Per side, over seeds: final held-out accuracy, gain over the start model, wall time, gain per minute."""
+    start = result["start_accuracy"]
+    result["seeds"] = [r["seed"] for r in result["runs"]["trl"]]
+    for side in SIDES:
+        side_runs = result["runs"][side]
+        finals = [r["curve"][-1][2] for r in side_runs]
+        walls = [r["wall_s"] for r in side_runs]
+        gains = [f - start for f in finals]
+        per_minute = [g / (w / 60) for g, w in zip(gains, walls, strict=True)]
+        for key, values in (("final", finals), ("gain", gains), ("wall_s", walls), ("gain_per_min", per_minute)):
+            result[f"{side}_{key}"], result[f"{side}_{key}_sd"] = mean_sd(values)
+        result[f"{side}_final_min"], result[f"{side}_final_max"] = min(finals), max(finals)
+    result["same_prompts_every_step"] = all(r["same_prompts_as_other_side"] for r in result["runs"]["trl"])
+    return result
+
+
+def trl_args_for(work: dict[str, Any], steps: int) -> Any:
+    from benchmarks.trl_side import grpo_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = {k: v for k, v in work.items() if k in SHARED_FIELDS}
+        return grpo_config(tmp, steps=steps, seed=work["seed"], shuffle_dataset=False, **shared)
+
+
+def training_reward(result: dict[str, Any], side: str, part: slice) -> float:
+    """Mean training reward over a slice of the steps, averaged over seeds."""
+    return statistics.mean(statistics.mean(r["train_reward"][part]) for r in result["runs"][side])
+
+
+def print_report(name: str, result: dict[str, Any]) -> None:
+    seeds = result["seeds"]
+    print(
+        f"\n{name}: preset {result['preset']}, {result['steps']} steps, seeds {seeds}; held-out accuracy "
+        f"(greedy, {result['eval_prompts']} prompts) of the start model {result['start_accuracy']:.3f}"
+    )
+    print(f"{'side':<12}{'final':>16}{'gain':>16}{'wall s':>16}{'gain/min':>16}{'final min-max':>16}")
+    for side in SIDES:
+        cells = [f"{result[f'{side}_{k}']:.3f} ± {result[f'{side}_{k}_sd']:.3f}" for k in ("final", "gain")]
+        cells.append(f"{result[f'{side}_wall_s']:.1f} ± {result[f'{side}_wall_s_sd']:.1f}")
+        cells.append(f"{result[f'{side}_gain_per_min']:.3f}")
+        span = f"{result[f'{side}_final_min']:.3f}-{result[f'{side}_final_max']:.3f}"
+        print(f"{'TRL' if side == 'trl' else 'grpo-flow':<12}" + "".join(f"{c:>16}" for c in cells) + f"{span:>16}")
+    ratio = {
+        k: result[f"grpo_flow_{k}"] / result[f"trl_{k}"] if result[f"trl_{k}"] else float("nan")
+        for k in ("gain", "wall_s", "gain_per_min")
+    }
+    print(
+        f"grpo-flow / TRL: gain {ratio['gain']:.2f}, wall time {ratio['wall_s']:.2f}, "
+        f"gain per minute {ratio['gain_per_min']:.2f}"
+    )
+    tenth = max(1, result["steps"] // 10)
+    for label, part in (("first", slice(0, tenth)), ("last", slice(-tenth, None))):
+        rewards = {side: training_reward(result, side, part) for side in SIDES}
+        print(
+            f"mean training reward, {label} {tenth} steps: TRL {rewards['trl']:.3f}, grpo-flow {rewards['grpo_flow']:.3f}"
+        )
+    others = [r["other_cpu_s"] for side in SIDES for r in result["runs"][side] if r.get("other_cpu_s") is not None]
+    if others:
+        print(f"CPU seconds other processes used during a run: at most {max(others):.1f}")
+    print(f"same prompts on both sides at every step: {'yes' if result['same_prompts_every_step'] else 'NO'}")
+    differences = result["config_differences"]
+    print(f"GRPOConfig options that differ (grpo-flow's objective, TRL's side): {differences or 'none'}")
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Held-out accuracy against step (left) and seconds (right), one row per task: each seed thin,
+    the mean over seeds bold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name, result in results.items() if "runs" in result]  # this benchmark's entries
+    figure, axes = plt.subplots(len(names), 2, figsize=(10, 3.4 * len(names)), squeeze=False)
+    for row, name in enumerate(names):
+        result = results[name]
+        for side in SIDES:
+            curves = [run["curve"] for run in result["runs"][side]]
+            for column, x in ((0, 0), (1, 1)):
+                axis = axes[row][column]
+                for curve in curves:
+                    axis.plot([p[x] for p in curve], [p[2] for p in curve], color=COLORS[side], alpha=0.3, lw=0.8)
+                mean_x = [statistics.mean(c[i][x] for c in curves) for i in range(len(curves[0]))]
+                mean_y = [statistics.mean(c[i][2] for c in curves) for i in range(len(curves[0]))]
+                axis.plot(mean_x, mean_y, color=COLORS[side], lw=2, label=f"{LABELS[side]} (mean of {len(curves)})")
+        for column, label in ((0, "step"), (1, "seconds (wall clock)")):
+            axis = axes[row][column]
+            axis.set_xlabel(label)
+            axis.set_ylabel("held-out accuracy")
+            axis.set_title(f"{name} ({result['preset']} preset)")
+            axis.grid(alpha=0.3)
+            axis.legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), help=f"any of: {', '.join(TASKS)}")
+    parser.add_argument("--seeds", type=int, default=3, help="runs per side: seeds F .. F+N-1 (F: --first-seed)")
+    parser.add_argument("--first-seed", type=int, default=0, help="first seed (to split the seeds over invocations)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the task's, see TASKS)")
+    parser.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
+    parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts per evaluation")
+    parser.add_argument("--json", type=Path, default=None, help="write (merge into) this file, one object per task")
+    parser.add_argument("--png", type=Path, default=None, help="plot every task in the JSON (or this run) here")
+    parser.add_argument(
+        "--storage-root",
+        type=Path,
+        default=None,
+        help="where the tiny models are found or built (models/); default: a fresh temporary folder",
+    )
+    args = parser.parse_args(argv)
+    # transformers' deprecation notices about TrainingArguments fields TRL sets, once per run: noise here.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    unknown = [t for t in args.tasks if t not in TASKS]
+    if unknown:
+        parser.error(f"--tasks: unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")
+    if args.first_seed < 0:
+        parser.error(f"--first-seed: must be 0 or more, got {args.first_seed}")
+    for option in ("seeds", "steps", "eval_every", "eval_prompts"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            parser.error(f"--{option.replace('_', '-')}: must be at least 1, got {value}")
+
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="grpo-flow-learning-") as tmp:
+        workdir = Path(tmp)
+        storage_root = args.storage_root or workdir / "storage"
+        start_prefect()
+        for name in args.tasks:
+            steps = args.steps or TASKS[name]["steps"]
+            every = min(args.eval_every or TASKS[name]["eval_every"], steps)
+            seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+            results[name] = benchmark_task(name, steps, every, seeds, args.eval_prompts, storage_root, workdir)
+    everything: dict[str, Any] = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
+    for name, result in results.items():
+        everything[name] = results[name] = merge(everything.get(name), result)
+        print_report(name, results[name])
+    if args.json:
+        args.json.write_text(json.dumps(everything, indent=1) + "\n")
+    if args.png:
+        plot(everything, args.png)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Only what the user asked for on the terminal: Prefect's console logs and its server's output go to
+a log file, `<storage_root>/logs/prefect.log`.
+
+    log_path = quiet_prefect_run(storage_root)   # `grpo train` (without --verbose), GRPOFlowTrainer.train()
+    with quiet_libraries(): ...                  # no transformers progress bars or advisory warnings
+
+Prefect logs every task run to the console (about a dozen lines a step), a failed run's traceback
+several times over, and at exit whatever its background services hit. The Prefect UI and
+`prefect flow-run logs` still get every line (the API handler is left alone); the terminal shows the
+progress bar, the summary, one line per error, and warnings meant for the user: a log record with
+`extra={USER_FACING: True}` (the no-reward warning, say) is printed as `grpo-flow: warning: ...`.
+
+The routing lasts for the rest of the process, because Prefect's noise comes at exit too.
+`--verbose` (or not calling this) keeps Prefect's console as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tasks.observability import USER_FACING
+
+_FILE_HANDLERS: dict[Path, logging.Handler] = {}
+
+
+class _UserFacing(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return bool(getattr(record, USER_FACING, False))
+
+
+class _ToStderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (a test harness may have replaced it since)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+_USER_HANDLER = _ToStderr()
+_USER_HANDLER.addFilter(_UserFacing())
+_USER_HANDLER.setFormatter(logging.Formatter("grpo-flow: warning: %(message)s"))
+
+
+def log_path_for(storage_root: str | os.PathLike) -> Path:
+    return Path(storage_root) / "logs" / "prefect.log"
+
+
+def quiet_prefect_run(storage_root: str | os.PathLike) -> Path:
+    """Route Prefect's console logs to the storage root's log file and start the ephemeral server
+    writing there too (in a session of its own: see flows/ephemeral_server.py); returns the file."""
+    from flows.ephemeral_server import start_ephemeral_server
+
+    path = log_path_for(storage_root)
+    route_prefect_console(path)
+    start_ephemeral_server(path)
+    return path
+
+
+def route_prefect_console(path: Path) -> None:
+    """Every Prefect handler that writes to the terminal is replaced by one that appends to `path`."""
+    import prefect  # noqa: F401  Prefect configures its logging when imported
+
+    path = path.resolve()
+    if path not in _FILE_HANDLERS:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"))
+        _FILE_HANDLERS[path] = handler
+        with open(path, "a", encoding="utf-8") as log:
+            started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            log.write(f"---- {started} pid {os.getpid()}: {' '.join(sys.argv)}\n")
+    to_file = _FILE_HANDLERS[path]
+    loggers = [logging.getLogger()] + [
+        logger for logger in logging.root.manager.loggerDict.values() if isinstance(logger, logging.Logger)
+    ]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if _writes_to_terminal(handler) or handler in _FILE_HANDLERS.values():
+                logger.removeHandler(handler)
+                logger.addHandler(to_file)
+    root = logging.getLogger()
+    if _USER_HANDLER not in root.handlers:
+        root.addHandler(_USER_HANDLER)
+
+
+def _writes_to_terminal(handler: logging.Handler) -> bool:
+    """Prefect's console handlers (its `console`, and the `debug` one of prefect._internal)."""
+    return (
+        isinstance(handler, logging.StreamHandler)
+        and not isinstance(handler, logging.FileHandler)
+        and type(handler).__module__.startswith("prefect.")
+    )
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """No transformers progress bars ("Loading weights", "Writing model shards") or advisory
+    warnings, and no library FutureWarnings, for the block; then as before."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
