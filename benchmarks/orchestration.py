@@ -2,7 +2,7 @@
 steps of the tiny preset, in one invocation.
 
     python -m benchmarks.orchestration [--steps 30] [--real-steps 5] [--database ephemeral|sqlite|postgres]
-                                       [--tiny-model DIR] [--json FILE]
+                                       [--tiny-model DIR] [--backend local|ray] [--json FILE]
 
 Instant side: the `grpo` flow, its `grpo-step` subflows and every task in them, on the tiny
 preset's config (32 prompts x 8 generations, 2 rollout shards, completions of 2 tokens, a
@@ -38,15 +38,15 @@ what that setting buys.
 
 `--backend ray` also runs the instant steps (in the flow, then directly without Prefect) and the
 real steps with the workers as Ray actors (the Ray backend, on the cluster RAY_ADDRESS names, else
-a local Ray instance started here; the actor gets 1 CPU, each engine half of one), and prints what
-Ray adds per step against the local backend in this same invocation:
+a local Ray instance started here on the loopback address; the actor gets 1 CPU, each engine half
+of one), and prints what Ray adds per step against the local backend in this same invocation:
 `ray_adds_no_prefect_ms_per_step` (the step's task bodies without Prefect: Ray's calls, the
-prompts, completions and logged rows through its serialization, the weights through its object
-store; in the flow, Prefect's step-to-step variation hides it), `ray_adds_ms_per_step` (the same
-in the flow) and `ray_real_adds_ms_per_step` (real tiny steps, where the engines and the actor
-also compute on the CPUs their placement gives them instead of this process's threads), with the
-Ray instant step's timed worker calls (`ray_instant_stage_ms`: `time/actor_s` and `time/sync_s`
-as the step logs them, measured around Ray's round trips; `time/generate_s` is the engine's own).
+prompts and completions through its serialization, the weights through its object store),
+`ray_adds_ms_per_step` (the same in the flow), `ray_real_adds_ms_per_step` (real tiny steps, where
+the engines and the actor also compute on the CPUs their placement gives them instead of this
+process's threads), their ratios, and the Ray instant step's timed worker calls
+(`ray_instant_stage_ms`: `time/actor_s` and `time/sync_s` as the step logs them, measured around
+Ray's round trips; `time/generate_s` is the engine's own).
 
 `--profile N` also runs the instant side under cProfile (main thread only; mapped tasks run
 on Prefect's worker threads) and prints the N functions with the most cumulative time.
