@@ -178,6 +178,7 @@ def command_train(args: argparse.Namespace) -> int:
     try:  # Prefect's logs and its server's output to the log file; --verbose keeps Prefect's console
         start_ephemeral_server(log_path) if args.verbose else quiet_prefect_run(config.storage_root)
     except ServerStartError as error:
+        give_back_cli_lock(config)  # nothing started: leave nothing behind
         print(f"grpo train: {error}", file=sys.stderr)
         return 1
     return train_run(config, args, bool(existing), log_path)
@@ -275,6 +276,20 @@ def hold_cli_lock(config: GRPOFlowConfig) -> None:
     except RunLockedError as error:
         raise UsageError(f"--run-id: {error}") from None
     atexit.register(release_run_lock, run_dir)  # whatever path the command leaves by
+
+
+def give_back_cli_lock(config: GRPOFlowConfig) -> None:
+    """Release the writer lock of a run that never started; the lock's release removes the run folder
+    if it is empty, and this the `runs/` folder if that is empty too."""
+    from workers.state.lock import release_run_lock
+    from workers.state.storage import RunStorage
+
+    run_dir = RunStorage(config.storage_root, config.run_id or "").run_dir
+    release_run_lock(run_dir)
+    try:
+        run_dir.parent.rmdir()
+    except OSError:  # not empty (other runs), or already gone
+        pass
 
 
 def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:

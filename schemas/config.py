@@ -560,12 +560,12 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
     "Generation": ("max_prompt_length", "max_completion_length", "temperature", "top_p"),
     "Rollout engine": (
         "rollout_engine",
-        "vllm_python",
         "vllm_mode",
-        "vllm_dtype",
-        "vllm_max_model_length",
         "vllm_gpu_memory_utilization",
         "vllm_enable_sleep_mode",
+        "vllm_dtype",
+        "vllm_max_model_length",
+        "vllm_python",
         "weight_sync_method",
     ),
     "Workers and schedule": (
