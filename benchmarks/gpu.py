@@ -1,8 +1,8 @@
 """GPU figures on a randomly initialised model of Qwen2.5-0.5B's shape: the actor's step
-throughput and model FLOPs utilisation, and transformers generation throughput.
+throughput and model FLOPs utilisation, and generation throughput of transformers and of vLLM.
 
     python -m benchmarks.gpu [--rows 64] [--prompt-tokens 128] [--completion-tokens 256]
-                             [--steps 5] [--json FILE]
+                             [--steps 5] [--no-vllm] [--json FILE]
 
 Needs a CUDA GPU: without one it says so and exits with status 2 (`--device cpu --shape tiny`
 runs the same code on the CPU with a tiny model, to check it, not to measure anything).
@@ -22,6 +22,11 @@ runs the same code on the CPU with a tiny model, to check it, not to measure any
   per-token log-probs) on `--gen-prompts` prompts x `--gen-n` samples of
   `--completion-tokens` new tokens, in fp32 (as the engine loads) and in bf16; the random
   model almost never emits its end token, so every completion runs to full length.
+- vLLM generation: the same prompts and sampling through the project's vLLM engine
+  (`VLLMProcessEngine`, its own process from the vLLM environment `grpo setup-vllm` builds:
+  `vllm` on a CUDA machine), in bf16 (its default on a GPU) and fp32; its start seconds, and
+  the ratio to transformers in the same dtype. `--no-vllm` leaves it out; without the vLLM
+  environment the benchmark stops before measuring anything, naming `grpo setup-vllm`.
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ TINY_SHAPE = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    # head_dim 32: vLLM's CPU build cannot serve head_dim 16, and --device cpu runs its part too
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
 }
 
 
@@ -184,6 +190,43 @@ def generation_throughput(
     }
 
 
+def vllm_generation_throughput(
+    model_path: str, prompts: int, n: int, new_tokens: int, dtype_name: str, python: str, log_dir: Path
+) -> dict[str, Any]:
+    """As generation_throughput (on the device vLLM's build is for), through the project's vLLM engine process; also its start seconds."""
+    from workers.data.loaders import load_task
+    from workers.rollout.base import SamplingParams
+    from workers.rollout.vllm_engine import VLLMOptions
+    from workers.rollout.vllm_process import VLLMProcessEngine
+
+    texts = load_task("last_digit").train.select(range(prompts))["prompt"]
+    options = VLLMOptions(dtype=dtype_name, max_model_len=64 + new_tokens, gpu_memory_utilization=0.5)
+    started = time.perf_counter()
+    engine = VLLMProcessEngine(
+        model_path, worker_id="gpu-bench", options=options, python=python, log_path=log_dir / f"vllm-{dtype_name}.log"
+    )
+    engine.load()
+    start_s = time.perf_counter() - started
+    seconds, generated = [], []
+    try:
+        for seed in range(3):  # the first is a warm-up
+            started = time.perf_counter()
+            result = engine.generate(texts, SamplingParams(n=n, max_tokens=new_tokens, temperature=1.0, seed=seed))
+            seconds.append(time.perf_counter() - started)
+            generated.append(sum(len(ids) for ids in result.completion_token_ids))
+    finally:
+        engine.close()
+    return {
+        "dtype": dtype_name,
+        "engine": "vllm",
+        "start_s": start_s,
+        "sequences": prompts * n,
+        "new_tokens_per_call": statistics.median(generated[1:]),
+        "call_s": statistics.median(seconds[1:]),
+        "tokens_per_s": statistics.median(g / s for g, s in zip(generated[1:], seconds[1:], strict=True)),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64, help="completions in an actor step (default 64)")
@@ -196,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--matmul-size", type=int, default=8192, help="matmul rate: square size (default 8192)")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu with --shape tiny to check the code")
     parser.add_argument("--shape", choices=("qwen0.5b", "tiny"), default="qwen0.5b")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM generation out")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
 
@@ -212,6 +256,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sys.exit(2)
     if args.device == "cpu" and args.shape != "tiny":
         parser.error("--device cpu is for checking the code: use it with --shape tiny")
+    python = None
+    if not args.no_vllm:
+        from workers.backends.vllm_env import vllm_python
+
+        python = vllm_python()
+        if not Path(python).is_file():
+            parser.error(f"no vLLM environment at {python}: run `grpo setup-vllm` first, or pass --no-vllm")
 
     on_gpu = args.device.startswith("cuda")
     gpu_name = torch.cuda.get_device_name(args.device) if on_gpu else "cpu (code check only)"
@@ -234,6 +285,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             generation_throughput(model_path, args.device, args.gen_prompts, args.gen_n, args.completion_tokens, dtype)
             for dtype in ("float32", "bfloat16")
         ]
+        vllm = []
+        if python is not None:
+            vllm = [
+                vllm_generation_throughput(
+                    model_path,
+                    args.gen_prompts,
+                    args.gen_n,
+                    args.completion_tokens,
+                    dtype,
+                    python,
+                    Path(tmp),
+                )
+                for dtype in ("bfloat16", "float32")
+            ]
     result = {
         "device": gpu_name,
         "torch": torch.__version__,
@@ -246,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "generation_tokens_per_s": {g["dtype"]: g["tokens_per_s"] for g in generation},
         "actor": actor,
         "generation": generation,
+        "vllm_generation_tokens_per_s": {g["dtype"]: g["tokens_per_s"] for g in vllm},
+        "vllm_generation": vllm,
         "workload": {
             "rows": args.rows,
             "prompt_tokens": args.prompt_tokens,
@@ -281,6 +348,14 @@ def print_report(r: dict[str, Any]) -> None:
     )
     for g in r["generation"]:
         print(f"  {g['dtype']:<9} {g['tokens_per_s']:>12,.0f} tokens/s   ({g['call_s']:.2f} s per call)")
+    if r["vllm_generation"]:
+        print("\nvLLM generation (same prompts and sampling; its own process):")
+        plain = r["generation_tokens_per_s"]
+        for g in r["vllm_generation"]:
+            print(
+                f"  {g['dtype']:<9} {g['tokens_per_s']:>12,.0f} tokens/s   ({g['call_s']:.2f} s per call, "
+                f"engine start {g['start_s']:.1f} s); x{g['tokens_per_s'] / plain[g['dtype']]:.2f} transformers"
+            )
 
 
 if __name__ == "__main__":

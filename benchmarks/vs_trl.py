@@ -1,6 +1,16 @@
 """grpo-flow against TRL's GRPOTrainer on the same work, in one invocation.
 
     python -m benchmarks.vs_trl [--steps 8] [--hidden-size 384] [--layers 4] [--json FILE]
+    python -m benchmarks.vs_trl --engine vllm [--steps 8] [...]
+
+With `--engine vllm` both sides generate with vLLM as well: grpo-flow with
+`rollout_engine="vllm"` (its engine in the vLLM environment, `grpo setup-vllm`), TRL with
+`use_vllm=True, vllm_mode="colocate"` run inside the vLLM environment (TRL needs no Prefect, so
+it can live there: `<vllm env>/bin/pip install trl==1.16.0`). Each side's transformers-engine
+run is measured in the same invocation for reference. Where TRL's vLLM run fails, its error is
+reported in place of its figures. Set-up is TRL's trainer construction (its colocated engine's
+start included) and, for grpo-flow, the run's wall time outside its steps (Prefect's server, model
+loads, engine starts).
 
 Same work means: the same initial weights (one randomly initialised Qwen2 model of at least
 5M parameters, saved once and loaded by both sides with `from_pretrained`), the same
@@ -32,6 +42,15 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+# TRL's colocated vLLM, sized for a CPU (its KV cache through vLLM's own variable; no sleep mode there).
+VLLM_COLOCATE = {
+    "use_vllm": True,
+    "vllm_mode": "colocate",
+    "vllm_max_model_length": 64,  # the model's max_position_embeddings
+    "vllm_gpu_memory_utilization": 0.1,
+    "vllm_enable_sleep_mode": False,
+}
 
 WORK = {  # identical for both sides
     "num_generations": 8,
@@ -70,7 +89,10 @@ def timed_method(obj: Any, name: str, sink: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
+def run_trl(
+    model_path: str, steps: int, workdir: Path, use_vllm: bool = False, partial: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """TRL's side; `partial` receives what is measured before training starts (kept if training fails)."""
     from transformers import TrainerCallback
 
     from benchmarks.trl_side import grpo_config, grpo_trainer
@@ -94,9 +116,13 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
             self.seconds.append(time.perf_counter() - self.started)
 
     task = load_task("last_digit")
-    args = grpo_config(workdir / "trl", steps=steps, **WORK)
+    args = grpo_config(workdir / "trl", steps=steps, **WORK, **(VLLM_COLOCATE if use_vllm else {}))
     timer = StepTimer()
+    started = time.perf_counter()
     trainer = grpo_trainer(model_path, counted_last_digit, args, task.train, callbacks=[timer])
+    start_s = time.perf_counter() - started  # with vLLM: the colocated engine's start
+    if partial is not None:
+        partial["start_s"] = start_s
     phases: dict[str, list[float]] = {"generate": [], "score": [], "prepare": []}
     timed_method(trainer, "_generate", phases["generate"])
     timed_method(trainer, "_calculate_rewards", phases["score"])
@@ -109,6 +135,7 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     step = statistics.median(timer.seconds[steady])
     return {
         "step_s": step,
+        "start_s": start_s,
         "first_step_s": timer.seconds[0],
         "steps": len(timer.seconds),
         "tokens_per_step": statistics.mean(completion_tokens),
@@ -121,13 +148,17 @@ def run_trl(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     }
 
 
-def run_grpo_flow(model_path: str, steps: int, workdir: Path, step_subflows: bool = True) -> dict[str, Any]:
+def run_grpo_flow(
+    model_path: str, steps: int, workdir: Path, step_subflows: bool = True, rollout_engine: str = "transformers"
+) -> dict[str, Any]:
     from flows.grpo import grpo
     from schemas.config import GRPOFlowConfig
     from workers.state.storage import RunStorage
 
     config = GRPOFlowConfig(
-        run_id="vs-trl" if step_subflows else "vs-trl-no-subflows",
+        run_id=("vs-trl" if step_subflows else "vs-trl-no-subflows") + f"-{rollout_engine}",
+        rollout_engine=rollout_engine,  # transformers unless --engine vllm (TRL's side matches it)
+        vllm_max_model_length=64,  # the model's max_position_embeddings (vLLM refuses more)
         storage_root=str(workdir / "grpo-flow"),
         model=model_path,
         dataset="last_digit",
@@ -142,7 +173,8 @@ def run_grpo_flow(model_path: str, steps: int, workdir: Path, step_subflows: boo
         **WORK,
     )
     summary = grpo(config)
-    metrics = RunStorage(config.storage_root, config.run_id).read_metrics().to_pandas().iloc[1:]
+    metrics_all = RunStorage(config.storage_root, config.run_id).read_metrics().to_pandas()
+    metrics = metrics_all.iloc[1:]
     phase_columns = {
         "generate": "time/generate_s",
         "score": "time/score_s",
@@ -154,6 +186,10 @@ def run_grpo_flow(model_path: str, steps: int, workdir: Path, step_subflows: boo
     phases["logging + orchestration (the rest)"] = step - sum(phases.values())
     return {
         "step_s": step,
+        "wall_s": float(summary["wall_seconds"]),
+        "first_step_s": float(metrics_all["step_s"].iloc[0]),
+        # everything outside the steps: Prefect's server, model loads, engine starts (vLLM's included)
+        "start_s": float(summary["wall_seconds"]) - float(metrics_all["step_s"].sum()),
         "in_subflow_step_s": float(metrics["step_s"].median()),
         "steps": int(summary["steps_completed"]),
         "tokens_per_step": float((metrics["completions/mean_length"] * metrics["num_completions"]).mean()),
@@ -169,7 +205,7 @@ def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, o
         f"{work['prompts_per_step']} prompts x {work['num_generations']} generations = "
         f"{work['prompts_per_step'] * work['num_generations']} completions per step, at most "
         f"{work['max_completion_length']} new tokens, loss {work['loss_type']}, lr {work['learning_rate']}, "
-        f"{steps} steps (first step left out of medians).\n"
+        f"{steps} steps (first step left out of medians); both sides generate with transformers.\n"
     )
     print(f"{'side':<12}{'median step (s)':>17}{'tokens generated/step':>24}{'steps':>7}")
     print(f"{'TRL':<12}{trl['step_s']:>17.3f}{trl['tokens_per_step']:>24.1f}{trl['steps']:>7}")
@@ -185,13 +221,79 @@ def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, o
             print(f"  {name:<58}{seconds:>8.3f}")
 
 
+def run_trl_in_vllm_env(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
+    """TRL's GRPOTrainer with colocated vLLM, in a process of the vLLM environment; its figures or its error."""
+    import subprocess
+
+    from workers.backends.vllm_env import vllm_python
+
+    python = vllm_python()
+    if subprocess.run([python, "-c", "import trl"], capture_output=True).returncode != 0:
+        return {"error": f"TRL is not installed in the vLLM environment: {python} -m pip install trl==1.16.0"}
+    out = workdir / "trl-vllm.json"
+    root = str(Path(__file__).resolve().parents[1])
+    # vLLM's CPU build reserves its KV cache as a fraction of RAM unless told a size (GiB)
+    env = {**os.environ, "PYTHONPATH": root, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    argv = [python, "-m", "benchmarks.vs_trl", "--trl-side", model_path, str(out), "--steps", str(steps)]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=root)
+    if out.exists():
+        return json.loads(out.read_text())
+    lines = [line for line in (done.stderr or "").splitlines() if "Error" in line]
+    return {"error": (lines[-1] if lines else f"exit {done.returncode}").replace("[rank0]: ", "")}
+
+
+def print_engine_report(params: int, steps: int, sides: dict[str, dict[str, Any]]) -> None:
+    work = WORK
+    print(
+        f"\nSame work with each engine: Qwen2 {params / 1e6:.1f}M parameters, fp32 training on CPU; "
+        f"{work['prompts_per_step']} prompts x {work['num_generations']} generations, at most "
+        f"{work['max_completion_length']} new tokens, {steps} steps (first step left out of medians).\n"
+    )
+    print(f"{'side':<26}{'median step (s)':>17}{'first step (s)':>16}{'set-up (s)':>11}{'tokens/step':>13}")
+    for name, result in sides.items():
+        if "error" in result:
+            started = f" after a {result['start_s']:.1f} s start" if "start_s" in result else ""
+            print(f"{name:<26}  failed{started}: {result['error']}")
+            continue
+        print(
+            f"{name:<26}{result['step_s']:>17.3f}{result['first_step_s']:>16.1f}{result['start_s']:>11.1f}"
+            f"{result['tokens_per_step']:>13.1f}"
+        )
+    ours, trl = sides["grpo-flow, vLLM"], sides["TRL, vLLM colocate"]
+    print()
+    if "error" not in trl:
+        print(f"ratio grpo-flow / TRL, both with vLLM: {ours['step_s'] / trl['step_s']:.2f}")
+    for with_vllm, plain in (
+        ("grpo-flow, vLLM", "grpo-flow, transformers"),
+        ("TRL, vLLM colocate", "TRL, transformers"),
+    ):
+        if "error" not in sides[with_vllm]:
+            print(f"ratio {with_vllm} / {plain}: {sides[with_vllm]['step_s'] / sides[plain]['step_s']:.2f}")
+    for name, result in sides.items():
+        if "error" not in result:
+            print(f"\n{name} phases, median seconds per step:")
+            for phase, seconds in result["phases"].items():
+                print(f"  {phase:<58}{seconds:>8.3f}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=384)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    parser.add_argument("--trl-side", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.trl_side:  # the TRL + vLLM side, run by run_trl_in_vllm_env inside the vLLM environment
+        model_path, out = args.trl_side
+        partial: dict[str, Any] = {}
+        try:
+            side = run_trl(model_path, args.steps, Path(out).parent, use_vllm=True, partial=partial)
+        except Exception as error:  # reported in place of TRL's figures, with what was measured before it
+            side = {"error": f"{type(error).__name__}: {error}", **partial}
+        Path(out).write_text(json.dumps(side))
+        return side
     if args.steps < 3:
         parser.error("--steps must be at least 3 (the first step of each side is a warm-up)")
 
@@ -202,7 +304,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"the model has {params} parameters; the comparison needs at least 5M")
         trl = run_trl(model_path, args.steps, workdir)
         ours = run_grpo_flow(model_path, args.steps, workdir)
-        flat = run_grpo_flow(model_path, args.steps, workdir, step_subflows=False)
+        if args.engine == "vllm":
+            sides = {
+                "TRL, transformers": trl,
+                "grpo-flow, transformers": ours,
+                "TRL, vLLM colocate": run_trl_in_vllm_env(model_path, args.steps, workdir),
+                "grpo-flow, vLLM": run_grpo_flow(model_path, args.steps, workdir, rollout_engine="vllm"),
+            }
+        else:
+            flat = run_grpo_flow(model_path, args.steps, workdir, step_subflows=False)
+    if args.engine == "vllm":
+        print_engine_report(params, args.steps, sides)
+        result = {"parameters": params, "steps": args.steps, "work": WORK, "sides": sides}
+        if "error" not in sides["TRL, vLLM colocate"]:
+            result["ratio_vllm"] = sides["grpo-flow, vLLM"]["step_s"] / sides["TRL, vLLM colocate"]["step_s"]
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        return result
     print_report(params, args.hidden_size, args.layers, args.steps, trl, ours, flat)
     result = {
         "grpo_flow_step_s": ours["step_s"],

@@ -207,7 +207,7 @@ def test_the_default_environment_missing_names_the_command(tmp_path, capsys, mon
     monkeypatch.setenv("GRPO_FLOW_VLLM_PYTHON", str(tmp_path / "absent" / "python"))
     assert main(["train", "--rollout-engine", "vllm", "--storage-root", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
-    assert "--rollout-engine vllm" in err and "grpo setup-vllm" in err
+    assert err.startswith("grpo train: --rollout-engine: no vLLM environment at ") and "grpo setup-vllm" in err
 
 
 def test_sleep_mode_on_a_machine_without_cuda_exits_2(tmp_path, capsys):

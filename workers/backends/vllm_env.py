@@ -106,7 +106,7 @@ def check_vllm_ready(config: GRPOFlowConfig) -> None:
     if config.backend == "local":
         python = vllm_python(config)
         if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-            field = "vllm_python" if config.vllm_python else "rollout_engine vllm"
+            field = "vllm_python" if config.vllm_python else "rollout_engine"  # the option the user typed
             raise VLLMNotReady(
                 f"{field}: no vLLM environment at {python}; create it with `grpo setup-vllm`"
                 + ("" if config.vllm_python else " (or name one with --vllm-python)")

@@ -24,9 +24,10 @@ the writer commits it, the reader reloads it (see workers/backends/modal_app.py)
 
 The engines: `workers.rollout.transformers_engine.TransformersRolloutEngine` (CPU; it has no sleep mode, so
 sleep/wake are no-ops, and it is re-created in place by loading from the new folder) and
-`workers.rollout.vllm_engine.VLLMRolloutEngine` (GPU; its hooks are verified only against vLLM's
-documented API). tests/workers/backends/test_weight_sync.py runs every method on CPU between the
-real actor and the transformers engine.
+`workers.rollout.vllm_engine.VLLMRolloutEngine` (or `VLLMProcessEngine`, the same in a process of the
+vLLM environment). tests/workers/backends/test_weight_sync.py runs every method on CPU between the
+real actor and the transformers engine; tests/workers/rollout/test_vllm_real.py runs each against
+vLLM's CPU build (sleep mode, which `reload` uses on a GPU, does not exist there).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ when the parent closes its end (or dies): the serving loop ends on EOF.
 
 from __future__ import annotations
 
+import pickle
 import traceback
 from typing import Any
 
@@ -35,9 +36,14 @@ def serve(conn: Any, target: Any) -> None:
     """Answer `(method, args, kwargs)` requests with `target.method(*args, **kwargs)` until CLOSE or EOF."""
     while True:
         try:
-            method, args, kwargs = conn.recv()
+            request = conn.recv_bytes()
         except (EOFError, OSError):  # the parent is gone
             return
+        try:
+            method, args, kwargs = pickle.loads(request)
+        except Exception as error:  # a request this side cannot read (a class it lacks): answer, live on
+            conn.send(("error", type(error).__name__, f"cannot read the request: {error}", traceback.format_exc()))
+            continue
         if method == CLOSE:
             conn.send(("ok", None))
             return

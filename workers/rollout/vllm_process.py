@@ -19,6 +19,7 @@ end of it.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import socket
@@ -189,8 +190,10 @@ class VLLMProcessEngine:
             from safetensors.torch import save
 
             weights = save(complete_tied_weights(weights, False))
-        if adapter_config is not None and not isinstance(adapter_config, dict):
-            adapter_config = {k: sorted(v) if isinstance(v, set) else v for k, v in adapter_config.to_dict().items()}
+        if adapter_config is not None:
+            # Plain JSON values: the engine's environment has no peft to unpickle its enums and classes with.
+            raw = adapter_config if isinstance(adapter_config, dict) else adapter_config.to_dict()
+            adapter_config = json.loads(json.dumps(raw, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
         self._call("load_state_dict", bytes(weights), version, adapter_config)
         self.policy_version = version
 

@@ -1,0 +1,229 @@
+"""Rollout engines side by side: vLLM (its own environment and process) against transformers.
+
+    python -m benchmarks.engines [--hidden-size 384] [--layers 4] [--prompts 32] [--n 8]
+                                 [--max-tokens 32] [--repeats 3] [--dtypes float32,bfloat16]
+                                 [--json FILE]
+
+One randomly initialised Qwen2 model (the project's builder), saved once; both engines load it
+with `from_pretrained`. Measured in one invocation:
+
+- engine start: transformers `load()`; vLLM from starting its process to a loaded engine (the
+  environment `grpo setup-vllm` built, `vllm_python`), in fp32 and in bf16 (vLLM's default);
+- generation: the same prompts x n, the same sampling (temperature 1, seeded), median seconds of
+  `--repeats` calls after one warm-up call, and completion tokens per second;
+- weight sync: the actor's export plus the engine's load, per weight_sync_method, median of
+  three, on the transformers engine and the fp32 vLLM engine, plus a state dict handed over in
+  memory (what the local backend does with a transformers engine; for vLLM: safetensors bytes
+  over the engine's socket);
+- log-prob agreement: each engine's sampling log-probs against the fp32 actor's for the same
+  tokens (TRL's code), max and mean |difference|.
+
+Needs the vLLM environment (`grpo setup-vllm`); no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SYNC_METHODS = ("reload", "volume", "direct", "checkpoint")
+
+
+def build_model(folder: Path, hidden_size: int, layers: int) -> int:
+    from workers.data.tiny_model import build_model as build, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build(tokenizer, hidden_size=hidden_size, layers=layers, seed=1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def prompts(count: int) -> list[str]:
+    from workers.data.loaders import load_task
+
+    return list(load_task("last_digit").train.select(range(count))["prompt"])
+
+
+def timed_generation(engine: Any, batch: list[str], params: Any, repeats: int) -> dict[str, float]:
+    engine.generate(batch, params, 32)  # warm-up: lazy initialisation is not steady-state speed
+    seconds, tokens = [], 0
+    for i in range(repeats):
+        started = time.perf_counter()
+        result = engine.generate(batch, replace(params, seed=params.seed + i), 32)
+        seconds.append(time.perf_counter() - started)
+        tokens = sum(len(ids) for ids in result.completion_token_ids)
+    median = statistics.median(seconds)
+    return {"generate_s": median, "tokens": tokens, "tokens_per_s": tokens / median}
+
+
+def agreement(engine: Any, actor: Any, batch: list[str], params: Any) -> dict[str, float]:
+    import pyarrow as pa
+    import torch
+
+    from workers.actor.actor import loss_inputs
+    from workers.actor.trl_objective import per_token_logprobs
+
+    result = engine.generate(batch, params, 32)
+    n = params.n
+    table = pa.table(
+        {
+            "prompt_token_ids": [ids for ids in result.prompt_token_ids for _ in range(n)],
+            "completion_token_ids": result.completion_token_ids,
+            "sampling_logprobs": result.sampling_logprobs,
+            "advantage": [0.0] * len(result.completion_token_ids),
+        }
+    )
+    inputs = loss_inputs(table, actor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logps = per_token_logprobs(actor.objective, actor.model, inputs)
+    diffs = [
+        abs(a - b)
+        for i, row in enumerate(result.sampling_logprobs)
+        for a, b in zip(row, logps[i, : len(row)].tolist(), strict=True)
+    ]
+    return {"max": max(diffs), "mean": sum(diffs) / len(diffs), "tokens": len(diffs)}
+
+
+def sync_seconds(engine: Any, actor: Any, method: str | None, run_dir: Path) -> float:
+    """Median of three: the actor's export and the engine's load (method None: a state dict in memory)."""
+    from workers.backends.weight_sync import apply_weights, export_weights
+
+    seconds = []
+    for _ in range(3):
+        actor.policy_version += 1  # a new version each time (the volume/checkpoint folders are per version)
+        started = time.perf_counter()
+        if method is None:
+            engine.load_state_dict(actor.policy_state_dict(), actor.policy_version)
+        else:
+            apply_weights(engine, export_weights(method, actor, run_dir))
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def all_syncs(engine: Any, actor: Any, run_dir: Path) -> dict[str, float]:
+    seconds = {method: sync_seconds(engine, actor, method, run_dir) for method in SYNC_METHODS}
+    seconds["in memory"] = sync_seconds(engine, actor, None, run_dir)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden-size", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", type=lambda text: text.split(","), default=["float32", "bfloat16"])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not 1 <= args.max_tokens <= 32:
+        parser.error("--max-tokens: 1 to 32 (the model holds 64 positions; prompts take up to 32)")
+    if not set(args.dtypes) <= {"float32", "bfloat16"}:
+        parser.error(f"--dtypes: float32 and/or bfloat16, comma-separated; got {','.join(args.dtypes)}")
+
+    from schemas.config import GRPOFlowConfig
+    from workers.actor.actor import Actor
+    from workers.backends.vllm_env import vllm_python
+    from workers.rollout.base import SamplingParams
+    from workers.rollout.channel import EngineProcessError
+    from workers.rollout.transformers_engine import TransformersRolloutEngine
+    from workers.rollout.vllm_engine import VLLMOptions
+    from workers.rollout.vllm_process import VLLMProcessEngine
+
+    python = vllm_python()
+    if not os.path.isfile(python):
+        parser.error(f"no vLLM environment at {python}: run `grpo setup-vllm` first")
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="grpo-flow-engines-") as tmp:
+        folder = Path(tmp) / "model"
+        params_count = build_model(folder, args.hidden_size, args.layers)
+        batch = prompts(args.prompts)
+        params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=0)
+        config = GRPOFlowConfig(run_id="engines", storage_root=tmp, model=str(folder), max_prompt_length=32)
+        actor = Actor(config, folder)
+        actor.load()
+
+        started = time.perf_counter()
+        engine: Any = TransformersRolloutEngine(folder)
+        engine.load()
+        row: dict[str, Any] = {"start_s": time.perf_counter() - started}
+        row.update(timed_generation(engine, batch, params, args.repeats))
+        row["logprobs_vs_actor"] = agreement(engine, actor, batch, params)
+        row["sync_s"] = all_syncs(engine, actor, Path(tmp) / "run")
+        results["transformers (fp32)"] = row
+
+        for dtype in args.dtypes:
+            started = time.perf_counter()
+            engine = VLLMProcessEngine(
+                folder,
+                # max_model_len from the model's config: the builder's max_position_embeddings (64)
+                options=VLLMOptions(dtype=dtype),
+                python=python,
+                log_path=Path(tmp) / f"vllm-{dtype}.log",
+            )
+            try:
+                engine.load()
+                row = {"start_s": time.perf_counter() - started}
+                row.update(timed_generation(engine, batch, params, args.repeats))
+                row["logprobs_vs_actor"] = agreement(engine, actor, batch, params)
+                if dtype == "float32":
+                    row["sync_s"] = all_syncs(engine, actor, Path(tmp) / "run")
+            except EngineProcessError as error:  # reported in its row; the other engines are still measured
+                row = {"error": str(error).splitlines()[0]}
+            finally:
+                engine.close()
+            results[f"vLLM ({dtype})"] = row
+    report(results, params_count, args)
+    out = {"parameters": params_count, "args": vars(args) | {"json": None}, "engines": results}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def report(results: dict[str, Any], params_count: int, args: argparse.Namespace) -> None:
+    print(
+        f"\nQwen2 {params_count / 1e6:.1f}M parameters (hidden {args.hidden_size}, {args.layers} layers), CPU; "
+        f"{args.prompts} prompts x n={args.n}, at most {args.max_tokens} new tokens, temperature 1\n"
+    )
+    print(f"{'engine':<22}{'start s':>9}{'generate s':>12}{'tokens/s':>11}{'logp diff max':>15}{'mean':>10}")
+    for name, row in results.items():
+        if "error" in row:
+            print(f"{name:<22}failed: {row['error']}")
+            continue
+        agree = row["logprobs_vs_actor"]
+        print(
+            f"{name:<22}{row['start_s']:>9.2f}{row['generate_s']:>12.3f}{row['tokens_per_s']:>11.0f}"
+            f"{agree['max']:>15.2e}{agree['mean']:>10.1e}"
+        )
+    base = results["transformers (fp32)"]
+    for name, row in results.items():
+        if name != "transformers (fp32)" and "error" not in row:
+            print(
+                f"{name} / transformers: tokens/s x{row['tokens_per_s'] / base['tokens_per_s']:.2f}, "
+                f"start x{row['start_s'] / base['start_s']:.1f}"
+            )
+    vllm_rows = [name for name, row in results.items() if "sync_s" in row and name != "transformers (fp32)"]
+    print("\nweight sync, median seconds (actor export + engine load):")
+    print(f"  {'method':<14}{'transformers':>14}" + "".join(f"{name:>16}{'ratio':>8}" for name in vllm_rows))
+    for method, seconds in base["sync_s"].items():
+        line = f"  {method:<14}{seconds:>14.3f}"
+        for name in vllm_rows:
+            theirs = results[name]["sync_s"][method]
+            line += f"{theirs:>16.3f}{theirs / seconds:>8.1f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
