@@ -19,6 +19,12 @@ surface as `workers.backends.local.LocalWorkers`:
 
 Reward functions are the real ones: scoring is part of the DAG (and `last_digit` is cheap).
 No model is loaded: the config's `model` can be any folder, `instant_model_dir()` makes one.
+
+`instant_workers(ray=True)` puts the same instant workers in Ray actors instead: the Ray backend's
+`RayWorkers` with `InstantActorWorker` / `InstantRolloutWorker` (workers/backends/ray_app.py's
+wrappers around the instant classes), so every call crosses Ray as a real run's does, the weights
+(`checkpoint_bytes` of them) included. What a step costs then, less the local instant step, is
+what Ray adds.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from schemas.config import GRPOFlowConfig
+from workers.backends.ray_app import ActorWorker, RolloutWorker
 from workers.rollout.base import GenerationResult, SamplingParams
 from workers.state.storage import RunStorage
 from workers.state.resume import replay_actor_to
@@ -52,6 +59,9 @@ class InstantRolloutEngine:
         self.policy_version = 0
         self.model: Any = object()  # "loaded"
         self.tokenizer = InstantTokenizer()
+
+    def load_state_dict(self, weights: Any, version: int, adapter_config: Any = None) -> None:
+        self.policy_version = version
 
     def generate(
         self, prompts: list[Any], params: SamplingParams, max_prompt_length: int | None = None
@@ -110,6 +120,11 @@ class InstantActor:
         }
         self._last_step = (self.policy_version, metrics)
         return metrics
+
+    def published_weights(self) -> dict[str, Any]:
+        import torch
+
+        return {"weight": torch.zeros(self.checkpoint_bytes // 4)}  # float32: checkpoint_bytes in all
 
     def save_checkpoint(self, folder: Path) -> dict[str, Any]:
         (folder / "model").mkdir(parents=True, exist_ok=True)
@@ -170,24 +185,58 @@ class InstantWorkers:
         return engine
 
 
+CHECKPOINT_BYTES = 16384
+
+
+class InstantActorWorker(ActorWorker):
+    """workers/backends/ray_app.py's actor wrapper around an instant actor."""
+
+    def __init__(self, config_json: str, model_path: str, device: str = "cpu") -> None:
+        self.actor = InstantActor(GRPOFlowConfig.model_validate_json(config_json), CHECKPOINT_BYTES)  # type: ignore[assignment]
+
+
+class InstantRolloutWorker(RolloutWorker):
+    """workers/backends/ray_app.py's rollout wrapper around an instant engine."""
+
+    def __init__(self, model_path: str, worker_index: int, device: str = "cpu") -> None:
+        self.engine = InstantRolloutEngine(f"rollout-{worker_index}")
+
+    def initial(self) -> int:
+        self.engine.policy_version = 0
+        return 0
+
+
 _LOCK = threading.Lock()
-_WORKERS: dict[str, InstantWorkers] = {}
+_WORKERS: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
-def instant_workers(checkpoint_bytes: int = 16384) -> Iterator[dict[str, InstantWorkers]]:
-    """Inside the block, every run's workers are instant ones (whatever `config.backend` says)."""
+def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False) -> Iterator[dict[str, Any]]:
+    """Inside the block, every run's workers are instant ones (whatever `config.backend` says); with
+    `ray`, in Ray actors of the run's Ray cluster (`config.ray_address`, RAY_ADDRESS or a local instance)."""
     from workers import backends
 
-    def run_workers(config: GRPOFlowConfig, model_path: Any) -> InstantWorkers:
+    if ray and checkpoint_bytes != CHECKPOINT_BYTES:
+        raise ValueError(f"instant Ray workers publish {CHECKPOINT_BYTES} bytes of weights")
+
+    def run_workers(config: GRPOFlowConfig, model_path: Any) -> Any:
         with _LOCK:
             if config.run_id not in _WORKERS:
-                _WORKERS[config.run_id] = InstantWorkers(config, checkpoint_bytes)
+                if ray:
+                    from workers.backends.ray_backend import RayWorkers
+
+                    _WORKERS[config.run_id] = RayWorkers(
+                        config, model_path, worker_classes=(InstantActorWorker, InstantRolloutWorker)
+                    )
+                else:
+                    _WORKERS[config.run_id] = InstantWorkers(config, checkpoint_bytes)
             return _WORKERS[config.run_id]
 
     def release(config: GRPOFlowConfig, run_id: str) -> None:
         with _LOCK:
-            _WORKERS.pop(run_id, None)
+            workers = _WORKERS.pop(run_id, None)
+        if workers is not None and hasattr(workers, "close"):
+            workers.close()
 
     saved = backends.run_workers, backends.release
     backends.run_workers, backends.release = run_workers, release
@@ -195,6 +244,14 @@ def instant_workers(checkpoint_bytes: int = 16384) -> Iterator[dict[str, Instant
         yield _WORKERS
     finally:
         backends.run_workers, backends.release = saved
+        # Workers a run left behind (the direct steps are not released by a flow's end): Ray ones hold
+        # their placement group's CPUs until closed, and the next run on the cluster would wait for them.
+        with _LOCK:
+            left = list(_WORKERS.values())
+            _WORKERS.clear()
+        for workers in left:
+            if hasattr(workers, "close"):
+                workers.close()
 
 
 def instant_model_dir(folder: Path) -> str:

@@ -2,7 +2,7 @@
 steps of the tiny preset, in one invocation.
 
     python -m benchmarks.orchestration [--steps 30] [--real-steps 5] [--database ephemeral|sqlite|postgres]
-                                       [--tiny-model DIR] [--json FILE]
+                                       [--tiny-model DIR] [--backend local|ray] [--json FILE]
 
 Instant side: the `grpo` flow, its `grpo-step` subflows and every task in them, on the tiny
 preset's config (32 prompts x 8 generations, 2 rollout shards, completions of 2 tokens, a
@@ -35,6 +35,18 @@ the API requests per step and their latency. Importing `flows` sets the server's
 recorder to write up to 100 events per transaction (flows/__init__.py); `--unbatched-recorder`
 starts the ephemeral server with Prefect's defaults instead (one event per transaction), to show
 what that setting buys.
+
+`--backend ray` also runs the instant steps (in the flow, then directly without Prefect) and the
+real steps with the workers as Ray actors (the Ray backend, on the cluster RAY_ADDRESS names, else
+a local Ray instance started here on the loopback address; the actor gets 1 CPU, each engine half
+of one), and prints what Ray adds per step against the local backend in this same invocation:
+`ray_adds_no_prefect_ms_per_step` (the step's task bodies without Prefect: Ray's calls, the
+prompts and completions through its serialization, the weights through its object store),
+`ray_adds_ms_per_step` (the same in the flow), `ray_real_adds_ms_per_step` (real tiny steps, where
+the engines and the actor also compute on the CPUs their placement gives them instead of this
+process's threads), their ratios, and the Ray instant step's timed worker calls
+(`ray_instant_stage_ms`: `time/actor_s` and `time/sync_s` as the step logs them, measured around
+Ray's round trips; `time/generate_s` is the engine's own).
 
 `--profile N` also runs the instant side under cProfile (main thread only; mapped tasks run
 on Prefect's worker threads) and prints the N functions with the most cumulative time.
@@ -75,10 +87,17 @@ WORK_COLUMNS = ("time/generate_s", "time/score_s", "time/actor_s", "time/sync_s"
 TASKS_PER_STEP = 9  # sample, 2 x generate, 2 x score, log-rollouts, actor, sync, log-metrics
 
 
-def tiny_config(model: str, storage_root: str, run_id: str, steps: int) -> Any:
+# The Ray runs' placement on a 2-CPU machine: the actor one CPU, each of the two engines half of one.
+RAY_FIELDS = {"backend": "ray", "actor_cpus": 1.0, "rollout_cpus": 0.5}
+
+
+def tiny_config(model: str, storage_root: str, run_id: str, steps: int, ray: bool = False) -> Any:
     from schemas.presets import preset_config
 
-    return preset_config("tiny", model=model, storage_root=storage_root, run_id=run_id, max_steps=steps, eval_prompts=0)
+    fields = RAY_FIELDS if ray else {}
+    return preset_config(
+        "tiny", model=model, storage_root=storage_root, run_id=run_id, max_steps=steps, eval_prompts=0, **fields
+    )
 
 
 def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
@@ -95,6 +114,7 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
         raise RuntimeError(f"run {config.run_id} did not complete: {summary.get('error')}")
     metrics = RunStorage(config.storage_root, config.run_id).read_metrics().to_pylist()
     in_subflow = {row["step"]: row["step_s"] for row in metrics}
+    stages = {k: statistics.median(row.get(k) or 0.0 for row in metrics[1:] or metrics) for k in WORK_COLUMNS}
     per_step, subflow = clock.intervals(), clock.subflow_seconds()
     # The workers' own time in a step, as the step logs it; the rest is orchestration and logging.
     work = {row["step"]: sum(row.get(k) or 0.0 for k in WORK_COLUMNS) for row in metrics}
@@ -106,7 +126,12 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
 
         release(config, config.run_id)
         more = config.model_copy(update={"max_steps": config.max_steps + direct_steps})
-        direct = run_steps_directly(more, clock.plan, config.max_steps + 1, more.max_steps)
+        try:
+            direct = run_steps_directly(more, clock.plan, config.max_steps + 1, more.max_steps)
+        finally:
+            # No flow ends these steps: release their workers here (Ray ones hold the placement group's
+            # CPUs, and the next Ray run would wait for them until its placement timeout).
+            release(more, more.run_id)
     return {
         "steps": config.max_steps,
         "wall_s": wall,
@@ -119,6 +144,7 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
         "median_rest_s": median_of(rest, steady),
         "median_subflow_call_s": median_of(subflow, steady),
         "per_step_s": [per_step[s] for s in sorted(per_step)],
+        "median_stage_s": stages,
         "max_step_s": max(per_step[s] for s in steady),
         "steps_over_3x_median": sum(per_step[s] > 3 * median_of(per_step, steady) for s in steady),
         "steady_steps": len(steady),
@@ -126,13 +152,16 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
     }
 
 
-def run_instant(workdir: Path, steps: int, profile: int, step_subflows: bool = True) -> dict[str, Any]:
+def run_instant(
+    workdir: Path, steps: int, profile: int, step_subflows: bool = True, ray: bool = False
+) -> dict[str, Any]:
     from benchmarks.instant_workers import instant_model_dir, instant_workers
 
-    run_id = "instant" if step_subflows else "instant-no-subflows"
-    config = tiny_config(instant_model_dir(workdir / "instant-model"), str(workdir / "storage"), run_id, steps)
+    run_id = ("instant" if step_subflows else "instant-no-subflows") + ("-ray" if ray else "")
+    model = instant_model_dir(workdir / "instant-model")
+    config = tiny_config(model, str(workdir / "storage"), run_id, steps, ray=ray)
     config = config.model_copy(update={"step_subflows": step_subflows})
-    with instant_workers():
+    with instant_workers(ray=ray):
         if not step_subflows:
             return run_flow_timed(config)
         if not profile:
@@ -169,12 +198,12 @@ def server(database: str, workdir: Path) -> Iterator[None]:
             os.environ.pop("PREFECT_API_URL", None)
 
 
-def run_real(workdir: Path, steps: int, model: str | None) -> dict[str, Any]:
+def run_real(workdir: Path, steps: int, model: str | None, ray: bool = False) -> dict[str, Any]:
     from workers.backends import release
 
     if model is None:
         model = build_tiny_architecture(workdir / "tiny-architecture")
-    config = tiny_config(model, str(workdir / "storage"), "real", steps)
+    config = tiny_config(model, str(workdir / "storage"), "real-ray" if ray else "real", steps, ray=ray)
     try:
         return {**run_flow_timed(config), "model": model}
     finally:
@@ -333,6 +362,34 @@ def print_report(instant: dict, flat: dict, real: dict, floor: dict, result: dic
         f"{'met' if instant['median_step_s'] * ms <= empty + 100 else 'NOT met'}; "
         f"subflows off <= 100 ms: {'met' if flat['median_step_s'] * ms <= 100 else 'NOT met'}"
     )
+    if "ray_adds_ms_per_step" in result:
+        ray_instant, ray_real = result["ray_instant"], result["ray_real"]
+        print("\nThe Ray backend: the same steps with the workers as Ray actors, in this invocation (ms, median)")
+        ray_rows = [
+            ("instant workers, local backend: per step", instant["median_step_s"] * ms, ""),
+            ("instant workers as Ray actors: per step", ray_instant["median_step_s"] * ms, "ray_instant_ms_per_step"),
+            ("  Ray adds per step", result["ray_adds_ms_per_step"], "ray_adds_ms_per_step"),
+            ("same tasks without Prefect, local backend: per step", instant["median_direct_step_s"] * ms, ""),
+            (
+                "same tasks without Prefect, Ray actors: per step",
+                ray_instant["median_direct_step_s"] * ms,
+                "ray_no_prefect_ms_per_step",
+            ),
+            ("  Ray adds per step", result["ray_adds_no_prefect_ms_per_step"], "ray_adds_no_prefect_ms_per_step"),
+        ]
+        for stage, seconds in ray_instant["median_stage_s"].items():
+            ray_rows.append((f"  {stage} (instant, through Ray)", seconds * ms, ""))
+        ray_rows += [
+            ("real tiny preset, local backend: per step", real["median_step_s"] * ms, ""),
+            ("real tiny preset on Ray actors: per step", ray_real["median_step_s"] * ms, "ray_real_step_ms"),
+            ("  Ray adds per real step", result["ray_real_adds_ms_per_step"], "ray_real_adds_ms_per_step"),
+        ]
+        for name, value, key in ray_rows:
+            print(f"{name:<52}{value:>12.1f}" + (f"   [{key}]" if key else ""))
+        print(
+            f"ratio, Ray to local: instant steps {result['ray_instant_ratio']:.2f}x, without Prefect "
+            f"{result['ray_no_prefect_ratio']:.2f}x, real steps {result['ray_real_ratio']:.2f}x"
+        )
     print(
         f"\norchestration share of the tiny step: {100 * result['share_of_tiny_step']:.1f} %   "
         f"(targets: <= 50 ms per step: {'met' if result['orchestration_ms_per_step'] <= 50 else 'NOT met'}; "
@@ -366,12 +423,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "PostgreSQL (deployments/local_server.py, needs the postgres extra)",
     )
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile the instant run; print the top N")
+    parser.add_argument(
+        "--backend",
+        choices=["local", "ray"],
+        default="local",
+        help="ray: also run the instant and real steps on Ray actors (RAY_ADDRESS, else a local Ray instance) "
+        "and print what Ray adds per step against the local backend",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     for name in ("steps", "real_steps", "floor_steps"):
         if getattr(args, name) < 2:
             parser.error(f"--{name.replace('_', '-')} must be at least 2 (the first step is a warm-up)")
 
+    if args.backend == "ray" and not os.environ.get("RAY_ADDRESS"):
+        # The local Ray instance serves this process alone: its processes listen on the loopback address
+        # (Ray maps 127.0.0.1 to the machine's outward address unless this is 0; read when Ray is imported).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if args.unbatched_recorder:  # read by the ephemeral server when it starts (at the first flow run)
         os.environ.update(PREFECT_DEFAULT_RECORDER)
     model = args.tiny_model or default_tiny_model()
@@ -381,6 +449,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flat = run_instant(workdir, args.steps, 0, step_subflows=False)
         floor = run_prefect_floor(args.floor_steps, TASKS_PER_STEP)
         real = run_real(workdir, args.real_steps, model)
+        if args.backend == "ray":
+            ray_instant = run_instant(workdir, args.steps, 0, ray=True)
+            ray_real = run_real(workdir, args.real_steps, model, ray=True)
     walk = parameter_walk_ms()
     result = {
         "database": args.database,
@@ -411,6 +482,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "instant_no_subflows": flat,
         "real": real,
     }
+    if args.backend == "ray":
+        result.update(
+            ray_instant_ms_per_step=ray_instant["median_step_s"] * 1000,
+            ray_adds_ms_per_step=(ray_instant["median_step_s"] - instant["median_step_s"]) * 1000,
+            ray_instant_ratio=ray_instant["median_step_s"] / instant["median_step_s"],
+            ray_instant_stage_ms={k: v * 1000 for k, v in ray_instant["median_stage_s"].items()},
+            ray_no_prefect_ms_per_step=ray_instant["median_direct_step_s"] * 1000,
+            ray_adds_no_prefect_ms_per_step=(ray_instant["median_direct_step_s"] - instant["median_direct_step_s"])
+            * 1000,
+            ray_no_prefect_ratio=ray_instant["median_direct_step_s"] / instant["median_direct_step_s"],
+            ray_real_step_ms=ray_real["median_step_s"] * 1000,
+            ray_real_adds_ms_per_step=(ray_real["median_step_s"] - real["median_step_s"]) * 1000,
+            ray_real_ratio=ray_real["median_step_s"] / real["median_step_s"],
+            ray_instant=ray_instant,
+            ray_real=ray_real,
+        )
     print_report(instant, flat, real, floor, result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -4,6 +4,7 @@ refuses cleanly without CUDA. No timings are asserted: figures come from running
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -45,6 +46,31 @@ def test_instant_workers_run_the_real_flow_and_direct_steps_continue_it(prefect_
     flow_rows, direct_rows = storage.read_rollouts(2), storage.read_rollouts(3)
     assert flow_rows.schema == direct_rows.schema and flow_rows.num_rows == direct_rows.num_rows == 256
     assert storage.read_metrics().column("step").to_pylist() == [1, 2, 3, 4]
+
+
+def test_orchestration_ray_side_runs_flow_and_direct_steps_on_ray_actors(
+    prefect_server, tmp_path, ray_cluster, monkeypatch
+):
+    """What `benchmarks/orchestration.py --backend ray` times: the flow with instant workers in Ray actors,
+    continued without Prefect; both sides' workers are released, so the cluster's CPUs are free again for
+    the next run (a leftover placement group once kept the real Ray run waiting for its placement)."""
+    import ray
+
+    from benchmarks.orchestration import run_instant
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    result = run_instant(tmp_path, 2, 0, ray=True)
+    assert len(result["per_step_s"]) == 2 and result["median_direct_step_s"] > 0
+    assert set(result["median_stage_s"]) == {"time/generate_s", "time/score_s", "time/actor_s", "time/sync_s"}
+    storage = RunStorage(str(tmp_path / "storage"), "instant-ray")
+    rows = storage.read_metrics().to_pylist()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["synced_version"] for r in rows] == [1, 2, 3, 4] and all(r["sync/bytes"] == 16384 for r in rows)
+    assert not ray_cluster.named_actors("grpo-flow/instant-ray/")
+    deadline = time.monotonic() + 15
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) == 2  # no placement group left holding them
 
 
 def test_memory_rollouts_table_has_the_requested_shape():

@@ -322,7 +322,12 @@ class RayWorkers(LocalWorkers):
 
     actor: RayActor  # type: ignore[assignment]  # Actor's surface, over a Ray actor
 
-    def __init__(self, config: GRPOFlowConfig, model_path: str | Path) -> None:
+    def __init__(
+        self, config: GRPOFlowConfig, model_path: str | Path, worker_classes: tuple[type, type] | None = None
+    ) -> None:
+        """`worker_classes`: the (actor, rollout) classes to run as Ray actors, ray_app's by default
+        (benchmarks/instant_workers.py passes ones with the same methods that answer at once)."""
+        actor_cls, rollout_cls = worker_classes or (ActorWorker, RolloutWorker)
         self.ray = connect(config)
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -371,9 +376,9 @@ class RayWorkers(LocalWorkers):
             return remote.remote(*args, "cuda" if gpus else "cpu")
 
         try:
-            self.actor = RayActor(self, spawn(ActorWorker, 0, "actor", config_json, self.model_path), "actor")
+            self.actor = RayActor(self, spawn(actor_cls, 0, "actor", config_json, self.model_path), "actor")
             self.rollout: list[Any] = [
-                RayRollout(self, spawn(RolloutWorker, i + 1, f"rollout-{i}", self.model_path, i), f"rollout-{i}", i)
+                RayRollout(self, spawn(rollout_cls, i + 1, f"rollout-{i}", self.model_path, i), f"rollout-{i}", i)
                 for i in range(config.num_rollout_workers)
             ]
             self._check_started()
