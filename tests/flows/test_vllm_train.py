@@ -132,7 +132,7 @@ def test_a_killed_run_resumes_to_the_same_weights(unbroken, storage_root):
     resumed = cli(storage_root, "vllm-run-killed", "--resume")
     assert resumed.returncode == 0 and "resuming run" in resumed.stdout, resumed.stderr[-3000:]
     assert_same_weights(final_weights(storage, 5), final_weights(unbroken, 5))
-    assert orphaned_engines() == []  # the killed run's engines died with it (PR_SET_PDEATHSIG)
+    assert orphaned_engines() == []  # the killed run's engines died with it (their parent-watch thread)
 
 
 def test_the_flow_through_the_modal_wrappers_with_the_real_engine(prefect_server, storage_root, monkeypatch):

@@ -10,34 +10,41 @@ and what vLLM brings (torch, transformers, safetensors); nothing else of grpo-fl
 
 FD is this process's end of a socket pair; requests arrive as `channel` requests. The first
 is `create(model_path, worker_id, options)`; every later one is a `VLLMRolloutEngine` method.
-The process ends when the parent closes its end or dies: on Linux the kernel kills it with the
-parent (PR_SET_PDEATHSIG), and the serving loop ends on EOF anywhere.
+The process ends when the parent closes its end or dies: a watcher thread exits it within
+half a second of the parent's death (even mid-generate), and the serving loop ends on EOF.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
+import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 from workers.rollout import channel
 from workers.rollout.vllm_engine import VLLMOptions, VLLMRolloutEngine
 
-PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.5
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent exits (Linux); exit now if the parent is already gone."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # pragma: no cover - no prctl: EOF on the socket still ends us
-            pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    """Exit this process when its parent process is gone (it is then re-parented: getppid changes).
+
+    Not PR_SET_PDEATHSIG: the kernel sends that signal when the *thread* that started the child
+    exits, and the local backend starts engines from pool threads (the startup pool, Prefect's task
+    threads healing an engine), so engines were SIGKILLed moments after they started, at their first
+    generate or weight load."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
         os._exit(0)
+
+    if os.getppid() != parent_pid:  # the parent died before we got here
+        os._exit(0)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class EngineHost:
