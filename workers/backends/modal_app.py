@@ -265,6 +265,11 @@ class RolloutWorker:
         self._close_engine()
 
     @modal.method()
+    def shutdown(self) -> None:
+        """End the engine now: `.local()` instances get no container exit, so the run ends them so."""
+        self._close_engine()
+
+    @modal.method()
     def policy_version(self) -> int:
         return self.rollout_engine.policy_version
 

@@ -203,6 +203,7 @@ class RemoteRollout:
         self.index = index
         self.worker_id = f"rollout-{index}"
         self.policy_version = 0
+        self.started = False  # its engine was started (load), so a `.local()` run must end it
         self._tokenizer: Any = None
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -220,7 +221,14 @@ class RemoteRollout:
 
     def load(self) -> int:
         self.policy_version = self._call("policy_version")
+        self.started = True
         return self.policy_version
+
+    def close(self) -> None:
+        """End a `.local()` worker's engine (a remote one ends with its container)."""
+        if self._workers.mode == "local" and self.started:
+            self._call("shutdown")
+            self.started = False
 
     def generate(
         self, prompts: Sequence[Any], params: SamplingParams, max_prompt_length: int | None = None
@@ -416,8 +424,13 @@ class ModalWorkers:
         return self.meter.metrics()
 
     def close(self) -> None:
-        """Stop the app (remote mode); the Volume keeps everything written."""
-        self._exit.close()
+        """End `.local()` engines (their processes are this process's children), stop the app (remote
+        mode); the Volume keeps everything written."""
+        try:
+            for engine in getattr(self, "rollout", []):
+                engine.close()
+        finally:
+            self._exit.close()
 
     def __enter__(self) -> ModalWorkers:
         return self
