@@ -32,11 +32,11 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
 from schemas.config import GRPOFlowConfig
+from workers.backends.registry import RunWorkers
 from workers.backends.ray_app import ActorWorker, RolloutWorker
 from workers.rollout.base import GenerationResult, SamplingParams
 from workers.state.storage import RunStorage
@@ -206,12 +206,11 @@ class InstantRolloutWorker(RolloutWorker):
         return 0
 
 
-_LOCK = threading.Lock()
-_WORKERS: dict[str, Any] = {}
+_WORKERS: RunWorkers[Any] = RunWorkers()
 
 
 @contextlib.contextmanager
-def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False) -> Iterator[dict[str, Any]]:
+def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False) -> Iterator[RunWorkers[Any]]:
     """Inside the block, every run's workers are instant ones (whatever `config.backend` says); with
     `ray`, in Ray actors of the run's Ray cluster (`config.ray_address`, RAY_ADDRESS or a local instance)."""
     from workers import backends
@@ -220,23 +219,17 @@ def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False)
         raise ValueError(f"instant Ray workers publish {CHECKPOINT_BYTES} bytes of weights")
 
     def run_workers(config: GRPOFlowConfig, model_path: Any) -> Any:
-        with _LOCK:
-            if config.run_id not in _WORKERS:
-                if ray:
-                    from workers.backends.ray_backend import RayWorkers
+        def build() -> Any:
+            if ray:
+                from workers.backends.ray_backend import RayWorkers
 
-                    _WORKERS[config.run_id] = RayWorkers(
-                        config, model_path, worker_classes=(InstantActorWorker, InstantRolloutWorker)
-                    )
-                else:
-                    _WORKERS[config.run_id] = InstantWorkers(config, checkpoint_bytes)
-            return _WORKERS[config.run_id]
+                return RayWorkers(config, model_path, worker_classes=(InstantActorWorker, InstantRolloutWorker))
+            return InstantWorkers(config, checkpoint_bytes)
+
+        return _WORKERS.get(config.run_id, build)
 
     def release(config: GRPOFlowConfig, run_id: str) -> None:
-        with _LOCK:
-            workers = _WORKERS.pop(run_id, None)
-        if workers is not None and hasattr(workers, "close"):
-            workers.close()
+        _WORKERS.release(run_id)
 
     saved = backends.run_workers, backends.release
     backends.run_workers, backends.release = run_workers, release
@@ -246,12 +239,7 @@ def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False)
         backends.run_workers, backends.release = saved
         # Workers a run left behind (the direct steps are not released by a flow's end): Ray ones hold
         # their placement group's CPUs until closed, and the next run on the cluster would wait for them.
-        with _LOCK:
-            left = list(_WORKERS.values())
-            _WORKERS.clear()
-        for workers in left:
-            if hasattr(workers, "close"):
-                workers.close()
+        _WORKERS.release_all()
 
 
 def instant_model_dir(folder: Path) -> str:

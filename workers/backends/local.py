@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from schemas.config import GRPOFlowConfig
+from workers.backends.registry import RunWorkers
 from workers.actor import trl_objective
 from workers.actor.actor import Actor
 from workers.backends import vllm_env, weight_sync
@@ -39,8 +40,7 @@ from workers.state.storage import RunStorage
 ROLLOUT_WEIGHTS = "rollout_model.safetensors"  # in a checkpoint, when the rollout workers lag the actor
 logger = logging.getLogger("grpo_flow.workers")
 
-_LOCK = threading.Lock()
-_WORKERS: dict[str, LocalWorkers] = {}
+_WORKERS: RunWorkers[LocalWorkers] = RunWorkers()
 
 
 class LocalWorkers:
@@ -218,22 +218,17 @@ class LocalWorkers:
 def local_workers(config: GRPOFlowConfig, model_path: str | Path) -> LocalWorkers:
     """The run's workers, created on first use."""
     assert config.run_id is not None
-    with _LOCK:
-        if config.run_id not in _WORKERS:
-            _WORKERS[config.run_id] = LocalWorkers(config, model_path)
-        return _WORKERS[config.run_id]
+    return _WORKERS.get(config.run_id, lambda: LocalWorkers(config, model_path))
 
 
 def kill(run_id: str) -> None:
     """End the run's engine processes now, without waiting for a call under way (the process is about
     to exit at once: a second Ctrl-C). In-process workers go with the process."""
-    for engine in _WORKERS[run_id].rollout if run_id in _WORKERS else []:
+    workers = _WORKERS.peek(run_id)
+    for engine in workers.rollout if workers is not None else []:
         if isinstance(engine, ProcessRolloutEngine):
             engine.kill()
 
 
 def release(run_id: str) -> None:
-    with _LOCK:
-        workers = _WORKERS.pop(run_id, None)
-    if workers is not None:
-        workers.close()
+    _WORKERS.release(run_id)

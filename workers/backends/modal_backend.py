@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 import modal
 
 from schemas.config import GRPOFlowConfig
+from workers.backends.registry import RunWorkers
 from workers.backends.modal_app import (
     APP_NAME,
     SANDBOX_TIMEOUT_S,
@@ -439,8 +440,7 @@ class ModalWorkers:
         self.close()
 
 
-_LOCK = threading.Lock()
-_WORKERS: dict[str, ModalWorkers] = {}
+_WORKERS: RunWorkers[ModalWorkers] = RunWorkers()
 
 
 def open_volume(name: str) -> Any:
@@ -491,17 +491,11 @@ def checkpoint_model_dir(checkpoint_dir: Path, cache_root: Path) -> Path:
 def modal_workers(config: GRPOFlowConfig, model_path: str | Path, **kwargs: Any) -> ModalWorkers:
     """The run's Modal workers, started on first use (as `workers.backends.local.local_workers`)."""
     assert config.run_id is not None
-    with _LOCK:
-        if config.run_id not in _WORKERS:
-            _WORKERS[config.run_id] = ModalWorkers(config, model_path, **kwargs)
-        return _WORKERS[config.run_id]
+    return _WORKERS.get(config.run_id, lambda: ModalWorkers(config, model_path, **kwargs))
 
 
 def release(run_id: str) -> None:
-    with _LOCK:
-        workers = _WORKERS.pop(run_id, None)
-    if workers is not None:
-        workers.close()
+    _WORKERS.release(run_id)
 
 
 # -- reward code in a Modal Sandbox -----------------------------------------------------------------------

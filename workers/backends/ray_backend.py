@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from schemas.config import GRPOFlowConfig
+from workers.backends.registry import RunWorkers
 from workers.actor import trl_objective
 from workers.actor.actor import StaleActorError
 from workers.backends.local import ROLLOUT_WEIGHTS, LocalWorkers
@@ -527,24 +528,17 @@ class RayWorkers(LocalWorkers):
                 self._remove_placement_group(self.placement_group)
 
 
-_LOCK = threading.Lock()
-_WORKERS: dict[str, RayWorkers] = {}
+_WORKERS: RunWorkers[RayWorkers] = RunWorkers()
 
 
 def ray_workers(config: GRPOFlowConfig, model_path: str | Path) -> RayWorkers:
     """The run's Ray workers, started on first use (as `workers.backends.local.local_workers`)."""
     assert config.run_id is not None
-    with _LOCK:
-        if config.run_id not in _WORKERS:
-            _WORKERS[config.run_id] = RayWorkers(config, model_path)
-        return _WORKERS[config.run_id]
+    return _WORKERS.get(config.run_id, lambda: RayWorkers(config, model_path))
 
 
 def release(run_id: str) -> None:
-    with _LOCK:
-        workers = _WORKERS.pop(run_id, None)
-    if workers is not None:
-        workers.close()
+    _WORKERS.release(run_id)
 
 
 __all__ = ["ROLLOUT_WEIGHTS", "RayNotReadyError", "RayWorkers", "check_ray_ready", "ray_workers", "release"]
