@@ -198,7 +198,7 @@ class InstantActorWorker(ActorWorker):
 class InstantRolloutWorker(RolloutWorker):
     """workers/backends/ray_app.py's rollout wrapper around an instant engine."""
 
-    def __init__(self, model_path: str, worker_index: int, device: str = "cpu") -> None:
+    def __init__(self, config_json: str, model_path: str, worker_index: int, device: str = "cpu") -> None:
         self.engine = InstantRolloutEngine(f"rollout-{worker_index}")
 
     def initial(self) -> int:

@@ -275,7 +275,8 @@ class GRPOFlowConfig(BaseModel):
         default=None,
         description="Where vLLM engines run, TRL's names: `colocate` (on the actor's device, sleeping during the "
         "actor step where the platform supports it) or `server` (each of num_rollout_workers engines on a device of "
-        "its own). None: colocate on the local backend, server on Modal (each engine has its own container).",
+        "its own). None: colocate on the local backend, server on Modal and Ray (each engine has its own container or "
+        "Ray actor).",
     )
     vllm_gpu_memory_utilization: float | None = Field(
         default=None,
@@ -465,10 +466,10 @@ class GRPOFlowConfig(BaseModel):
                 "vllm_mode 'colocate' needs the local backend: on Modal each rollout engine has a container of its "
                 "own (vllm_mode 'server')"
             )
-        if self.backend == "ray" and self.rollout_engine == "vllm":
-            # Not built yet: the Ray backend's engines are the transformers engine (README, Ray backend).
+        if self.backend == "ray" and self.vllm_mode == "colocate" and self.rollout_engine == "vllm":
             raise ValueError(
-                "rollout_engine 'vllm' is not available on backend 'ray' yet; use rollout_engine 'transformers'"
+                "vllm_mode 'colocate' needs the local backend: on Ray each rollout engine is a Ray actor of its own "
+                "(vllm_mode 'server'), on the GPUs rollout_gpus gives it"
             )
         if self.rollout_engine == "vllm" and self.use_lora and (self.lora_r or 16) > VLLM_LORA_RANKS[-1]:
             raise ValueError(
@@ -486,8 +487,8 @@ class GRPOFlowConfig(BaseModel):
 
     @property
     def resolved_vllm_mode(self) -> VLLMMode:
-        """vllm_mode, or its default for the backend: colocate locally, server on Modal."""
-        return self.vllm_mode or ("server" if self.backend == "modal" else "colocate")
+        """vllm_mode, or its default for the backend: colocate locally, server on Modal and Ray."""
+        return self.vllm_mode or ("server" if self.backend in ("modal", "ray") else "colocate")
 
     @property
     def vllm_max_lora_rank(self) -> int:

@@ -3,7 +3,9 @@ tests/conftest.py: `ray start --head` on the loopback address, 2 CPUs, stopped a
 
 The tiny preset's run on Ray is the reference: it must learn, and a run whose rollout engine and
 then actor are killed with SIGKILL mid-run, and a run killed whole and resumed, must both end
-with its final weights, bit for bit.
+with its final weights, bit for bit. With rollout_engine='vllm' (an engine process of the vLLM
+environment per rollout actor) a short run whose engine process and then rollout actor are killed
+ends with the weights of the same run unbroken, and leaves no engine process behind.
 """
 
 import os
@@ -102,6 +104,105 @@ def test_an_engine_and_then_the_actor_killed_mid_run_heal_and_the_run_ends_with_
     assert ours.equals(unbroken[1].read_rollouts(columns=["step", "completion", "advantage"]))
 
 
+# -- vLLM engines on Ray actors -------------------------------------------------------------------------------
+VLLM_RUN = dict(
+    rollout_engine="vllm",
+    num_rollout_workers=1,
+    rollout_cpus=1.0,
+    prompts_per_step=8,
+    num_generations=4,
+    max_steps=5,
+    save_steps=2,
+    eval_prompts=0,
+)
+
+
+def vllm_engines(cluster) -> list[int]:
+    """Live vLLM engine processes (`-m workers.rollout.vllm_server`) of the test cluster: they inherit its
+    marker from the Ray worker that started them, so other sessions' engines on this machine are not counted."""
+    found = []
+    for pid in cluster.processes():
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"workers.rollout.vllm_server" in cmdline:
+            found.append(pid)
+    return found
+
+
+def gone(pid: int, wait_s: float = 10.0) -> bool:
+    """The process ended within `wait_s` (an engine's parent watch polls every 0.5 s)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        if state == "Z":  # ended, not reaped yet by whoever adopted it
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_vllm_engines_on_ray_actors_generate_and_heal_when_the_engine_or_its_actor_is_killed(
+    prefect_server, ray_cluster, storage_root, monkeypatch
+):
+    """rollout_engine='vllm' on the Ray backend: the rollout actor's engine is a vLLM engine process of the
+    vLLM environment. SIGKILL that engine process while it generates step 2 (the actor sees its engine die,
+    the backend starts another and loads the published weights), then the rollout actor's own process while
+    it generates step 4 (Ray restarts it; the engine process it started ends itself): the run completes,
+    with the same final weights as an unbroken run of the same seed, and no engine process outlives it.
+    The unbroken run syncs through Ray's object store (`reload`), the killed one through versioned files on
+    the storage root (`volume`): both reach the vLLM engine, with the same weights."""
+    from workers.backends import ray_backend, vllm_env
+
+    if not os.path.isfile(vllm_env.vllm_python()):
+        pytest.fail(f"no vLLM environment at {vllm_env.vllm_python()}: run `grpo setup-vllm` first (.ci/run does)")
+    unbroken = grpo(ray_config(ray_cluster, storage_root, "ray-vllm-unbroken", **VLLM_RUN))
+    assert unbroken["status"] == "completed"
+
+    calls: Counter = Counter()
+    answers: list[dict] = []
+    killed: list[int] = []
+    original = ray_backend.RayHandle.call
+
+    def call(self, method, *args):
+        calls[(self.name, method)] += 1
+        kill = {2: "engine_pid", 4: "pid"}.get(calls[(self.name, method)]) if method == "generate" else None
+        if kill is None:
+            return original(self, method, *args)
+        answers.append(self.ready())  # the worker's own answer: its process, its engine's process
+        ref = getattr(self.handle, method).remote(*args)
+        os.kill(answers[-1][kill], signal.SIGKILL)  # while the call is in flight
+        killed.append(answers[-1][kill])
+        return self.get(ref)
+
+    monkeypatch.setattr(ray_backend.RayHandle, "call", call)
+    summary = grpo(ray_config(ray_cluster, storage_root, "ray-vllm-killed", weight_sync_method="volume", **VLLM_RUN))
+
+    assert summary["status"] == "completed" and summary["steps_completed"] == 5
+    # The rollouts came from vLLM engines in processes of their own, a new one after each kill.
+    assert [a["engine"] for a in answers] == ["VLLMProcessEngine"] * 2
+    engine_pids = [a["engine_pid"] for a in answers]
+    assert None not in engine_pids and engine_pids[0] != engine_pids[1]
+    storage = RunStorage(storage_root, "ray-vllm-killed")
+    log = (storage.run_dir / "logs" / "rollout-0.log").read_text()
+    assert log.count("Initializing a V1 LLM engine") == 3  # the first engine, one after each kill
+    assert calls[("rollout-0", "load_weights")] >= 2  # each new engine took the published weights
+    assert storage.logged_steps() == list(range(1, 6))
+    unbroken_storage = RunStorage(storage_root, "ray-vllm-unbroken")
+    assert not (unbroken_storage.run_dir / "weights").exists()  # reload: the object store, no files
+    assert sorted(p.name for p in (storage.run_dir / "weights").glob("v*")) == [f"v{v:06d}" for v in range(1, 6)]
+    assert_same_weights(final_weights(storage, 5), final_weights(unbroken_storage, 5))
+    # Neither the killed engine, nor the one whose actor process was killed, nor the run's last one lives on.
+    assert all(gone(pid) for pid in [*killed, *engine_pids])
+    assert not vllm_engines(ray_cluster)
+
+
 def cli(storage_root, run_id, *args, fail_at=None):
     from prefect.settings import PREFECT_API_URL
 
@@ -172,6 +273,19 @@ def test_more_gpus_than_the_cluster_has_are_refused_naming_the_resource(ray_clus
     assert "actor_gpus/rollout_gpus: the run asks for 2 GPU" in err and "has 0 GPU in all" in err
     assert main([*argv, "--actor-cpus", "3", "--rollout-cpus", "0.5"]) == 2
     assert "has 2 CPU in all" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_vllm_engines_without_vllm_on_the_nodes_are_refused_naming_the_field(ray_cluster, tmp_path, capsys):
+    """Each node that can hold a rollout engine is asked (a task on it) before anything starts."""
+    from flows.cli import main
+
+    python = tmp_path / "none" / "bin" / "python"
+    argv = ["train", *RAY_CLI, "--ray-address", ray_cluster.address, "--storage-root", str(tmp_path / "s")]
+    assert main([*argv, "--rollout-engine", "vllm", "--vllm-python", str(python)]) == 2
+    err = capsys.readouterr().err
+    assert f"vllm_python: no vLLM environment at {python} on " in err and "every node" in err
+    assert "grpo setup-vllm" in err and "vLLM installed in the workers' environment" in err
     assert not (tmp_path / "s").exists()
 
 

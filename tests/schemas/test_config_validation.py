@@ -36,10 +36,21 @@ def problems(**fields) -> str:
             "reward_weights has 2 values but reward_funcs has 1 functions",
         ),
         ({"backend": "modal", "rollout_gpu": "Z80"}, "rollout_gpu: unknown Modal GPU type 'Z80'"),
+        (
+            {"backend": "ray", "rollout_engine": "vllm", "vllm_mode": "colocate"},
+            "vllm_mode 'colocate' needs the local backend: on Ray each rollout engine is a Ray actor of its own",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(fields, expected):
     assert expected in problems(**fields)
+
+
+def test_vllm_engines_on_ray_are_accepted_each_on_its_own_device():
+    """The Ray backend runs vLLM engines (it refused them before), one per Ray actor: vllm_mode 'server'."""
+    config = GRPOFlowConfig(backend="ray", rollout_engine="vllm")
+    assert config.resolved_vllm_mode == "server"
+    assert GRPOFlowConfig(rollout_engine="vllm").resolved_vllm_mode == "colocate"  # the local backend's default
 
 
 def test_defaults_are_trl_defaults_where_trl_has_the_option():

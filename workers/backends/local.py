@@ -12,7 +12,9 @@ for a version it does not hold loads it. So a replaced or restarted worker costs
 correctness. The Modal backend provides the same methods on remote classes. The Ray backend
 (workers/backends/ray_backend.py) subclasses `LocalWorkers`: the same sync, resume and healing
 logic over Ray actor handles, with its own answers to how published weights are held and moved
-(the `_publish`, `_load_all`, `_moved_bytes`, `_keep_rollout_weights`, `_rollout_weights_from` hooks).
+(the `_publish`, `_load_all`, `_moved_bytes`, `_keep_rollout_weights`, `_rollout_weights_from` hooks),
+and its own `sync_weights`: its actor exports by weight_sync_method in its own process, for vLLM
+engines too.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ running the classes remotely, Volume commit/reload, and vLLM in a container of i
 """
 
 # No `from __future__ import annotations`: Modal reads the classes' parameter annotations as types.
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,7 +214,7 @@ def make_rollout_engine(config: GRPOFlowConfig, model_path: str, worker_index: i
 
     vLLM runs in this process where it is importable (a container of the vLLM image); elsewhere
     (GRPO_FLOW_MODAL_MODE=local, in the project's own environment) in a process of the local
-    vLLM environment, as the local backend runs it.
+    vLLM environment (`vllm_env.worker_engine`, which the Ray backend's workers use too).
     """
     worker_id = f"rollout-{worker_index}"
     if engine == "transformers":
@@ -226,12 +225,7 @@ def make_rollout_engine(config: GRPOFlowConfig, model_path: str, worker_index: i
         raise ValueError(f"rollout engine must be 'vllm' or 'transformers', got {engine!r}")
     from workers.backends import vllm_env
 
-    if importlib.util.find_spec("vllm") is None:
-        return vllm_env.local_engine(config, model_path, worker_index, threads=None, log_dir=None)
-    from workers.rollout.vllm_engine import VLLMRolloutEngine
-
-    options = vllm_env.engine_options(config, worker_index, gpu=device == "cuda")
-    return VLLMRolloutEngine(model_path, worker_id=worker_id, options=options)
+    return vllm_env.worker_engine(config, model_path, worker_index, gpu=device == "cuda")
 
 
 class RolloutWorker:

@@ -14,6 +14,12 @@ or load the published weights) and calls again.
 Weights the actor publishes for the object store are its return value (`publish`): Ray keeps a
 method's return value in the object store of the actor's node, owned by the caller, so it
 outlives the actor process and every engine takes the same stored copy.
+
+With rollout_engine='vllm' the engine is `vllm_env.worker_engine`'s (as on Modal): vLLM in this
+process where the Ray workers' Python imports it, else a child process of `vllm_python` on this
+node, which inherits the GPUs Ray gave this actor (CUDA_VISIBLE_DEVICES) and ends itself when this
+process dies (it watches its parent). A dead child reads as a stale engine, so the backend heals it
+as it heals a restarted actor: `initial` starts a new one, then the published weights are loaded.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from schemas.config import GRPOFlowConfig
 from workers.actor.actor import Actor, StaleActorError
 from workers.backends.weight_sync import WeightPayload, apply_weights, export_weights
 from workers.rollout.base import GenerationResult, SamplingParams
+from workers.rollout.channel import EngineProcessError
+from workers.state.storage import RunStorage
 
 # Moved through Ray's object store (the state dict itself); the rest through files on the shared storage root.
 OBJECT_STORE_METHODS = ("reload", "direct")
@@ -85,40 +93,73 @@ class ActorWorker:
         return self.actor.policy_version
 
 
-def make_engine(model_path: str, worker_index: int, device: str) -> Any:
+def make_engine(config: GRPOFlowConfig, model_path: str, worker_index: int, device: str) -> Any:
+    """Rollout worker `worker_index`'s engine: transformers on `device`, or vLLM (its log in the run's
+    `logs/` folder on the storage root, as on the local backend; its threads the CPUs Ray reserved)."""
+    if config.rollout_engine == "vllm":
+        from workers.backends import vllm_env
+
+        log_dir = RunStorage(config.storage_root, config.run_id or "unnamed").run_dir / "logs"
+        threads = max(1, int(config.rollout_cpus))
+        return vllm_env.worker_engine(config, model_path, worker_index, device == "cuda", threads, log_dir)
     from workers.rollout.transformers_engine import TransformersRolloutEngine
 
     return TransformersRolloutEngine(model_path, worker_id=f"rollout-{worker_index}", device=device)
 
 
+def close_engine(engine: Any) -> None:
+    close = getattr(engine, "close", None)  # a vLLM engine ends its process; the transformers engine has none
+    if close is not None:
+        close()
+
+
 class RolloutWorker:
     """Rollout engine `worker_index` in its own Ray actor process."""
 
-    def __init__(self, model_path: str, worker_index: int, device: str = "cpu") -> None:
+    def __init__(self, config_json: str, model_path: str, worker_index: int, device: str = "cpu") -> None:
+        self.config = GRPOFlowConfig.model_validate_json(config_json)
         self.model_path, self.worker_index, self.device = model_path, worker_index, device
-        self.engine = make_engine(model_path, worker_index, device)
+        self.engine = make_engine(self.config, model_path, worker_index, device)
         self.engine.load()
 
+    def held_version(self) -> int | None:
+        """The policy version the engine holds; None when its process died (a vLLM engine's child)."""
+        return None if self.engine.model is None else self.engine.policy_version
+
     def ready(self, marker: str | None = None) -> dict[str, Any]:
-        return {"policy_version": self.engine.policy_version, "storage_visible": storage_visible(marker), **where()}
+        return {
+            "policy_version": self.held_version(),
+            "storage_visible": storage_visible(marker),
+            "engine": type(self.engine).__name__,
+            "engine_pid": getattr(self.engine, "pid", None),  # a vLLM engine's own process, if it has one
+            **where(),
+        }
 
     def initial(self) -> int:
         """The initial model (version 0): what a fresh or restarted worker holds, loaded again only if needed."""
-        if self.engine.policy_version != 0 or self.engine.model_path != self.model_path:
-            self.engine = make_engine(self.model_path, self.worker_index, self.device)
+        if self.config.rollout_engine == "vllm":
+            self.engine.load()  # starts a dead engine process again, or puts the initial weights back in place
+        elif self.engine.policy_version != 0 or self.engine.model_path != self.model_path:
+            self.engine = make_engine(self.config, self.model_path, self.worker_index, self.device)
             self.engine.load()
         return self.engine.policy_version
+
+    def _expect(self, version: int) -> None:
+        if self.held_version() != version:
+            raise StaleEngineError(
+                f"{self.engine.worker_id} holds policy version {self.held_version()} (None: its engine process "
+                f"died), caller expects {version}"
+            )
 
     def generate(
         self, expected_version: int, prompts: list[Any], params: SamplingParams, max_prompt_length: int | None
     ) -> GenerationResult:
         """A GenerationResult; `extra` carries the worker id, the policy version and the decoded prompts."""
-        if self.engine.policy_version != expected_version:
-            raise StaleEngineError(
-                f"{self.engine.worker_id} holds policy version {self.engine.policy_version}, caller expects "
-                f"{expected_version}"
-            )
-        result = self.engine.generate(prompts, params, max_prompt_length)
+        self._expect(expected_version)
+        try:
+            result = self.engine.generate(prompts, params, max_prompt_length)
+        except EngineProcessError as error:  # the engine's process died under the call: heal it, call again
+            raise StaleEngineError(f"{self.engine.worker_id}: {error}") from error
         result.extra.update(
             worker_id=self.engine.worker_id,
             policy_version=self.engine.policy_version,
@@ -129,8 +170,17 @@ class RolloutWorker:
     def load_weights(self, weights: Any, version: int, adapter_config: Any = None) -> int:
         """What the actor published: a state dict (Ray resolves the object-store reference before this
         runs), or a `WeightPayload` naming files on the shared storage root."""
-        if isinstance(weights, WeightPayload):
-            apply_weights(self.engine, weights)
-        else:
-            self.engine.load_state_dict(weights, version, adapter_config)
+        try:
+            if self.held_version() is None:
+                raise EngineProcessError(f"{self.engine.worker_id}: the engine process is not running")
+            if isinstance(weights, WeightPayload):
+                apply_weights(self.engine, weights)
+            else:
+                self.engine.load_state_dict(weights, version, adapter_config)
+        except EngineProcessError as error:
+            raise StaleEngineError(f"{self.engine.worker_id}: {error}") from error
         return self.engine.policy_version
+
+    def shutdown(self) -> None:
+        """End the engine (a vLLM engine's process gives its GPU memory back) before Ray ends this actor."""
+        close_engine(self.engine)

@@ -11,14 +11,22 @@
 - Weight sync: `reload` (the default) and `direct` put the actor's state dict in Ray's object
   store once (it is the return value of the actor's `publish`) and every engine gets the
   reference; `volume`, `checkpoint` and `lora` write files on the shared storage root, as on
-  Modal (workers/backends/weight_sync.py).
+  Modal (workers/backends/weight_sync.py). Either way the engine loads them with its own
+  method (a vLLM engine: in place, a new engine from the folder, or a LoRA adapter).
+- vLLM engines (rollout_engine='vllm'): one per rollout Ray actor, on the GPUs of its bundle
+  (vllm_mode 'server'; colocating an engine with the actor is the local backend's). vLLM runs in
+  the actor's process when the Ray workers' Python imports it, else in a child process started
+  from `vllm_python`, which must then exist on every node; `check_ray_ready` asks each node
+  before anything starts. Its log goes to `logs/rollout-<i>.log` in the run folder.
 - Self-healing: Ray restarts a lost actor process (killed, or its node gone, once the placement
   group's bundle is placed again); a restarted worker holds the initial model. Every call carries
   the policy version it expects. A call that fails because its worker died, or that a worker
   holding another version refuses, marks that worker lost; the backend then brings it to the
   version the call needs with `LocalWorkers.ensure_actor_version` / `ensure_rollout_version`
   (restore the checkpoint and replay the logged steps; engines load the published weights from
-  the object store) and makes the call again, up to MAX_HEALS times. The step goes on.
+  the object store) and makes the call again, up to MAX_HEALS times. The step goes on. A vLLM
+  engine's child process that dies reads as a stale engine and heals the same way; one whose Ray
+  actor process dies ends itself (it watches its parent), and the restarted actor starts another.
 
 The storage root must be a folder every node mounts at the same path (NFS, a cluster
 filesystem); the workers read and write checkpoints and weight files there, and refuse to start
@@ -54,8 +62,17 @@ MAX_HEALS = 5  # heals per call before the error reaches the task (whose Prefect
 STARTUP_TIMEOUT_S = 600.0  # a worker's process start and model load (a restart too)
 PLACEMENT_TIMEOUT_S = 120.0  # the placement group's bundles reserved on the cluster
 CONNECT_TIMEOUT_S = 5.0  # the TCP probe of the address before ray.init
+SHUTDOWN_TIMEOUT_S = 30.0  # the rollout workers ending their engines at the run's end
+PROBE_TIMEOUT_S = 120.0  # each node saying whether it can run vLLM (a worker process start)
 # What the workers' processes get from this one's environment (they start from the raylet's otherwise).
-FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_TOKEN", "TRANSFORMERS_VERBOSITY", "TOKENIZERS_PARALLELISM")
+FORWARDED_ENV = (
+    "HF_HUB_OFFLINE",
+    "HF_TOKEN",
+    "TRANSFORMERS_VERBOSITY",
+    "TOKENIZERS_PARALLELISM",
+    "GRPO_FLOW_VLLM_PYTHON",  # where the vLLM environment is on the nodes (workers.backends.vllm_env)
+    "VLLM_CPU_KVCACHE_SPACE",
+)
 logger = logging.getLogger("grpo_flow.workers")
 
 
@@ -192,7 +209,48 @@ def check_ray_ready(config: GRPOFlowConfig) -> None:
     """Everything the Ray backend needs before any worker starts, or one RayNotReadyError naming it."""
     check_weight_sync_config(config)
     ray = connect(config)
-    check_resources(config, cluster_nodes(ray), cluster_address(config)[0])
+    nodes = cluster_nodes(ray)
+    check_resources(config, nodes, cluster_address(config)[0])
+    if config.rollout_engine == "vllm":
+        check_vllm_on_nodes(ray, config)
+
+
+def check_vllm_on_nodes(ray: Any, config: GRPOFlowConfig) -> None:
+    """vLLM engines need vLLM on every node that can hold one: importable by the Ray workers' Python, or
+    an environment at `vllm_python` (as each node resolves it). A task on each such node says which
+    (0 CPUs: it runs beside whatever holds the node)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from workers.backends import vllm_env
+
+    live = [node for node in ray.nodes() if node.get("Alive")]
+    rollout_gpus = resolved_gpus(config, sum(node["Resources"].get("GPU", 0.0) for node in live))[1]
+    if config.vllm_enable_sleep_mode and not rollout_gpus:
+        raise RayNotReadyError(
+            "vllm_enable_sleep_mode: vLLM's sleep mode needs a CUDA GPU, and the run's rollout engines get none "
+            "(rollout_gpus 0, or a cluster without GPUs)"
+        )
+    hosts = [
+        node
+        for node in live
+        if node["Resources"].get("CPU", 0.0) >= config.rollout_cpus
+        and node["Resources"].get("GPU", 0.0) >= rollout_gpus
+    ]
+    probe = ray.remote(num_cpus=0)(vllm_env.where_vllm_runs)
+    refs = [
+        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(config)
+        for node in hosts
+    ]
+    try:
+        answers = ray.get(refs, timeout=PROBE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RayNotReadyError(
+            f"rollout_engine: the Ray cluster's nodes did not say within {PROBE_TIMEOUT_S:.0f} s whether they "
+            "can run vLLM"
+        ) from None
+    missing = [answer for answer in answers if not (answer["in_process"] or answer["python_ok"])]
+    if missing:
+        raise RayNotReadyError(vllm_env.no_vllm_message(config, missing))
 
 
 # -- the facades over the Ray actors --------------------------------------------------------------------
@@ -338,7 +396,8 @@ class RayWorkers(LocalWorkers):
         self.model_path = str(Path(model_path).resolve()) if Path(model_path).exists() else str(model_path)
         self.storage = RunStorage(Path(config.storage_root).resolve(), config.run_id)
         self.published: tuple[int, Any] | None = None
-        self.uses_vllm = False  # schemas.config refuses rollout_engine='vllm' on Ray for now
+        # As LocalWorkers says it; its two readers there (__init__, sync_weights) are overridden here.
+        self.uses_vllm = config.rollout_engine == "vllm"
         self._heal_lock = threading.RLock()
         self._depth = threading.local()  # retry loops nest: only the outermost one heals and retries
         self.adapter_config = (
@@ -360,7 +419,8 @@ class RayWorkers(LocalWorkers):
             )
         self._remove_placement_group = remove_placement_group
         self.uid = uuid.uuid4().hex[:6]
-        config_json = config.model_dump_json()
+        # The workers' processes start elsewhere (the node's Ray working folder): a relative root would move.
+        config_json = config.model_copy(update={"storage_root": str(self.storage.root)}).model_dump_json()
 
         def spawn(cls: type, index: int, name: str, *args: Any) -> Any:
             cpus, gpus = bundles[index]["CPU"], bundles[index].get("GPU", 0.0)
@@ -379,7 +439,9 @@ class RayWorkers(LocalWorkers):
         try:
             self.actor = RayActor(self, spawn(actor_cls, 0, "actor", config_json, self.model_path), "actor")
             self.rollout: list[Any] = [
-                RayRollout(self, spawn(rollout_cls, i + 1, f"rollout-{i}", self.model_path, i), f"rollout-{i}", i)
+                RayRollout(
+                    self, spawn(rollout_cls, i + 1, f"rollout-{i}", config_json, self.model_path, i), f"rollout-{i}", i
+                )
                 for i in range(config.num_rollout_workers)
             ]
             self._check_started()
@@ -466,6 +528,17 @@ class RayWorkers(LocalWorkers):
         )
 
     # -- LocalWorkers' hooks: weights live in Ray's object store (or in files on the storage root) ---------
+    def sync_weights(self) -> int:
+        """Every engine (transformers or vLLM) takes what `_publish` made by the run's weight_sync_method:
+        the object store's copy, or a `WeightPayload` naming files (the actor exported them in its own
+        process, so LocalWorkers' in-process vLLM path, `weight_sync.sync_weights`, does not apply)."""
+        weights = self._publish()
+        version = self.actor.version
+        self.published = (version, weights)
+        self._load_all(weights, version)
+        self.last_sync = {"bytes": self._moved_bytes(weights)}
+        return version
+
     def _publish(self) -> Any:
         weights, info = self.actor.publish(self.config.weight_sync_method)
         self._last_publish = info
@@ -518,8 +591,15 @@ class RayWorkers(LocalWorkers):
 
     # -- the end --------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the run's Ray actors and free its placement group (the cluster keeps running)."""
-        for worker in [getattr(self, "actor", None), *getattr(self, "rollout", [])]:
+        """Stop the run's Ray actors and free its placement group (the cluster keeps running). The rollout
+        workers first end their engines (a vLLM engine's process gives its GPU memory back); one that does
+        not answer within SHUTDOWN_TIMEOUT_S is killed with its actor (its engine process then ends itself)."""
+        rollout = getattr(self, "rollout", [])
+        with contextlib.suppress(Exception):
+            refs = [worker.handle.shutdown.remote() for worker in rollout if hasattr(worker.handle, "shutdown")]
+            if refs:
+                self.ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_TIMEOUT_S)
+        for worker in [getattr(self, "actor", None), *rollout]:
             if worker is not None:
                 with contextlib.suppress(Exception):
                     self.ray.kill(worker.handle, no_restart=True)

@@ -12,17 +12,22 @@ vLLM cannot share an environment with Prefect (every Prefect 3.8 needs fastapi >
   next to `.venv`), or ~/.cache/grpo-flow/vllm-env outside a venv; $GRPO_FLOW_VLLM_PYTHON names
   an interpreter directly. A config's `vllm_python` overrides both.
 - `check_vllm_ready(config)`: the clear errors before anything loads (no environment, sleep mode
-  on a machine without CUDA, server mode without a GPU per engine).
+  on a machine without CUDA, server mode without a GPU per engine), for the local backend; the Ray
+  backend asks each node with `where_vllm_runs` (`ray_backend.check_vllm_on_nodes`).
 - `engine_options(config, index)` / `local_engine(...)`: a run's engine arguments, and the local
-  backend's engine process.
+  backend's engine process; `worker_engine(...)`: the engine of a worker the Modal or Ray backend
+  placed (in that process where vLLM is importable, else a process of `vllm_python` that keeps the
+  devices the backend gave the worker).
 
 The Modal image pins the same vLLM (`workers.backends.modal_app.vllm_image`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -151,20 +156,20 @@ def engine_options(config: GRPOFlowConfig, worker_index: int, gpu: bool) -> Any:
     )
 
 
-def local_engine(
-    config: GRPOFlowConfig, model_path: str | Path, worker_index: int, threads: int | None, log_dir: Path | None
+def engine_process(
+    config: GRPOFlowConfig,
+    model_path: str | Path,
+    worker_index: int,
+    gpu: bool,
+    threads: int | None,
+    log_dir: Path | None,
+    env: dict[str, str] | None = None,
 ) -> Any:
-    """Rollout worker `worker_index` of the local backend: a vLLM engine process from `vllm_python`.
-
-    colocate: the engine sees the actor's devices. server: engine i gets GPU i + 1 (the actor
-    keeps GPU 0); on a CPU machine there is one device, so both modes share the cores.
-    """
+    """Rollout worker `worker_index`'s vLLM engine in a process of `vllm_python`, its output in
+    `log_dir/rollout-<index>.log` when given. It inherits this process's environment (and so the
+    devices it sees), with `env` on top."""
     from workers.rollout.vllm_process import VLLMProcessEngine
 
-    gpu = has_cuda()
-    env: dict[str, str] = {}
-    if gpu and config.resolved_vllm_mode == "server":
-        env["CUDA_VISIBLE_DEVICES"] = str(worker_index + 1)
     log_path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -175,6 +180,77 @@ def local_engine(
         options=engine_options(config, worker_index, gpu),
         python=vllm_python(config),
         threads=threads,
-        env=env,
+        env=env or {},
         log_path=log_path,
+    )
+
+
+def local_engine(
+    config: GRPOFlowConfig, model_path: str | Path, worker_index: int, threads: int | None, log_dir: Path | None
+) -> Any:
+    """Rollout worker `worker_index` of the local backend: a vLLM engine process from `vllm_python`.
+
+    colocate: the engine sees the actor's devices. server: engine i gets GPU i + 1 (the actor
+    keeps GPU 0); on a CPU machine there is one device, so both modes share the cores.
+    """
+    gpu = has_cuda()
+    env: dict[str, str] = {}
+    if gpu and config.resolved_vllm_mode == "server":
+        env["CUDA_VISIBLE_DEVICES"] = str(worker_index + 1)
+    return engine_process(config, model_path, worker_index, gpu, threads, log_dir, env)
+
+
+def vllm_importable() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def where_vllm_runs(config: GRPOFlowConfig) -> dict[str, Any]:
+    """How this machine would run a worker's vLLM engine: in this process (vLLM importable here), or from
+    `vllm_python` (None when there is no such interpreter either)."""
+    python = vllm_python(config)
+    usable = os.path.isfile(python) and os.access(python, os.X_OK)
+    return {
+        "host": socket.gethostname(),
+        "in_process": vllm_importable(),
+        "python": python,
+        "python_ok": usable,
+        "worker_python": sys.executable,
+    }
+
+
+def worker_engine(
+    config: GRPOFlowConfig,
+    model_path: str | Path,
+    worker_index: int,
+    gpu: bool,
+    threads: int | None = None,
+    log_dir: Path | None = None,
+) -> Any:
+    """Rollout worker `worker_index`'s vLLM engine where the Modal or Ray backend placed the worker.
+
+    In this process where vLLM is importable (a Modal container of the vLLM image, a Ray worker
+    environment with vLLM); elsewhere (Modal's `.local()` mode, a Ray node whose workers run the
+    project's own environment) in a process of `vllm_python`. That process keeps the devices the
+    backend gave this one (Ray sets CUDA_VISIBLE_DEVICES for each actor), unlike `local_engine`.
+    """
+    if vllm_importable():
+        from workers.rollout.vllm_engine import VLLMRolloutEngine
+
+        options = engine_options(config, worker_index, gpu)
+        return VLLMRolloutEngine(model_path, worker_id=f"rollout-{worker_index}", options=options)
+    found = where_vllm_runs(config)
+    if not found["python_ok"]:
+        raise VLLMNotReady(no_vllm_message(config, [found]))
+    return engine_process(config, model_path, worker_index, gpu, threads, log_dir)
+
+
+def no_vllm_message(config: GRPOFlowConfig, places: list[dict[str, Any]]) -> str:
+    """One line: where neither vLLM nor `vllm_python` was found, and the two ways to fix it."""
+    hosts = ", ".join(sorted({p["host"] for p in places}))
+    field = "vllm_python" if config.vllm_python else "rollout_engine"
+    return (
+        f"{field}: no vLLM environment at {places[0]['python']} on {hosts}, and vLLM is not importable by the "
+        f"workers' Python there ({places[0]['worker_python']}): every node (machine) that runs a rollout engine needs one "
+        "(`grpo setup-vllm`, at the same path on every node, or name it with --vllm-python / "
+        "$GRPO_FLOW_VLLM_PYTHON), or vLLM installed in the workers' environment"
     )

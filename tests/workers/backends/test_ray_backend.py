@@ -1,6 +1,7 @@
 """The Ray backend's parts: resource checks (no Ray needed), and against a real local Ray cluster (the
-`ray_cluster` fixture, tests/conftest.py) every weight-sync method that makes sense on Ray, healing when
-the published weights are gone, and a checkpoint written while the engines lag the actor, restored
+`ray_cluster` fixture, tests/conftest.py) every weight-sync method that makes sense on Ray (into the
+transformers engine, and the LoRA and checkpoint paths into a vLLM engine), healing when the published
+weights are gone, and a checkpoint written while the engines lag the actor, restored
 after every worker process was killed."""
 
 import os
@@ -79,6 +80,50 @@ def kill(worker):
     pid = worker.ready()["pid"]  # the worker's own answer (the dashboard's state API is off in tests)
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+def test_a_vllm_engine_on_a_ray_actor_takes_the_adapter_and_the_merged_weights_by_each_method(
+    ray_cluster, storage_root
+):
+    """rollout_engine='vllm' with use_lora and lora_publish='adapter': the adapter alone through the object
+    store (`direct`) and as a folder on the storage root (`lora`), the merged weights as a saved model the
+    engine is re-created from (`checkpoint`). (Before the `run` fixture: the cluster's 2 CPUs hold one run.)"""
+    from workers.backends import vllm_env
+    from workers.backends.ray_backend import RayWorkers
+
+    if not os.path.isfile(vllm_env.vllm_python()):
+        pytest.fail(f"no vLLM environment at {vllm_env.vllm_python()}: run `grpo setup-vllm` first (.ci/run does)")
+    run_config = config(
+        run_id="ray-vllm-unit",
+        storage_root=str(storage_root),
+        ray_address=ray_cluster.address,
+        rollout_engine="vllm",
+        num_rollout_workers=1,
+        actor_cpus=1,
+        rollout_cpus=1,
+        use_lora=True,
+        lora_publish="adapter",
+    )
+    workers = RayWorkers(run_config, ensure_tiny_model(storage_root))
+    try:
+        engine = workers.rollout[0]
+        assert engine.ready()["engine"] == "VLLMProcessEngine"
+        ids0, logprobs0, result0 = sample(engine)
+        workers.actor.step(0, rollouts_table(result0, seed=0))
+        synced = {}
+        for method in ("direct", "checkpoint", "lora"):
+            workers.config = run_config.model_copy(update={"weight_sync_method": method})
+            engine.load()  # back to the initial model (after `checkpoint`: an engine on it again)
+            assert sample(engine)[:2] == (ids0, logprobs0)
+            assert workers.sync_weights() == 1 and workers.last_sync["bytes"] > 0
+            synced[method] = sample(engine)[:2]
+    finally:
+        workers.close()
+    assert synced["direct"][1] != logprobs0  # the new policy samples otherwise
+    assert synced["lora"] == synced["direct"]  # the same adapter, in memory or as a folder
+    ids, logprobs = synced["checkpoint"]  # merged into the weights: the same policy, up to rounding
+    assert ids == synced["direct"][0]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(synced["direct"][1]), atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
