@@ -138,10 +138,9 @@ def gone(pid: int, wait_s: float = 10.0) -> bool:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
             return True
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
         if state == "Z":  # ended, not reaped yet by whoever adopted it
             return True
         time.sleep(0.2)
@@ -277,7 +276,8 @@ def test_more_gpus_than_the_cluster_has_are_refused_naming_the_resource(ray_clus
 
 
 def test_vllm_engines_without_vllm_on_the_nodes_are_refused_naming_the_field(ray_cluster, tmp_path, capsys):
-    """Each node that can hold a rollout engine is asked (a task on it) before anything starts."""
+    """Each node that can hold a rollout engine is asked (a task on it) before anything starts; sleep mode
+    is refused when the engines get no GPU."""
     from flows.cli import main
 
     python = tmp_path / "none" / "bin" / "python"
@@ -286,6 +286,8 @@ def test_vllm_engines_without_vllm_on_the_nodes_are_refused_naming_the_field(ray
     err = capsys.readouterr().err
     assert f"vllm_python: no vLLM environment at {python} on " in err and "every node" in err
     assert "grpo setup-vllm" in err and "vLLM installed in the workers' environment" in err
+    assert main([*argv, "--rollout-engine", "vllm", "--vllm-enable-sleep-mode", "true"]) == 2
+    assert "vllm_enable_sleep_mode: vLLM's sleep mode needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
 
 

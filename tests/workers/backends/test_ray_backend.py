@@ -53,6 +53,32 @@ def test_the_address_comes_from_the_config_then_ray_address_then_a_local_instanc
     assert cluster_address(config(ray_address="auto")) == ("auto", "ray_address")
 
 
+def test_a_ray_actors_vllm_engine_keeps_the_gpus_ray_assigned_it(monkeypatch, tmp_path):
+    """The local backend pins engine i of server mode to GPU i + 1; on Ray the engine process inherits the
+    CUDA_VISIBLE_DEVICES Ray set for its actor, takes the actor's CPUs as threads, logs in the run folder."""
+    from workers.backends import ray_app, vllm_env
+
+    python = tmp_path / "vllm-env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(vllm_env, "has_cuda", lambda: True)
+    monkeypatch.setattr(vllm_env, "vllm_importable", lambda: False)  # the project's environment, as here
+    run_config = config(
+        rollout_engine="vllm", vllm_python=str(python), storage_root=str(tmp_path / "store"), rollout_cpus=3
+    )
+    local = vllm_env.local_engine(
+        run_config.model_copy(update={"backend": "local", "vllm_mode": "server"}), "m", 1, 2, None
+    )
+    assert local.env == {"CUDA_VISIBLE_DEVICES": "2"}
+    engine = ray_app.make_engine(run_config, "m", 1, "cuda")
+    assert type(engine).__name__ == "VLLMProcessEngine" and engine.env == {} and engine.threads == 3
+    assert engine.options.enable_sleep_mode is False and engine.options.gpu_memory_utilization == 0.9  # server mode
+    assert engine.log_path == tmp_path / "store" / "runs" / "ray-unit" / "logs" / "rollout-1.log"
+    monkeypatch.setattr(vllm_env, "vllm_importable", lambda: True)  # a Ray worker image with vLLM: in the actor
+    assert type(ray_app.make_engine(run_config, "m", 1, "cuda")).__name__ == "VLLMRolloutEngine"
+
+
 # -- against the cluster ----------------------------------------------------------------------------------
 PARAMS = SamplingParams(n=2, max_tokens=2, seed=7)
 
