@@ -43,6 +43,7 @@ from flows import ephemeral_database_in_memory
 from flows.interrupt import interrupted_summary, resume_command, stop_requested, stop_signal_name
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
+from tasks import with_retries
 from tasks.observability import (
     artifact_writes_allowed,
     artifact_writes_paused,
@@ -122,14 +123,14 @@ def produce_rollouts(
     Each mapped stage is resolved before the next, so a failure surfaces as the failing task's
     own exception rather than as a missing input further down.
     """
-    retry = {"retry_delay_seconds": config.retry_delay_seconds}
+    delay = config.retry_delay_seconds
     shards = sample_batch(config, plan, step)
     generated = (
-        generate.with_options(retries=config.generate_retries, **retry)
+        with_retries(generate, config.generate_retries, delay)
         .map(unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at))
         .result()
     )
-    score_shards = score.with_options(retries=config.score_retries, **retry)
+    score_shards = with_retries(score, config.score_retries, delay)
     scored = score_shards.map(unmapped(config), unmapped(plan), quoted(generated), unmapped(fail_at)).result()
     if config.dynamic_sampling:
         scored, sampling_stats = refill_with_informative_groups(config, plan, step, rollout_version, scored, fail_at)
@@ -191,7 +192,6 @@ def run_step(
     # Artifacts published earlier are written while the step works (see tasks/observability.py).
     with artifact_writes_allowed():
         started = time.perf_counter()
-        retry = {"retry_delay_seconds": config.retry_delay_seconds}
         storage = RunStorage(plan.storage_root, plan.run_id)
         samples = None  # the artifact's three completions; None: read back from the logged rollouts
         if not storage.rollout_dir(step).exists():
@@ -205,7 +205,7 @@ def run_step(
             # Generated with the weights the rollout workers hold now, i.e. before this actor step.
             next_rollouts = in_background(produce_rollouts, config, plan, step + 1, rollout_version, fail_at)
         try:
-            train_metrics = actor_step.with_options(retries=config.actor_retries, **retry)(
+            train_metrics = with_retries(actor_step, config.actor_retries, config.retry_delay_seconds)(
                 config, plan, step, policy_version, fail_at
             )
         finally:

@@ -300,8 +300,10 @@ def logged_reward_stats(config: GRPOFlowConfig, plan: RunPlan, step: int) -> tup
 def write_rollouts(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, shard: int) -> str:
     """One Parquet file per shard, staged atomically; the Arrow schema is enforced."""
     # Types from the data set, not the values: a shard that dynamic sampling emptied has none.
-    features = load_task(config.dataset).train.features.arrow_schema
-    extra_types = {c: features.field(c).type for c in plan.extra_columns}
+    extra_types = {}
+    if plan.extra_columns:  # the data set's Arrow schema is built on each call: only when needed
+        features = load_task(config.dataset).train.features.arrow_schema
+        extra_types = {c: features.field(c).type for c in plan.extra_columns}
     table = batch.to_table(rollout_schema(list(plan.reward_names), extra_types))
     return str(RunStorage(plan.storage_root, plan.run_id).write_rollouts(batch.step, shard, table))
 
