@@ -150,12 +150,40 @@ class RayCluster:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+def stray_ray_processes() -> list[int]:
+    """Ray processes that carry this session's token but not a test cluster's marker: a Ray instance some
+    driver started on its own (ray.init without an address) leaves its agents behind (ppid 1)."""
+    from pathlib import Path
+
+    token = f"RAY_AUTH_TOKEN={os.environ['RAY_AUTH_TOKEN']}".encode()
+    found = []
+    for folder in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (folder / "environ").read_bytes().split(b"\0")
+            command = (folder / "cmdline").read_bytes()
+        except OSError:
+            continue
+        is_ray = b"ray::" in command or b"/ray/" in command or b"raylet" in command
+        marked = any(item.startswith(RAY_MARKER.encode()) for item in environ)
+        if token in environ and is_ray and not marked and int(folder.name) != os.getpid():
+            found.append(int(folder.name))
+    return found
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A real local Ray cluster for the session's Ray tests, stopped (every process of it) at the end."""
+    """A real local Ray cluster for the session's Ray tests, stopped (every process of it) at the end,
+    with any Ray process of this session outside it."""
+    import signal
+
     cluster = RayCluster()
     try:
         yield cluster
     finally:
         cluster.stop()
+        for pid in stray_ray_processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         assert not cluster.processes(), "processes of the test Ray cluster outlived it"

@@ -37,6 +37,7 @@ from workers.rollout.channel import EngineCallError, EngineProcessError
 from workers.rollout.vllm_engine import VLLMOptions, VLLMSetupError, complete_tied_weights
 
 SERVER_MODULE = "workers.rollout.vllm_server"
+SOURCE_PREFIX = "grpo-flow-vllm-src-"  # then the owning process's id: <prefix><pid>-<random>
 _SOURCE_LOCK = threading.Lock()
 _SOURCE_DIR: str | None = None
 
@@ -46,11 +47,30 @@ def source_dir() -> str:
     global _SOURCE_DIR
     with _SOURCE_LOCK:
         if _SOURCE_DIR is None:
-            folder = tempfile.mkdtemp(prefix="grpo-flow-vllm-src-")
+            remove_orphaned_source_dirs()
+            folder = tempfile.mkdtemp(prefix=f"{SOURCE_PREFIX}{os.getpid()}-")
             os.symlink(Path(__file__).resolve().parents[1], Path(folder) / "workers")
             atexit.register(shutil.rmtree, folder, ignore_errors=True)
             _SOURCE_DIR = folder
         return _SOURCE_DIR
+
+
+def remove_orphaned_source_dirs() -> None:
+    """Folders of processes that were killed (no atexit ran: a SIGKILLed Ray actor, a killed run)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SOURCE_PREFIX}*-*"):
+        pid = folder.name.removeprefix(SOURCE_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def child_environment(threads: int | None, extra: Mapping[str, str] | None, logging_to_file: bool) -> dict[str, str]:

@@ -345,3 +345,25 @@ def test_reload_in_worker_uses_vllms_in_place_reload():
     worker = types.SimpleNamespace(reload_weights=lambda weights_iterator: seen.update(dict(weights_iterator)))
     assert _reload_in_worker(worker, {"a": torch.ones(1), "b": torch.zeros(1)}) == 2
     assert set(seen) == {"a", "b"}
+
+
+def test_a_killed_process_source_folder_is_removed_by_the_next_one_and_a_live_one_is_kept(tmp_path, monkeypatch):
+    """Each process's `workers` link folder goes at exit; one whose process was SIGKILLed goes at the next start."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from workers.rollout import vllm_process
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(vllm_process, "_SOURCE_DIR", None)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"{vllm_process.SOURCE_PREFIX}{int(dead.stdout)}-abc"
+    alive = tmp_path / f"{vllm_process.SOURCE_PREFIX}{os.getppid()}-def"
+    orphan.mkdir()
+    alive.mkdir()
+    folder = Path(vllm_process.source_dir())
+    assert folder.parent == tmp_path and folder.name.startswith(f"{vllm_process.SOURCE_PREFIX}{os.getpid()}-")
+    assert (folder / "workers").resolve() == Path(vllm_process.__file__).resolve().parents[1]
+    assert not orphan.exists() and alive.exists()
