@@ -207,11 +207,16 @@ def run_steps_directly(config: Any, plan: Any, first: int, last: int) -> dict[in
     order flows/grpo.py calls them (rollouts, actor step, weight sync, metrics, checkpoint): the
     same files as the flow writes. Returns each step's seconds."""
     import dataclasses
+    import warnings
 
     from tasks.rollout import commit_rollouts, compute_advantages, generate, sample_batch, score, write_rollouts
     from tasks.train import actor_step, log_metrics, save_checkpoint, sync_weights
 
     plan = dataclasses.replace(plan, total_steps=last, first_step=first, replay_steps=(), resume_checkpoint=None)
+    # log_metrics publishes the step's artifact as in the flow, here with no flow run around it, which
+    # Prefect 3.8 warns about once per step on the artifact thread (a filter there would not be
+    # thread-safe to set from here, so it is set for the process: it is the benchmark's).
+    warnings.filterwarnings("ignore", message="Artifact creation outside of a flow or task run", category=FutureWarning)
     rollout_version = first - 1
     seconds = {}
     for step in range(first, last + 1):
