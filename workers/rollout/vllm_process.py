@@ -76,6 +76,9 @@ def process_alive(pid: int) -> bool:
 def child_environment(threads: int | None, extra: Mapping[str, str] | None, logging_to_file: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = source_dir()
+    # `python -m` puts the working directory first on sys.path: a `workers/` folder there would be
+    # imported instead of ours. Python 3.11+ leaves it out with this set (older ones ignore it).
+    env["PYTHONSAFEPATH"] = "1"
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

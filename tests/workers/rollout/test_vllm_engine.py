@@ -367,3 +367,24 @@ def test_a_killed_process_source_folder_is_removed_by_the_next_one_and_a_live_on
     assert folder.parent == tmp_path and folder.name.startswith(f"{vllm_process.SOURCE_PREFIX}{os.getpid()}-")
     assert (folder / "workers").resolve() == Path(vllm_process.__file__).resolve().parents[1]
     assert not orphan.exists() and alive.exists()
+
+
+def test_the_engine_child_imports_our_workers_package_even_from_a_folder_holding_another(tmp_path):
+    """`python -m` would put the working directory first on the child's sys.path (Python 3.11+)."""
+    import subprocess
+    from pathlib import Path
+
+    from workers.rollout.vllm_process import child_environment
+
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "__init__.py").write_text("raise ImportError('the wrong workers package')\n")
+    env = child_environment(threads=1, extra=None, logging_to_file=False)
+    found = subprocess.run(
+        [sys.executable, "-c", "import workers; print(workers.__file__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert Path(found).resolve().parent == Path(__file__).resolve().parents[3] / "workers"
