@@ -17,8 +17,11 @@ import torch
 
 from workers.rollout.base import GenerationResult, Prompt, SamplingParams, encode_prompt, load_generation_tokenizer
 
-# torch's global RNG seeds `generate`; one generation at a time keeps each seeded call reproducible.
-_GENERATION_LOCK = threading.Lock()
+# torch's global RNG seeds `generate` and draws its samples, so one generation at a time keeps each
+# seeded call reproducible. Whatever else seeds, sets or draws from that RNG on another thread while
+# engines generate holds this lock too: the local backend's healing, which loads models and restores a
+# checkpoint's RNG state (`Actor.load` seeds it) while the other shards generate.
+GENERATION_LOCK = threading.RLock()
 
 
 class TransformersRolloutEngine:
@@ -77,7 +80,7 @@ class TransformersRolloutEngine:
             return_dict_in_generate=True,
             **sampling,
         )
-        with _GENERATION_LOCK:
+        with GENERATION_LOCK:
             started = time.perf_counter()  # time spent generating, not waiting for another shard
             torch.manual_seed(params.seed)
             output = self.model.generate(
