@@ -68,29 +68,12 @@ def timed_generation(engine: Any, batch: list[str], params: Any, repeats: int) -
 
 
 def agreement(engine: Any, actor: Any, batch: list[str], params: Any) -> dict[str, float]:
-    import pyarrow as pa
-    import torch
-
-    from workers.actor.actor import loss_inputs
-    from workers.actor.trl_objective import per_token_logprobs
-
     result = engine.generate(batch, params, 32)
-    n = params.n
-    table = pa.table(
-        {
-            "prompt_token_ids": [ids for ids in result.prompt_token_ids for _ in range(n)],
-            "completion_token_ids": result.completion_token_ids,
-            "sampling_logprobs": result.sampling_logprobs,
-            "advantage": [0.0] * len(result.completion_token_ids),
-        }
-    )
-    inputs = loss_inputs(table, actor.tokenizer.pad_token_id)
-    with torch.no_grad():
-        logps = per_token_logprobs(actor.objective, actor.model, inputs)
+    actors = actor.completion_logprobs(result.prompt_token_ids, result.completion_token_ids)
     diffs = [
         abs(a - b)
-        for i, row in enumerate(result.sampling_logprobs)
-        for a, b in zip(row, logps[i, : len(row)].tolist(), strict=True)
+        for sampled, scored in zip(result.sampling_logprobs, actors, strict=True)
+        for a, b in zip(sampled, scored, strict=True)
     ]
     return {"max": max(diffs), "mean": sum(diffs) / len(diffs), "tokens": len(diffs)}
 

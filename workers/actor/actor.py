@@ -187,6 +187,26 @@ class Actor:
             return False
         return any(v != self.policy_version for v in rollouts.column("policy_version").to_pylist())
 
+    def completion_logprobs(
+        self, prompt_token_ids: list[list[int]], completion_token_ids: list[list[int]]
+    ) -> list[list[float]]:
+        """This policy's per-token log-probs of a rollout engine's completions (TRL's code, at the config's
+        temperature): what the engine's sampling log-probs are checked against. Completions come as
+        engines return them, `n` consecutive ones per prompt."""
+        n = len(completion_token_ids) // len(prompt_token_ids)
+        table = pa.table(
+            {
+                "prompt_token_ids": [ids for ids in prompt_token_ids for _ in range(n)],
+                "completion_token_ids": completion_token_ids,
+                "advantage": [0.0] * len(completion_token_ids),
+            }
+        )
+        with torch.no_grad():
+            logps = trl_objective.per_token_logprobs(
+                self.objective, self.model, loss_inputs(table, self.tokenizer.pad_token_id)
+            )
+        return [logps[i, : len(row)].tolist() for i, row in enumerate(completion_token_ids)]
+
     def step(self, expected_version: int, rollouts: pa.Table) -> dict[str, float]:
         """num_iterations optimizer steps of TRL's GRPO objective on a step's logged rollouts."""
         if self._last_step and self._last_step[0] == expected_version + 1 == self.policy_version:

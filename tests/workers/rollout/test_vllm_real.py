@@ -17,13 +17,12 @@ import signal
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 import torch
 
 from schemas.presets import preset_config
-from workers.actor.actor import Actor, loss_inputs
-from workers.actor.trl_objective import lora_config, per_token_logprobs
+from workers.actor.actor import Actor
+from workers.actor.trl_objective import lora_config
 from workers.backends import vllm_env
 from workers.backends.weight_sync import METHODS, apply_weights, export_weights
 from workers.data.tiny_model import build_model, build_tokenizer, ensure_tiny_model
@@ -93,19 +92,7 @@ def actor(model_path, tmp_path):
 
 def actor_logprobs(actor: Actor, result) -> list[list[float]]:
     """The actor's per-token log-probs of the engine's completions (TRL's code, at the config's temperature)."""
-    n = len(result.completion_token_ids) // len(result.prompt_token_ids)
-    table = pa.table(
-        {
-            "prompt_token_ids": [ids for ids in result.prompt_token_ids for _ in range(n)],
-            "completion_token_ids": result.completion_token_ids,
-            "sampling_logprobs": result.sampling_logprobs,
-            "advantage": [0.0] * len(result.completion_token_ids),
-        }
-    )
-    inputs = loss_inputs(table, actor.tokenizer.pad_token_id)
-    with torch.no_grad():
-        logps = per_token_logprobs(actor.objective, actor.model, inputs)
-    return [logps[i, : len(row)].tolist() for i, row in enumerate(result.completion_token_ids)]
+    return actor.completion_logprobs(result.prompt_token_ids, result.completion_token_ids)
 
 
 def max_difference(a: list[list[float]], b: list[list[float]]) -> float:
