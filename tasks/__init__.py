@@ -6,14 +6,10 @@ and small records (run plan, step, paths, rollout shards), never models or optim
 
 from __future__ import annotations
 
-
-import threading
+import functools
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-
-_RETRY_VARIANTS: dict[tuple[int, int, float], Any] = {}
-_RETRY_VARIANTS_LOCK = threading.Lock()
 
 
 def with_retries(task: T, retries: int, retry_delay_seconds: float) -> T:
@@ -23,8 +19,9 @@ def with_retries(task: T, retries: int, retry_delay_seconds: float) -> T:
     variants at every step; building one runs Prefect's `Task.__init__`, which reads and hashes the
     function's source (about 1 ms each, three per step).
     """
-    key = (id(task), retries, float(retry_delay_seconds))
-    with _RETRY_VARIANTS_LOCK:
-        if key not in _RETRY_VARIANTS:
-            _RETRY_VARIANTS[key] = (task, task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds))  # type: ignore[attr-defined]
-        return _RETRY_VARIANTS[key][1]
+    return _retry_variant(task, retries, float(retry_delay_seconds))
+
+
+@functools.cache  # tasks hash by identity, and the cache keeps each one alive with its variants
+def _retry_variant(task: Any, retries: int, retry_delay_seconds: float) -> Any:
+    return task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)

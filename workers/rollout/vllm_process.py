@@ -35,6 +35,7 @@ from typing import Any
 from workers.rollout import channel
 from workers.rollout.channel import EngineCallError, EngineProcessError
 from workers.rollout.vllm_engine import VLLMOptions, VLLMSetupError, complete_tied_weights
+from workers.state.lock import pid_alive
 
 SERVER_MODULE = "workers.rollout.vllm_server"
 SOURCE_PREFIX = "grpo-flow-vllm-src-"  # then the owning process's id: <prefix><pid>-<random>
@@ -59,18 +60,8 @@ def remove_orphaned_source_dirs() -> None:
     """Folders of processes that were killed (no atexit ran: a SIGKILLed Ray actor, a killed run)."""
     for folder in Path(tempfile.gettempdir()).glob(f"{SOURCE_PREFIX}*-*"):
         pid = folder.name.removeprefix(SOURCE_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not process_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def child_environment(threads: int | None, extra: Mapping[str, str] | None, logging_to_file: bool) -> dict[str, str]:
