@@ -162,9 +162,11 @@ def local_postgres(folder: Path | str | None = None, port: int | None = None) ->
 
 def server_environment(home: Path | str, database_url: str | None = None) -> dict[str, str]:
     """The environment of a `prefect server start` with its own home and, when given, database."""
-    import flows  # the recorder settings `import flows` puts in the environment, for this server too
+    import flows  # the recorder settings `import flows` puts in the environment, for this server too;
+    # not what it set for the in-memory ephemeral server (the database, the event persister off)
 
-    env = {**os.environ, **flows.FAST_RECORDER, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    inherited = {name: value for name, value in os.environ.items() if name not in flows.EPHEMERAL_ONLY}
+    env = {**inherited, **flows.FAST_RECORDER, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     if database_url is None:  # a SQLite file in its home, not the in-memory default of `import flows`
         database_url = f"sqlite+aiosqlite:///{Path(home) / 'prefect.db'}"

@@ -20,6 +20,12 @@ why this happens at import.
   transactions run one after another and none can fail another. The ephemeral server's records
   then last as long as the process (the run's storage root keeps everything; the UI needs
   `prefect server start` anyway). Set PREFECT_API_DATABASE_CONNECTION_URL to keep them.
+- On that in-memory database the server's event persister is off
+  (PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED=false, unless set): it stored every event
+  (three per task run) for an event feed that nothing can open and that ends with the process,
+  at about 20 ms of server CPU per training step, taken from the step's torch threads on a
+  small machine (benchmarks/vs_trl.py). Task runs, flow runs, states and artifacts are recorded
+  as before (the task-run recorder reads the same events from the server's message bus).
 - PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120: Prefect waits 20 s for its ephemeral
   server by default, which a busy 2-core machine overran twice (`Timed out while attempting to
   connect to ephemeral Prefect API server`); it answers in ~3-8 s when idle, ~14 s on a fresh database.
@@ -38,12 +44,19 @@ SERVER_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
 }
 EPHEMERAL_DATABASE = "sqlite+aiosqlite:///:memory:"
+EVENT_PERSISTER = "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED"
 DATABASE_VARIABLES = ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL")
 
 for _name, _value in {**FAST_RECORDER, **SERVER_DEFAULTS}.items():
     os.environ.setdefault(_name, _value)
+# What this import set for the ephemeral server on the in-memory database alone: a `prefect server
+# start` of ours (deployments/local_server.py) leaves these out of its environment.
+EPHEMERAL_ONLY: dict[str, str] = {}
 if not os.environ.get("PREFECT_API_URL") and not any(os.environ.get(name) for name in DATABASE_VARIABLES):
-    os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = EPHEMERAL_DATABASE
+    EPHEMERAL_ONLY["PREFECT_API_DATABASE_CONNECTION_URL"] = EPHEMERAL_DATABASE
+    if EVENT_PERSISTER not in os.environ:
+        EPHEMERAL_ONLY[EVENT_PERSISTER] = "false"
+    os.environ.update(EPHEMERAL_ONLY)
 
 
 def ephemeral_database_in_memory() -> bool:

@@ -65,7 +65,9 @@ def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int, refill_round:
         indices = rng.choice(len(train), size=config.prompts_per_step, replace=len(train) < config.prompts_per_step)
     else:
         indices = step_prompt_indices(config.seed, step, config.prompts_per_step, len(train))
-    rows = train.select([int(i) for i in indices]).to_list()
+    # The rows by index, not `train.select(...)`: select fingerprints its index list on every call.
+    columns = train[[int(i) for i in indices]]
+    rows = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
     per_shard = config.prompts_per_step // config.num_rollout_workers
     return [
         PromptShard(
