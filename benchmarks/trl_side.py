@@ -4,7 +4,9 @@ one way to configure it, so both compare against the same TRL set-up.
 The GRPO fields are given in grpo-flow's names (`prompts_per_step` is TRL's generation batch
 divided by `num_generations`); everything else is what a CPU comparison needs: fp32 (TRL's
 GRPOConfig turns bf16 autocast on by default, which on CPU triples the step), no saving, no
-logging, no progress bar. One optimizer step per generation batch (gradient_accumulation_steps
+logging, no progress bar, no activation checkpointing (TRL's GRPOConfig turns it on by default
+and recomputes activations in the backward; grpo-flow's `gradient_checkpointing` is off unless
+asked, so the two sides do the same computation). One optimizer step per generation batch (gradient_accumulation_steps
 1, steps_per_generation 1), as grpo-flow's one actor step per training step.
 """
 
@@ -53,7 +55,7 @@ def grpo_config(
         loss_type=loss_type,
         beta=beta,
         seed=seed,
-        **more,
+        **{"activation_checkpointing": False, **more},
     )
 
 

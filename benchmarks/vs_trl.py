@@ -35,6 +35,7 @@ import os
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,8 @@ def run_trl(
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.seconds.append(time.perf_counter() - self.started)
 
+    # TRL calls transformers' renamed gradient-checkpointing methods (FutureWarning): TRL's to fix, not this report's.
+    warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6", category=FutureWarning)
     task = load_task("last_digit")
     args = grpo_config(workdir / "trl", steps=steps, **WORK, **(VLLM_COLOCATE if use_vllm else {}))
     timer = StepTimer()

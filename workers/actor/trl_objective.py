@@ -32,8 +32,6 @@ def grpo_args(config: GRPOFlowConfig, output_dir: str) -> Any:
     from trl import GRPOConfig
 
     on_gpu = torch.cuda.is_available()
-    # Only when on: transformers renamed the option and warns on any explicit value.
-    checkpointing: dict[str, Any] = {"gradient_checkpointing": True} if config.gradient_checkpointing else {}
     return GRPOConfig(
         output_dir=output_dir,
         use_cpu=not on_gpu,
@@ -75,7 +73,9 @@ def grpo_args(config: GRPOFlowConfig, output_dir: str) -> Any:
         vllm_importance_sampling_mode=config.vllm_importance_sampling_mode,
         vllm_importance_sampling_clip_min=config.vllm_importance_sampling_clip_min,
         vllm_importance_sampling_clip_max=config.vllm_importance_sampling_clip_max,
-        **checkpointing,
+        # By transformers' new name: TRL's default `gradient_checkpointing=True` (the old name) made
+        # transformers warn at every construction, and left args saying "on" for a model that is not.
+        activation_checkpointing=config.gradient_checkpointing,
     )
 
 
