@@ -16,8 +16,9 @@ Same work means: the same initial weights (one randomly initialised Qwen2 model 
 5M parameters, saved once and loaded by both sides with `from_pretrained`), the same
 tokenizer, prompts (the `last_digit` training split), reward function, GRPO
 hyperparameters (group size, prompts per step, completion length, temperature, learning
-rate, loss type, beta) and number of steps, fp32 on CPU on both sides. Generated tokens
-per step are counted on both sides and printed, so a difference in work shows.
+rate, loss type, beta) and number of steps, fp32 on CPU on both sides, neither checkpointing
+activations. Generated tokens per step are counted on both sides and printed, so a difference
+in work shows.
 
 Each side's first step is a warm-up and is left out of its median. grpo-flow's step time
 is measured around each step (its `grpo-step` subflow call, or with `step_subflows` off the step in

@@ -123,7 +123,9 @@ def generate_shards(
     generate_shard = with_retries(generate, config.generate_retries, config.retry_delay_seconds)
     if len(shards) == 1:
         return [generate_shard(config, plan, shards[0], rollout_version, fail_at)]
-    return generate_shard.map(unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at)).result()
+    return generate_shard.map(
+        unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at)
+    ).result()
 
 
 def produce_rollouts(

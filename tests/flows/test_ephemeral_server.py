@@ -57,7 +57,11 @@ def test_in_memory_server_records_runs_without_an_event_store(tmp_path):
     env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path / "server.log")],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.splitlines()[-1])
