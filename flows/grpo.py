@@ -2,7 +2,7 @@
 
     prepare_run → [restore_workers, when resuming] → evaluate_heldout (initial)
     for step in first..N:  grpo_step (a subflow; with step_subflows off, run_step in this flow run)
-        sample_batch → generate.map(shards) → score.map(shards)
+        sample_batch → generate.map(shards) (one shard: called, not mapped) → score.map(shards)
         → log_rollouts (compute-advantages, write-rollouts per shard, commit-rollouts)
         → actor_step → sync_weights (when due)
         → log_metrics (metrics Parquet, wandb, step artifact) → save_checkpoint (when due)
