@@ -87,32 +87,6 @@ def quoted(batches: list) -> list:
     return [quote(b) for b in batches]
 
 
-def refill_with_informative_groups(
-    config: GRPOFlowConfig, plan: RunPlan, step: int, rollout_version: int, scored: list, fail_at: str | None
-) -> tuple[list, dict[str, float]]:
-    """DAPO's dynamic sampling: drop groups whose rewards tie, refill from further prompts for up
-    to dynamic_sampling_max_rounds extra rounds. If no group carries signal, the step keeps its
-    own batch (its advantages are zero: the actor step changes nothing but the optimizer state)."""
-    kept, dropped = keep_informative_groups(config, [None] * len(scored), quoted(scored))
-    rounds = 0
-    target = config.prompts_per_step * config.num_generations
-    while sum(len(b) for b in kept) < target and rounds < config.dynamic_sampling_max_rounds:
-        rounds += 1
-        shards = sample_batch(config, plan, step, refill_round=rounds)
-        generated = generate.map(unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at))
-        rescored = score.map(unmapped(config), unmapped(plan), quoted(generated.result()), unmapped(fail_at)).result()
-        kept, more = keep_informative_groups(config, quoted(kept), quoted(rescored))
-        dropped += more
-    if not any(len(b) for b in kept):
-        kept = scored
-    stats = {
-        "dynamic_sampling/filtered_groups": float(dropped),
-        "dynamic_sampling/rounds": float(rounds),
-        "dynamic_sampling/kept_groups": float(sum(len(b) for b in kept) // config.num_generations),
-    }
-    return kept, stats
-
-
 def generate_shards(
     config: GRPOFlowConfig, plan: RunPlan, shards: list, rollout_version: int, fail_at: str | None
 ) -> list:
@@ -128,6 +102,38 @@ def generate_shards(
     ).result()
 
 
+def score_shards(config: GRPOFlowConfig, plan: RunPlan, generated: list, fail_at: str | None) -> list:
+    """score.map over the generated shards, resolved, with the run's retry policy."""
+    score_shard = with_retries(score, config.score_retries, config.retry_delay_seconds)
+    return score_shard.map(unmapped(config), unmapped(plan), quoted(generated), unmapped(fail_at)).result()
+
+
+def refill_with_informative_groups(
+    config: GRPOFlowConfig, plan: RunPlan, step: int, rollout_version: int, scored: list, fail_at: str | None
+) -> tuple[list, dict[str, float]]:
+    """DAPO's dynamic sampling: drop groups whose rewards tie, refill from further prompts for up
+    to dynamic_sampling_max_rounds extra rounds. If no group carries signal, the step keeps its
+    own batch (its advantages are zero: the actor step changes nothing but the optimizer state)."""
+    kept, dropped = keep_informative_groups(config, [None] * len(scored), quoted(scored))
+    rounds = 0
+    target = config.prompts_per_step * config.num_generations
+    while sum(len(b) for b in kept) < target and rounds < config.dynamic_sampling_max_rounds:
+        rounds += 1
+        shards = sample_batch(config, plan, step, refill_round=rounds)
+        generated = generate_shards(config, plan, shards, rollout_version, fail_at)
+        rescored = score_shards(config, plan, generated, fail_at)
+        kept, more = keep_informative_groups(config, quoted(kept), quoted(rescored))
+        dropped += more
+    if not any(len(b) for b in kept):
+        kept = scored
+    stats = {
+        "dynamic_sampling/filtered_groups": float(dropped),
+        "dynamic_sampling/rounds": float(rounds),
+        "dynamic_sampling/kept_groups": float(sum(len(b) for b in kept) // config.num_generations),
+    }
+    return kept, stats
+
+
 def produce_rollouts(
     config: GRPOFlowConfig, plan: RunPlan, step: int, rollout_version: int, fail_at: str | None
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -138,11 +144,9 @@ def produce_rollouts(
     Each mapped stage is resolved before the next, so a failure surfaces as the failing task's
     own exception rather than as a missing input further down.
     """
-    delay = config.retry_delay_seconds
     shards = sample_batch(config, plan, step)
     generated = generate_shards(config, plan, shards, rollout_version, fail_at)
-    score_shards = with_retries(score, config.score_retries, delay)
-    scored = score_shards.map(unmapped(config), unmapped(plan), quoted(generated), unmapped(fail_at)).result()
+    scored = score_shards(config, plan, generated, fail_at)
     if config.dynamic_sampling:
         scored, sampling_stats = refill_with_informative_groups(config, plan, step, rollout_version, scored, fail_at)
     reward_stats, samples = log_rollouts(config, plan, step, quoted(scored))
