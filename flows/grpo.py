@@ -2,7 +2,8 @@
 
     prepare_run → [restore_workers, when resuming] → evaluate_heldout (initial)
     for step in first..N:  grpo_step (a subflow; with step_subflows off, run_step in this flow run)
-        sample_batch → generate.map(shards) (one shard: called, not mapped) → score.map(shards)
+        sample_batch → generate.map(shards) (one shard, or engines in this process: called in turn)
+        → score.map(shards)
         → log_rollouts (compute-advantages, write-rollouts per shard, commit-rollouts)
         → actor_step → sync_weights (when due)
         → log_metrics (metrics Parquet, wandb, step artifact) → save_checkpoint (when due)
@@ -62,6 +63,7 @@ from tasks.rollout import (
 )
 from tasks.run import evaluate_heldout, finish_run, prepare_run, release_flow_run_locks
 from tasks.train import actor_step, log_metrics, restore_workers, save_checkpoint, sync_weights
+from workers import backends
 from workers.state.faults import parse_fail_at
 from workers.state.storage import RunStorage
 
@@ -90,13 +92,14 @@ def quoted(batches: list) -> list:
 def generate_shards(
     config: GRPOFlowConfig, plan: RunPlan, shards: list, rollout_version: int, fail_at: str | None
 ) -> list:
-    """generate.map over the step's prompt shards, resolved. A single shard is generated on the calling
-    thread instead (the same task run, without the fan-out): in-process engines then run torch on the
-    thread the actor step runs on. From a task-runner thread, with OpenMP threads of its own, a tiny
-    CPU step's generation took about 10 % longer (benchmarks/vs_trl.py)."""
+    """generate.map over the step's prompt shards, resolved. Engines in this process generate one at
+    a time anyway, so their shards (and a single shard anywhere) are generated on the calling thread,
+    one task run each, without the fan-out: torch then runs on the thread the actor step runs on.
+    From task-runner threads, each with OpenMP threads of its own, a tiny CPU step's generation took
+    about 10 % longer (benchmarks/vs_trl.py)."""
     generate_shard = with_retries(generate, config.generate_retries, config.retry_delay_seconds)
-    if len(shards) == 1:
-        return [generate_shard(config, plan, shards[0], rollout_version, fail_at)]
+    if len(shards) == 1 or backends.engines_in_this_process(config):
+        return [generate_shard(config, plan, shard, rollout_version, fail_at) for shard in shards]
     return generate_shard.map(
         unmapped(config), unmapped(plan), shards, unmapped(rollout_version), unmapped(fail_at)
     ).result()

@@ -7,7 +7,8 @@
 - `ray_app`: the workers wrapped in a few lines for Ray actors; `ray_backend`: the same surface
   as `local` (it subclasses it) over Ray actors on a Ray cluster, placed with a placement group.
 - `weight_sync`: how a rollout engine gets the actor's new policy (five methods).
-- this module: which backend a run uses (`run_workers`, `release`, `check_backend_ready`).
+- this module: which backend a run uses (`run_workers`, `release`, `check_backend_ready`), and
+  whether its engines generate in this process (`engines_in_this_process`).
 
 Imports every other worker package; `modal` only in the Modal modules, `ray` only in
 `ray_backend` (imported only for `backend="ray"`).
@@ -46,6 +47,12 @@ def run_workers(config: GRPOFlowConfig, model_path: str | Path) -> Any:
     from workers.backends import local
 
     return local.local_workers(config, model_path)
+
+
+def engines_in_this_process(config: GRPOFlowConfig) -> bool:
+    """Whether the run's rollout engines generate in this process (the local backend's transformers
+    engines without pipelining). They generate one at a time (transformers_engine.GENERATION_LOCK)."""
+    return config.backend == "local" and config.rollout_engine == "transformers" and not config.max_staleness
 
 
 def release(config: GRPOFlowConfig, run_id: str) -> None:
