@@ -82,7 +82,8 @@ def resolve_config(preset: str, overrides: dict[str, Any], allow_config_change: 
             return config
         return GRPOFlowConfig(**{**PRESETS[preset], **overrides})
     except ValidationError as error:
-        # A model-level problem is described as `config: ...`, its message naming the fields.
+        # Each problem names its fields (`max_steps: ...`, `epsilon_high/epsilon: ...`); one that names
+        # none is described as `config: ...`.
         problems = [line.removeprefix("config: ") for line in describe_validation_error(error).splitlines()]
         raise DeploymentConfigError("invalid config: " + "; ".join(problems)) from None
     except ResumeError as error:

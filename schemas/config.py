@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -76,6 +77,15 @@ NON_TRAINING_FIELDS = frozenset(
         "max_no_reward_steps",
     }
 )
+
+
+class FieldRuleError(ValueError):
+    """A rule between fields broken, naming them before its message (`epsilon_high/epsilon: ...`):
+    pydantic gives a model validator's error no field of its own."""
+
+    def __init__(self, fields: Sequence[str], message: str):
+        self.fields = tuple(fields)
+        super().__init__(f"{'/'.join(self.fields)}: {message}")
 
 
 class GRPOFlowConfig(BaseModel):
@@ -435,53 +445,69 @@ class GRPOFlowConfig(BaseModel):
     @model_validator(mode="after")
     def _check_cross_field_rules(self) -> GRPOFlowConfig:
         if self.prompts_per_step % self.num_rollout_workers:
-            raise ValueError(
+            raise FieldRuleError(
+                ("prompts_per_step", "num_rollout_workers"),
                 f"prompts_per_step ({self.prompts_per_step}) must split into whole groups across "
-                f"num_rollout_workers ({self.num_rollout_workers})"
+                f"num_rollout_workers ({self.num_rollout_workers})",
             )
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
-            raise ValueError(f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})")
+            raise FieldRuleError(
+                ("epsilon_high", "epsilon"), f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})"
+            )
         if self.max_steps == 0 or self.max_steps < -1:
-            raise ValueError(f"max_steps ({self.max_steps}) must be a positive number of steps, or -1")
+            raise FieldRuleError(
+                ("max_steps",), f"max_steps ({self.max_steps}) must be a positive number of steps, or -1"
+            )
         if self.reward_weights is not None and self.reward_funcs and len(self.reward_weights) != len(self.reward_funcs):
-            raise ValueError(
+            raise FieldRuleError(
+                ("reward_weights", "reward_funcs"),
                 f"reward_weights has {len(self.reward_weights)} values but reward_funcs has "
-                f"{len(self.reward_funcs)} functions"
+                f"{len(self.reward_funcs)} functions",
             )
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            raise ValueError("loss_type 'luspo' needs importance_sampling_level 'sequence' (TRL's rule)")
+            raise FieldRuleError(
+                ("loss_type", "importance_sampling_level"),
+                "loss_type 'luspo' needs importance_sampling_level 'sequence' (TRL's rule)",
+            )
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
-            raise ValueError("loss_type 'vespo' needs importance_sampling_level 'token' (TRL's rule)")
+            raise FieldRuleError(
+                ("loss_type", "importance_sampling_level"),
+                "loss_type 'vespo' needs importance_sampling_level 'token' (TRL's rule)",
+            )
         if (
             self.vllm_importance_sampling_clip_min is not None
             and self.vllm_importance_sampling_clip_max is not None
             and self.vllm_importance_sampling_clip_min > self.vllm_importance_sampling_clip_max
         ):
-            raise ValueError(
+            raise FieldRuleError(
+                ("vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max"),
                 f"vllm_importance_sampling_clip_min ({self.vllm_importance_sampling_clip_min}) must be <= "
-                f"vllm_importance_sampling_clip_max ({self.vllm_importance_sampling_clip_max})"
+                f"vllm_importance_sampling_clip_max ({self.vllm_importance_sampling_clip_max})",
             )
         if self.backend == "modal" and self.vllm_mode == "colocate" and self.rollout_engine == "vllm":
-            raise ValueError(
+            raise FieldRuleError(
+                ("vllm_mode", "backend"),
                 "vllm_mode 'colocate' needs the local backend: on Modal each rollout engine has a container of its "
-                "own (vllm_mode 'server')"
+                "own (vllm_mode 'server')",
             )
         if self.backend == "ray" and self.vllm_mode == "colocate" and self.rollout_engine == "vllm":
-            raise ValueError(
+            raise FieldRuleError(
+                ("vllm_mode", "backend"),
                 "vllm_mode 'colocate' needs the local backend: on Ray each rollout engine is a Ray actor of its own "
-                "(vllm_mode 'server'), on the GPUs rollout_gpus gives it"
+                "(vllm_mode 'server'), on the GPUs rollout_gpus gives it",
             )
         if self.rollout_engine == "vllm" and self.use_lora and (self.lora_r or 16) > VLLM_LORA_RANKS[-1]:
-            raise ValueError(
-                f"lora_r ({self.lora_r}) is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]})"
+            raise FieldRuleError(
+                ("lora_r",),
+                f"lora_r ({self.lora_r}) is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]})",
             )
         lora_options = [name for name in LORA_OPTIONS if getattr(self, name) is not None]
         if lora_options and not self.use_lora:
-            raise ValueError(f"{', '.join(lora_options)}: LoRA options given without use_lora")
+            raise FieldRuleError(lora_options, "LoRA options given without use_lora")
         for name in ("actor_gpu", "rollout_gpu"):
             if getattr(self, name) not in MODAL_GPU_TYPES:
-                raise ValueError(
-                    f"{name}: unknown Modal GPU type {getattr(self, name)!r}; known: {', '.join(MODAL_GPU_TYPES)}"
+                raise FieldRuleError(
+                    (name,), f"unknown Modal GPU type {getattr(self, name)!r}; known: {', '.join(MODAL_GPU_TYPES)}"
                 )
         return self
 
@@ -608,9 +634,14 @@ def field_group(name: str) -> str:
 
 
 def describe_validation_error(error: ValidationError) -> str:
-    """One line per problem, each naming the field: `max_steps: Input should be a valid integer`."""
+    """One line per problem, each naming the field: `max_steps: Input should be a valid integer`; a rule
+    between fields names them all: `prompts_per_step/num_rollout_workers: prompts_per_step (6) must ...`."""
     lines = []
     for item in error.errors():
+        rule = item.get("ctx", {}).get("error")
+        if isinstance(rule, FieldRuleError):
+            lines.append(str(rule))
+            continue
         field = ".".join(str(part) for part in item["loc"]) or "config"
         message = item["msg"].removeprefix("Value error, ")
         lines.append(f"{field}: {message}")

@@ -47,8 +47,15 @@ def test_optional_fields_accept_none():
         (["train", "--loss-type", "ppo"], "--loss-type: Input should be"),
         (["train", "--beta", "-1"], "--beta: Input should be greater than or equal to 0"),
         (["train", "--num-generations", "1"], "--num-generations: Input should be greater than or equal to 2"),
-        (["train", "--prompts-per-step", "6", "--num-rollout-workers", "4"], "prompts_per_step (6)"),
-        (["train", "--epsilon", "0.3", "--epsilon-high", "0.2"], "epsilon_high (0.2) must be >= epsilon (0.3)"),
+        (
+            ["train", "--prompts-per-step", "6", "--num-rollout-workers", "4"],
+            "grpo train: --prompts-per-step/--num-rollout-workers: prompts_per_step (6) must split",
+        ),
+        (
+            ["train", "--epsilon", "0.3", "--epsilon-high", "0.2"],
+            "grpo train: --epsilon-high/--epsilon: epsilon_high (0.2) must be >= epsilon (0.3)",
+        ),
+        (["train", "--max-steps", "0"], "grpo train: --max-steps: max_steps (0) must be a positive number"),
     ],
 )
 def test_bad_train_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, capsys, argv, expected):

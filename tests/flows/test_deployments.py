@@ -99,7 +99,10 @@ def test_the_server_refuses_bad_types_before_a_run_is_created(param):
 
 
 def test_bad_values_fail_the_run_naming_the_field(tmp_path):
-    with pytest.raises(DeploymentConfigError, match=r"^invalid config: prompts_per_step \(6\) must split into whole"):
+    with pytest.raises(
+        DeploymentConfigError,
+        match=r"^invalid config: prompts_per_step/num_rollout_workers: prompts_per_step \(6\) must split",
+    ):
         resolve_config("tiny", {"prompts_per_step": 6, "num_rollout_workers": 4})
     with pytest.raises(DeploymentConfigError, match=r"^invalid config: max_steps: Input should be a valid integer"):
         resolve_config("tiny", {"max_steps": "abc"})

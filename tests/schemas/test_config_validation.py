@@ -27,23 +27,25 @@ def problems(**fields) -> str:
         ({"no_such_field": 1}, "no_such_field: Extra inputs are not permitted"),
         (
             {"prompts_per_step": 6, "num_rollout_workers": 4},
-            "prompts_per_step (6) must split into whole groups across num_rollout_workers (4)",
+            "prompts_per_step/num_rollout_workers: prompts_per_step (6) must split into whole groups across "
+            "num_rollout_workers (4)",
         ),
-        ({"epsilon": 0.3, "epsilon_high": 0.2}, "epsilon_high (0.2) must be >= epsilon (0.3)"),
-        ({"max_steps": 0}, "max_steps (0) must be a positive number of steps, or -1"),
+        ({"epsilon": 0.3, "epsilon_high": 0.2}, "epsilon_high/epsilon: epsilon_high (0.2) must be >= epsilon (0.3)"),
+        ({"max_steps": 0}, "max_steps: max_steps (0) must be a positive number of steps, or -1"),
         (
             {"reward_funcs": ["last_digit"], "reward_weights": [1.0, 2.0]},
-            "reward_weights has 2 values but reward_funcs has 1 functions",
+            "reward_weights/reward_funcs: reward_weights has 2 values but reward_funcs has 1 functions",
         ),
         ({"backend": "modal", "rollout_gpu": "Z80"}, "rollout_gpu: unknown Modal GPU type 'Z80'"),
         (
             {"backend": "ray", "rollout_engine": "vllm", "vllm_mode": "colocate"},
-            "vllm_mode 'colocate' needs the local backend: on Ray each rollout engine is a Ray actor of its own",
+            "vllm_mode/backend: vllm_mode 'colocate' needs the local backend: on Ray each rollout engine is a Ray "
+            "actor of its own",
         ),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(fields, expected):
-    assert expected in problems(**fields)
+    assert problems(**fields).startswith(expected)
 
 
 def test_vllm_engines_on_ray_are_accepted_each_on_its_own_device():
