@@ -298,17 +298,13 @@ def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
 
     print(f"grpo-flow: run {config.run_id} in simple mode (TRL's GRPOTrainer loop)", flush=True)
     try:
-        summary = grpo_simple(config)
+        summary = grpo_simple(config, show_progress=not args.no_progress)
     except Exception as error:
         if args.verbose:
             raise
         print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    print(
-        f"run {summary['run_id']}: {summary['status']}, {summary['steps_completed']} steps, "
-        f"mean reward over the last 5 steps {summary['final_reward']:.3f}; "
-        f"storage {os.path.join(summary['storage'], 'runs', summary['run_id'])}"
-    )
+    print_summary(summary)
     return 0
 
 
@@ -350,9 +346,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         rows.append(
             ("held-out accuracy, after warm start", f"{summary['model_heldout_accuracy_after_warm_start']:.3f}")
         )
+    if "initial_eval_accuracy" in summary:  # simple mode (TRL's loop) evaluates nothing held out
+        rows.append(("held-out accuracy, before RL", f"{summary['initial_eval_accuracy']:.3f}"))
+        rows.append(("held-out accuracy, after RL", f"{summary['final_eval_accuracy']:.3f}"))
     rows += [
-        ("held-out accuracy, before RL", f"{summary['initial_eval_accuracy']:.3f}"),
-        ("held-out accuracy, after RL", f"{summary['final_eval_accuracy']:.3f}"),
         ("mean reward, last 5 steps", f"{summary['final_reward']:.3f}"),
         ("wall time", f"{summary['wall_seconds']:.1f} s"),
         ("storage", os.path.join(summary["storage"], "runs", summary["run_id"])),

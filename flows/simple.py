@@ -26,16 +26,16 @@ from workers.state.storage import RunStorage
 
 
 @task(name="trl-train", cache_policy=NO_CACHE)
-def trl_train(config: GRPOFlowConfig, plan: RunPlan) -> dict[str, Any]:
+def trl_train(config: GRPOFlowConfig, plan: RunPlan, show_progress: bool = False) -> dict[str, Any]:
     """GRPOTrainer.train() on the run's data and rewards. No retries: TRL's loop is not resumable here."""
     from workers.actor.simple_mode import train_with_trl
 
     funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names), plan.run_id)
-    return train_with_trl(config, plan, list(funcs.values()), load_task(config.dataset).train)
+    return train_with_trl(config, plan, list(funcs.values()), load_task(config.dataset).train, show_progress)
 
 
 @flow(name="grpo-simple", flow_run_name=grpo_run_name, validate_parameters=True)
-def grpo_simple(config: GRPOFlowConfig) -> dict[str, Any]:
+def grpo_simple(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str, Any]:
     """A run driven by TRL's GRPOTrainer; returns the run's summary (also in summary.json)."""
     started = time.perf_counter()
     if config.run_id is None:
@@ -45,7 +45,7 @@ def grpo_simple(config: GRPOFlowConfig) -> dict[str, Any]:
     plan = prepare_run(config)
     summary: dict[str, Any] = {"run_id": plan.run_id, "total_steps": plan.total_steps, "mode": "simple"}
     try:
-        output = trl_train(config, plan)
+        output = trl_train(config, plan, show_progress)
     except BaseException as error:
         summary.update(status="failed", error=f"{type(error).__name__}: {error}", steps_completed=0)
         finish_run(config, plan, summary)

@@ -97,6 +97,33 @@ def test_unknown_run_and_step_are_refused(tmp_path, capsys):
     assert "no runs" in capsys.readouterr().out
 
 
+def test_simple_mode_prints_its_run_line_a_progress_bar_and_the_summary_only(storage_root, tmp_path):
+    """TRL's trainer prints every log dict (its PrinterCallback, or its progress bar's `write`); a run does not."""
+    env = {"PREFECT_HOME": str(tmp_path / "prefect-home")}
+    common = ["train", "--simple-mode", "--max-steps", "2", "--storage-root", str(storage_root)]
+    quiet = run_cli(*common, "--run-id", "simple-quiet", "--no-progress", env_extra=env)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert quiet.stderr == ""
+    lines = quiet.stdout.splitlines()
+    assert lines[0] == "grpo-flow: run simple-quiet in simple mode (TRL's GRPOTrainer loop)"
+    assert [line.split("  ")[0] for line in lines[1:]] == [
+        "run",
+        "status",
+        "steps",
+        "held-out accuracy, random init",
+        "held-out accuracy, after warm start",
+        "mean reward, last 5 steps",
+        "wall time",
+        "storage",
+    ]
+    assert lines[3].split() == ["steps", "2", "/", "2"]
+    shown = run_cli(*common, "--run-id", "simple-bar", env_extra=env)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert shown.stdout.splitlines()[1:] and "{'loss'" not in shown.stdout + shown.stderr
+    bar = shown.stderr.replace("\r", "\n").splitlines()
+    assert bar[-1].startswith("simple-bar: 100%") and "2/2" in bar[-1] and "reward=" in bar[-1], bar[-3:]
+
+
 def test_train_then_list_then_read_rollouts(tmp_path):
     """The user path: a short run through the CLI on its own ephemeral Prefect server."""
     root = tmp_path / "store"

@@ -61,8 +61,38 @@ def storage_callback(storage: RunStorage, config: GRPOFlowConfig, plan: RunPlan)
     return StorageCallback()
 
 
+def console_progress(trainer: Any, run_id: str, show_progress: bool) -> None:
+    """What the trainer prints: a progress bar over steps with reward and loss, as the `grpo` flow shows,
+    or nothing. transformers' own console callbacks print every log dict (PrinterCallback, or the
+    progress bar's `write`), which a run prints only to its metrics."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from tqdm.auto import tqdm
+
+    for callback in list(trainer.callback_handler.callbacks):
+        if isinstance(callback, (PrinterCallback, ProgressCallback)) or type(callback).__name__.endswith(
+            "ProgressCallback"  # the notebook's
+        ):
+            trainer.remove_callback(callback)
+
+    class StepProgress(ProgressCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.training_bar = tqdm(total=state.max_steps, desc=run_id, unit="step")
+            self.current_step = 0
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any):
+            if self.training_bar is not None and logs and "loss" in logs and "reward" in logs:
+                self.training_bar.set_postfix(reward=f"{logs['reward']:.3f}", loss=f"{logs['loss']:.4f}")
+
+    if show_progress:
+        trainer.add_callback(StepProgress())
+
+
 def train_with_trl(
-    config: GRPOFlowConfig, plan: RunPlan, reward_funcs: list[Any], train_dataset: Any
+    config: GRPOFlowConfig,
+    plan: RunPlan,
+    reward_funcs: list[Any],
+    train_dataset: Any,
+    show_progress: bool = False,
 ) -> dict[str, Any]:
     """Run GRPOTrainer.train() for the run's steps; returns TRL's final training output as numbers."""
     from transformers import AutoModelForCausalLM
@@ -86,5 +116,6 @@ def train_with_trl(
         processing_class=tokenizer,
         callbacks=[storage_callback(storage, config, plan)],
     )
+    console_progress(trainer, plan.run_id, show_progress)
     output = trainer.train()
     return {k: float(v) for k, v in output.metrics.items() if isinstance(v, (int, float))}
