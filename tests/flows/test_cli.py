@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from cli_output import SIMPLE_MODE_SUMMARY_ROWS, SUMMARY_ROWS  # tests/flows/cli_output.py
 from flows.cli import build_config, main, make_parser, parse_overrides
 
 
@@ -106,16 +107,7 @@ def test_simple_mode_prints_its_run_line_a_progress_bar_and_the_summary_only(sto
     assert quiet.stderr == ""
     lines = quiet.stdout.splitlines()
     assert lines[0] == "grpo-flow: run simple-quiet in simple mode (TRL's GRPOTrainer loop)"
-    assert [line.split("  ")[0] for line in lines[1:]] == [
-        "run",
-        "status",
-        "steps",
-        "held-out accuracy, random init",
-        "held-out accuracy, after warm start",
-        "mean reward, last 5 steps",
-        "wall time",
-        "storage",
-    ]
+    assert [line.split("  ")[0] for line in lines[1:]] == SIMPLE_MODE_SUMMARY_ROWS
     assert lines[3].split() == ["steps", "2", "/", "2"]
     shown = run_cli(*common, "--run-id", "simple-bar", env_extra=env)
     assert shown.returncode == 0, shown.stderr[-3000:]
@@ -148,18 +140,7 @@ def test_train_then_list_then_read_rollouts(tmp_path):
     assert trained.stderr == ""
     lines = trained.stdout.splitlines()
     assert lines[0] == "grpo-flow: run cli-run (tiny, last_digit)"
-    assert [line.split("  ")[0] for line in lines[1:]] == [
-        "run",
-        "status",
-        "steps",
-        "held-out accuracy, random init",
-        "held-out accuracy, after warm start",
-        "held-out accuracy, before RL",
-        "held-out accuracy, after RL",
-        "mean reward, last 5 steps",
-        "wall time",
-        "storage",
-    ]
+    assert [line.split("  ")[0] for line in lines[1:]] == SUMMARY_ROWS
     assert lines[3].split() == ["steps", "2", "/", "2"]
     assert " train --preset tiny --max-steps 2 " in (root / "logs" / "prefect.log").read_text()
 

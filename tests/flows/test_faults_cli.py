@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_output import SUMMARY_ROWS  # tests/flows/cli_output.py
 from workers.state.storage import RunStorage, list_runs
 
 HERE = Path(__file__).parent  # fault_rewards.py, the misbehaving reward functions
@@ -110,18 +111,7 @@ def test_ctrl_c_stops_after_the_step_marks_the_run_interrupted_and_it_resumes(pr
     assert resumed.stderr == ""
     lines = resumed.stdout.splitlines()
     assert lines[0] == "grpo-flow: resuming run ctrl-c (tiny, last_digit)"
-    assert [line.split("  ")[0] for line in lines[1:]] == [
-        "run",
-        "status",
-        "steps",
-        "held-out accuracy, random init",
-        "held-out accuracy, after warm start",
-        "held-out accuracy, before RL",
-        "held-out accuracy, after RL",
-        "mean reward, last 5 steps",
-        "wall time",
-        "storage",
-    ]
+    assert [line.split("  ")[0] for line in lines[1:]] == SUMMARY_ROWS
     assert lines[2].split() == ["status", "completed"] and lines[3].split() == [
         "steps",
         f"{last + 1}",

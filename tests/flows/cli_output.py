@@ -1,0 +1,16 @@
+"""What `grpo train` prints after its run line: the summary's row names, in order (flows/cli.py print_summary)."""
+
+SUMMARY_ROWS = [
+    "run",
+    "status",
+    "steps",
+    "held-out accuracy, random init",
+    "held-out accuracy, after warm start",
+    "held-out accuracy, before RL",
+    "held-out accuracy, after RL",
+    "mean reward, last 5 steps",
+    "wall time",
+    "storage",
+]
+# Simple mode (TRL's loop) evaluates nothing held out before and after RL.
+SIMPLE_MODE_SUMMARY_ROWS = [row for row in SUMMARY_ROWS if not row.endswith(" RL")]
