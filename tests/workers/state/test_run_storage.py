@@ -115,6 +115,13 @@ def test_metrics_with_different_columns_per_step(tmp_path):
     rows = storage.read_metrics().to_pylist()
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["kl"] is None and rows[1]["kl"] == 0.1
     assert storage.logged_steps() == [1, 2]
+    # The README's way with pandas alone, file by file, keeps the column the first file lacks.
+    import glob
+
+    import pandas as pd
+
+    metrics = pd.concat(map(pd.read_parquet, sorted(glob.glob(f"{storage.run_dir}/metrics/*.parquet"))))
+    assert list(metrics["step"]) == [1, 2] and metrics["kl"].isna().tolist() == [True, False]
 
 
 def test_checkpoint_is_complete_only_with_its_manifest(tmp_path):
