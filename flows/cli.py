@@ -115,9 +115,10 @@ def cli_problems(error: ValidationError) -> str:
 
 def cli_spelling(line: str) -> str:
     """`max_steps: msg` as `--max-steps: msg`, the way the option was typed (and `a/b: msg` as `--a/--b: msg`)."""
-    fields, _, message = line.partition(": ")
-    if all(field in GRPOFlowConfig.model_fields for field in fields.split("/")):
-        return "/".join(f"--{field.replace('_', '-')}" for field in fields.split("/")) + f": {message}"
+    named, _, message = line.partition(": ")
+    fields = named.split("/")
+    if all(field in GRPOFlowConfig.model_fields for field in fields):
+        return "/".join(f"--{field.replace('_', '-')}" for field in fields) + f": {message}"
     return line
 
 

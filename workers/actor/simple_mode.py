@@ -65,14 +65,13 @@ def console_progress(trainer: Any, run_id: str, show_progress: bool) -> None:
     """What the trainer prints: a progress bar over steps with reward and loss, as the `grpo` flow shows,
     or nothing. transformers' own console callbacks print every log dict (PrinterCallback, or the
     progress bar's `write`), which a run prints only to its metrics."""
+    from transformers.trainer import DEFAULT_PROGRESS_CALLBACK  # the notebook's bar in a notebook
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from tqdm.auto import tqdm
 
-    for callback in list(trainer.callback_handler.callbacks):
-        if isinstance(callback, (PrinterCallback, ProgressCallback)) or type(callback).__name__.endswith(
-            "ProgressCallback"  # the notebook's
-        ):
-            trainer.remove_callback(callback)
+    # The Trainer added one of the two (PrinterCallback when disable_tqdm); removing an absent one does nothing.
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(DEFAULT_PROGRESS_CALLBACK)
 
     class StepProgress(ProgressCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

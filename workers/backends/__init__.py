@@ -51,7 +51,8 @@ def run_workers(config: GRPOFlowConfig, model_path: str | Path) -> Any:
 
 def engines_in_this_process(config: GRPOFlowConfig) -> bool:
     """Whether the run's rollout engines generate in this process (the local backend's transformers
-    engines without pipelining). They generate one at a time (transformers_engine.GENERATION_LOCK)."""
+    engines without pipelining: the last branch of `LocalWorkers.__init__`'s choice). They generate
+    one at a time (transformers_engine.GENERATION_LOCK)."""
     return config.backend == "local" and config.rollout_engine == "transformers" and not config.max_staleness
 
 
