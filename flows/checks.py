@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import tempfile
 from collections.abc import Collection
 from pathlib import Path
@@ -41,7 +42,8 @@ def check_before_start(config: GRPOFlowConfig, registered_rewards: Collection[st
         check_local_or_hub("dataset", config.dataset.removeprefix("hf:"), "data set", folder_only=False)
     check_rewards(config, registered_rewards)
     if config.model != "tiny" and config.backend == "local":
-        check_local_or_hub("model", config.model, "model", folder_only=True)
+        if check_local_or_hub("model", config.model, "model", folder_only=True) == "hub":
+            check_hub_model_reachable("model", config.model)
 
 
 def check_storage_root(root: str | os.PathLike) -> None:
@@ -86,9 +88,9 @@ def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = ()) -> N
         )
 
 
-def check_local_or_hub(field: str, value: str, what: str, folder_only: bool) -> None:
-    """`value` is an existing local path, or has the form of a hub id (whether the hub has it is
-    found out when it loads: that needs the network)."""
+def check_local_or_hub(field: str, value: str, what: str, folder_only: bool) -> str:
+    """`value` is an existing local path ("local"), or has the form of a hub id ("hub"; whether the hub
+    has it is found out when it loads: that needs the network)."""
     from workers.data.loaders import FILE_BUILDERS
 
     path = Path(value).expanduser()
@@ -98,10 +100,43 @@ def check_local_or_hub(field: str, value: str, what: str, folder_only: bool) -> 
         if path.is_file() and path.suffix not in FILE_BUILDERS:
             kinds = ", ".join(sorted(set(FILE_BUILDERS)))
             raise StartCheckError(field, f"{value!r}: a {what} file must be one of {kinds}")
-        return
+        return "local"
     if value.startswith(("/", "./", "../", "~", ".\\")) or value.count("/") > 1 or "\\" in value:
         raise StartCheckError(field, f"{value!r}: no such file or folder")
     if not HUB_ID.match(value):
         raise StartCheckError(
             field, f"{value!r} is neither a local path nor a Hugging Face hub id (name or namespace/name)"
         )
+    return "hub"
+
+
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def check_hub_model_reachable(field: str, repo_id: str) -> None:
+    """A hub model that is not in the local cache must be downloaded: where the hub cannot be reached,
+    say so now, as the hub client would retry each file for minutes, logging every retry. A cached
+    model loads from the cache (offline too), and behind a proxy nothing is checked here."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    advice = f"download it where there is a network (`hf download {repo_id}`) into this cache, or give a local path"
+    if constants.HF_HUB_OFFLINE:
+        raise StartCheckError(
+            field, f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {advice}"
+        )
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return
+    endpoint = urlparse(constants.ENDPOINT)
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as error:
+        raise StartCheckError(
+            field,
+            f"{repo_id!r} is not in the Hugging Face cache and {host} cannot be reached ({error.strerror or error}); "
+            f"{advice}",
+        ) from None

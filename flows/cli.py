@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import math
 import os
 import signal
 import subprocess
@@ -43,8 +44,9 @@ def is_list_field(annotation: Any) -> bool:
     )
 
 
-def option_help(field: Any) -> tuple[str, str]:
-    """An option's metavar and help line: the field's description, its allowed values and its default."""
+def option_help(field: Any, preset_value: Any = None) -> tuple[str, str]:
+    """An option's metavar and help line: the field's description, its allowed values and its default
+    (and `preset_value`, what `grpo train` without --preset runs with, where it differs)."""
     annotation = field.annotation
     kinds = [annotation]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None
@@ -69,18 +71,23 @@ def option_help(field: Any) -> tuple[str, str]:
         for key, symbol in symbols.items()
         if getattr(rule, key, None) is not None
     ]
-    extra = f"default: {default}" + (f"; {', '.join(bounds)}" if bounds else "")
+    extra = f"default: {default}"
+    if preset_value is not None and preset_value != field.default:
+        shown = str(preset_value).lower() if isinstance(preset_value, bool) else preset_value
+        extra += f"; the tiny preset, used without --preset: {shown}"
+    extra += f"; {', '.join(bounds)}" if bounds else ""
     return metavar, f"{field.description or ''} ({extra})".replace("%", "%%")
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     """Every config field as `--field-name`, grouped as schemas.config.CONFIG_GROUPS (and the README) group them."""
     from schemas.config import CONFIG_GROUPS, field_group
+    from schemas.presets import PRESETS
 
     groups = {name: parser.add_argument_group(f"{name} (config fields)") for name in [*CONFIG_GROUPS, "Other"]}
     for name, field in GRPOFlowConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        metavar, help_text = option_help(field)
+        metavar, help_text = option_help(field, PRESETS["tiny"].get(name))
         group = groups[field_group(name)]
         if is_list_field(field.annotation):
             group.add_argument(flag, dest=name, nargs="+", metavar=metavar, help=help_text)
@@ -222,7 +229,9 @@ def train_run(config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, 
     except Exception as error:  # the flow already recorded it; say it in one line unless asked for more
         if args.verbose:
             raise
-        print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {error}", file=sys.stderr)
+        # The first line: a reward function's error carries the traceback of its failing call after it.
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {reason}", file=sys.stderr)
         hint = f"add --verbose for the traceback; Prefect's log: {log_path}"
         if storage.exists():  # a run that never started has nothing to resume
             hint = f"resume it with: {resume_command(config.run_id or '', config.storage_root)}; {hint}"
@@ -336,23 +345,32 @@ def check_storage_root(root: str) -> None:
         raise UsageError(f"--storage-root: {error.message}") from None
 
 
+def shown(value: Any, spec: str) -> str:
+    """A summary figure; one that was not measured (NaN, or null in summary.json) says so."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "not measured"
+    return format(value, spec)
+
+
 def print_summary(summary: dict[str, Any]) -> None:
+    if summary.get("already_completed"):
+        print(f"grpo-flow: run {summary['run_id']} was already complete; nothing to train")
     rows = [
         ("run", summary["run_id"]),
         ("status", summary["status"]),
         ("steps", f"{summary['steps_completed']} / {summary['total_steps']}"),
     ]
     if "model_heldout_accuracy_random_init" in summary:
-        rows.append(("held-out accuracy, random init", f"{summary['model_heldout_accuracy_random_init']:.3f}"))
+        rows.append(("held-out accuracy, random init", shown(summary["model_heldout_accuracy_random_init"], ".3f")))
         rows.append(
-            ("held-out accuracy, after warm start", f"{summary['model_heldout_accuracy_after_warm_start']:.3f}")
+            ("held-out accuracy, after warm start", shown(summary["model_heldout_accuracy_after_warm_start"], ".3f"))
         )
     if "initial_eval_accuracy" in summary:  # simple mode (TRL's loop) evaluates nothing held out
-        rows.append(("held-out accuracy, before RL", f"{summary['initial_eval_accuracy']:.3f}"))
-        rows.append(("held-out accuracy, after RL", f"{summary['final_eval_accuracy']:.3f}"))
+        rows.append(("held-out accuracy, before RL", shown(summary["initial_eval_accuracy"], ".3f")))
+        rows.append(("held-out accuracy, after RL", shown(summary["final_eval_accuracy"], ".3f")))
     rows += [
-        ("mean reward, last 5 steps", f"{summary['final_reward']:.3f}"),
-        ("wall time", f"{summary['wall_seconds']:.1f} s"),
+        ("mean reward, last 5 steps", shown(summary["final_reward"], ".3f")),
+        ("wall time", f"{shown(summary['wall_seconds'], '.1f')} s"),
         ("storage", os.path.join(summary["storage"], "runs", summary["run_id"])),
     ]
     width = max(len(name) for name, _ in rows)

@@ -21,5 +21,6 @@ def quiet_prefect(verbose: bool) -> None:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # a retry of each hub request was a warning line
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notices

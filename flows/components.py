@@ -172,8 +172,8 @@ def command_test_reward(args: argparse.Namespace) -> int:
     for name, scores in scored.rewards.items():
         shown = "None (not applicable)" if scores[0] is None else f"{scores[0]:.4f}"
         print(f"{name}: {shown}  ({scored.reward_seconds[name] * 1000:.1f} ms)")
-    for name, value in scored.logged_metrics.items():
-        print(f"logged {name}: {value}")
+    for name, values in scored.logged_metrics.items():
+        print(f"logged {name}: {', '.join(str(value) for value in values)}")
     if scored.logged_extra[0] is not None:
         print(f"logged extra: {scored.logged_extra[0]}")
     print(f"reward (sum, weight 1 each): {scored.reward[0]:.4f}")

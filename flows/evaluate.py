@@ -349,7 +349,7 @@ def evaluate_checkpoint(
     heldout = task_data.heldout.select(range(min(settings.prompts, len(task_data.heldout))))
     funcs = resolve_reward_funcs(config.reward_funcs or list(task_data.default_rewards), run_id)
     accuracy_name = task_data.accuracy_reward
-    accuracy_func = BUILTIN_REWARDS.get(accuracy_name) if accuracy_name else None
+    accuracy_func = task_data.accuracy_function or (BUILTIN_REWARDS.get(accuracy_name) if accuracy_name else None)
     state = RewardTrainerState(
         global_step=step,
         max_steps=config.total_steps(len(task_data.train)),

@@ -54,6 +54,7 @@ from tasks.observability import (
     update_run_progress,
 )
 from tasks.rollout import (
+    check_metric_names,
     generate,
     keep_informative_groups,
     log_rollouts,
@@ -61,7 +62,7 @@ from tasks.rollout import (
     sample_batch,
     score,
 )
-from tasks.run import evaluate_heldout, finish_run, prepare_run, release_flow_run_locks
+from tasks.run import completed_summary, evaluate_heldout, finish_run, prepare_run, release_flow_run_locks
 from tasks.train import actor_step, log_metrics, restore_workers, save_checkpoint, sync_weights
 from workers import backends
 from workers.state.faults import parse_fail_at
@@ -231,6 +232,7 @@ def run_step(
             next_stats = next_rollouts.result()[0] if next_rollouts is not None else None
         last_step = step == plan.total_steps
         synced = sync_weights(config, plan) if step % config.sync_weights_every == 0 or last_step else {}
+        check_metric_names(rollout_stats, train_metrics)
         row = {
             "run_id": plan.run_id,
             "step": step,
@@ -271,6 +273,8 @@ def grpo(
     if fail_at:
         parse_fail_at(fail_at)  # a bad spec fails here, before anything starts
     plan = prepare_run(config, allow_config_change)
+    if (done := completed_summary(plan)) is not None:
+        return done
     rollout_version = restore_workers(config, plan) if plan.resumes else 0
     initial_accuracy = evaluate_heldout(config, plan, initial=True)
     progress_artifact = create_run_progress(plan, plan.total_steps, plan.first_step - 1)  # never raises

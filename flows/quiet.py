@@ -106,18 +106,21 @@ def _writes_to_terminal(handler: logging.Handler) -> bool:
 @contextlib.contextmanager
 def quiet_libraries() -> Iterator[None]:
     """No transformers progress bars ("Loading weights", "Writing model shards") or advisory
-    warnings, and no library FutureWarnings, for the block; then as before."""
+    warnings, no hub-client retry warnings and no library FutureWarnings, for the block; then as before."""
+    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
-    verbosity = hf_logging.get_verbosity()
+    verbosity, hub_verbosity = hf_logging.get_verbosity(), hub_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()  # the hub client logs each retry of a request as a warning
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning)
             yield
     finally:
         hf_logging.set_verbosity(verbosity)
+        hub_logging.set_verbosity(hub_verbosity)
         if bars:
             hf_logging.enable_progress_bar()

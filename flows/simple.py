@@ -42,7 +42,7 @@ def grpo_simple(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str
         config = config.model_copy(update={"run_id": new_run_id(config)})
     if RunStorage(config.storage_root, config.run_id).exists():
         raise ValueError(f"run_id: run {config.run_id!r} exists; simple mode does not resume, choose a new run id")
-    plan = prepare_run(config)
+    plan = prepare_run(config, mode="simple")
     summary: dict[str, Any] = {"run_id": plan.run_id, "total_steps": plan.total_steps, "mode": "simple"}
     try:
         output = trl_train(config, plan, show_progress)

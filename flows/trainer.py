@@ -22,7 +22,10 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from schemas.config import GRPOFlowConfig
+from pydantic import ValidationError
+
+from flows.checks import StartCheckError, check_before_start
+from schemas.config import GRPOFlowConfig, InvalidConfigError, describe_validation_error
 
 HELDOUT_FRACTION = 0.1  # of train_dataset's distinct prompts, held out when evaluating without eval_dataset
 
@@ -35,6 +38,26 @@ def _importable_path(func: Any) -> str | None:
     return f"{module}:{qualname}"
 
 
+def check_dataset_type(field: str, dataset: Any) -> None:
+    """A `datasets.Dataset` (or None); what else users hand over gets the way to make one."""
+    if dataset is None:
+        return
+    from datasets import Dataset, DatasetDict, IterableDataset
+
+    if isinstance(dataset, Dataset):
+        return
+    kind = type(dataset).__name__
+    if isinstance(dataset, DatasetDict):
+        how = f"pass one split, e.g. {field}=dataset[{next(iter(dataset), 'train')!r}]"
+    elif isinstance(dataset, IterableDataset):
+        how = "a run samples prompts by index; load it without streaming, or Dataset.from_list(list(dataset))"
+    elif kind == "DataFrame":
+        how = "convert it with datasets.Dataset.from_pandas(frame)"
+    else:
+        how = "make one with datasets.Dataset.from_list or Dataset.from_dict"
+    raise StartCheckError(field, f"a {kind}, not a datasets.Dataset; {how}")
+
+
 class GRPOFlowTrainer:
     def __init__(
         self,
@@ -43,66 +66,121 @@ class GRPOFlowTrainer:
         reward_weights: Sequence[float] | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
+        accuracy_reward: str | Callable[..., Any] | None = None,
         **config_fields: Any,
     ):
         from workers.rewards.environments import as_reward_function, is_reward_environment, snake_case
+        from workers.rewards.functions import reward_key
 
         funcs = [] if reward_funcs is None else reward_funcs
         if isinstance(funcs, (str, bytes)) or callable(funcs) or is_reward_environment(funcs):
             funcs = [funcs]
         self.reward_objects: dict[str, Callable[..., Any]] = {}
         names: list[str] = []
+        registered: list[bool] = []  # objects this process registers for the run, by name
         for index, func in enumerate(funcs):
             if isinstance(func, str):
                 names.append(func)
-            elif is_reward_environment(func):
+                registered.append(False)
+                continue
+            path = None
+            if is_reward_environment(func):
                 name = snake_case(type(func).__name__)
-                self.reward_objects[name] = as_reward_function(func, name)
-                names.append(name)
+                func = as_reward_function(func, name)
             elif callable(func):
                 name = getattr(func, "__name__", None) or snake_case(type(func).__name__)
-                self.reward_objects[name] = func
-                names.append(_importable_path(func) or name)
+                path = _importable_path(func)
             else:
                 raise TypeError(
                     f"reward_funcs[{index}]: {func!r} is neither callable nor a reward environment "
                     "(an object with score or score_batch), nor a reward name"
                 )
-        if len(set(names)) != len(names):
-            raise ValueError(f"reward_funcs: two reward functions share a name: {names}")
+            self.reward_objects[name] = func
+            names.append(path or name)
+            registered.append(path is None)
+        keys = [reward_key(name) for name in names]
+        for index, key in enumerate(keys):
+            if key in keys[:index]:
+                raise StartCheckError(
+                    "reward_funcs",
+                    f"{names[keys.index(key)]!r} and {names[index]!r} share the name {key!r}, which names their "
+                    f"reward_{key} column and metrics; wrap one in a function of another name",
+                )
         if reward_weights is not None and len(reward_weights) != len(names):
-            raise ValueError(
-                f"reward_weights has {len(reward_weights)} values but reward_funcs has {len(names)} functions"
+            raise StartCheckError(
+                "reward_weights", f"{len(reward_weights)} values but reward_funcs has {len(names)} functions"
             )
+        for field, value in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            check_dataset_type(field, value)
         self.task = None
         if train_dataset is not None:
             from workers.data.loaders import task_from_dataset
 
+            accuracy = self._accuracy_function(accuracy_reward, keys, names)
+            if eval_dataset is not None and accuracy is None:
+                raise StartCheckError(
+                    "accuracy_reward",
+                    "eval_dataset is scored by accuracy_reward (a reward giving 1.0 when right); name one",
+                )
             # Without eval_dataset, 10 % of the distinct prompts are held out for evaluation, unless
-            # evaluation is off (eval_prompts=0): then every prompt trains.
+            # evaluation is off (eval_prompts=0) or nothing can score it (no accuracy_reward): then
+            # every prompt trains.
             evaluates = config_fields.get("eval_prompts", GRPOFlowConfig.model_fields["eval_prompts"].default) != 0
-            fraction = HELDOUT_FRACTION if evaluates and eval_dataset is None else 0.0
-            self.task = task_from_dataset(train_dataset, eval_dataset, name="api", heldout_fraction=fraction)
+            fraction = HELDOUT_FRACTION if evaluates and accuracy and eval_dataset is None else 0.0
+            self.task = task_from_dataset(
+                train_dataset,
+                eval_dataset,
+                name="api",
+                heldout_fraction=fraction,
+                accuracy_reward=accuracy[0] if accuracy else None,
+                accuracy_function=accuracy[1] if accuracy else None,
+            )
             key = self._dataset_key(train_dataset, eval_dataset) + ("" if fraction else "-all")
             config_fields["dataset"] = "registered:" + key
-        elif eval_dataset is not None:
-            raise ValueError("eval_dataset: given without train_dataset")
+        elif eval_dataset is not None or accuracy_reward is not None:
+            raise StartCheckError("train_dataset", "eval_dataset and accuracy_reward need a train_dataset")
         self._reward_names = names
         # Names for the config: importable paths stay as they are; other objects are registered at train().
-        config_names = [n if (":" in n or n not in self.reward_objects) else f"registered:{n}" for n in names]
-        self.config = GRPOFlowConfig(
-            model=model,
-            reward_funcs=config_names,
-            reward_weights=list(reward_weights) if reward_weights is not None else None,
-            **config_fields,
-        )
-        from flows.checks import check_before_start
-
+        config_names = [
+            f"registered:{n}" if object_only else n for n, object_only in zip(names, registered, strict=True)
+        ]
+        try:
+            self.config = GRPOFlowConfig(
+                model=model,
+                reward_funcs=config_names,
+                reward_weights=list(reward_weights) if reward_weights is not None else None,
+                **config_fields,
+            )
+        except ValidationError as error:
+            raise InvalidConfigError(describe_validation_error(error)) from None
         check_before_start(self.config, self.reward_objects)  # reward paths, weights, model path, storage root
         if self.config.run_id is None:
             from flows.grpo import new_run_id
 
             self.config = self.config.model_copy(update={"run_id": new_run_id(self.config)})
+
+    def _accuracy_function(
+        self, accuracy_reward: str | Callable[..., Any] | None, keys: list[str], names: list[str]
+    ) -> tuple[str, Callable[..., Any]] | None:
+        """The held-out accuracy's scorer as (name, function): one of reward_funcs by name, a built-in
+        reward, or a function; None without one."""
+        from workers.rewards.functions import BUILTIN_REWARDS, resolve_reward_funcs
+
+        if accuracy_reward is None:
+            return None
+        if callable(accuracy_reward):
+            return getattr(accuracy_reward, "__name__", "accuracy"), accuracy_reward
+        if accuracy_reward in keys:
+            name = names[keys.index(accuracy_reward)]
+            if accuracy_reward in self.reward_objects:
+                return accuracy_reward, self.reward_objects[accuracy_reward]
+            return accuracy_reward, resolve_reward_funcs([name])[accuracy_reward]
+        if accuracy_reward in BUILTIN_REWARDS:
+            return accuracy_reward, BUILTIN_REWARDS[accuracy_reward]
+        raise StartCheckError(
+            "accuracy_reward",
+            f"{accuracy_reward!r} is neither one of reward_funcs ({', '.join(keys) or 'none'}) nor a built-in reward",
+        )
 
     @staticmethod
     def _dataset_key(train: Any, heldout: Any) -> str:

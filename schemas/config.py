@@ -8,6 +8,7 @@ messages quote the bad values, so a bad run fails here, before any model loads.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -91,7 +92,8 @@ class FieldRuleError(ValueError):
 class GRPOFlowConfig(BaseModel):
     """Everything a run needs, validated once at the edge (CLI, Python API, Prefect parameters)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN and infinity are no setting of any field (a weight of inf trained on nothing, silently).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # Where the run lives
     run_id: str | None = Field(
@@ -633,9 +635,28 @@ def field_group(name: str) -> str:
     return next((group for group, names in CONFIG_GROUPS.items() if name in names), "Other")
 
 
+# TRL's GRPOConfig (and Trainer) options that grpo-flow spells or does otherwise, for the error an
+# unknown field gets.
+TRL_ONLY_FIELDS = {
+    "args": "pass GRPOConfig's options as keyword arguments, under TRL's names",
+    "per_device_train_batch_size": "a step takes prompts_per_step x num_generations completions",
+    "generation_batch_size": "a step takes prompts_per_step x num_generations completions",
+    "gradient_accumulation_steps": "one step is one optimizer step; max_tokens_per_microbatch splits it",
+    "processing_class": "the tokenizer is loaded with the model",
+    "output_dir": "runs live under storage_root/runs/<run_id>",
+    "use_vllm": "set rollout_engine='vllm'",
+    "peft_config": "set use_lora with lora_r, lora_alpha, lora_target_modules",
+}
+
+
+class InvalidConfigError(ValueError):
+    """A config pydantic refused, one line per problem, each naming its field (the Python API's error)."""
+
+
 def describe_validation_error(error: ValidationError) -> str:
     """One line per problem, each naming the field: `max_steps: Input should be a valid integer`; a rule
-    between fields names them all: `prompts_per_step/num_rollout_workers: prompts_per_step (6) must ...`."""
+    between fields names them all: `prompts_per_step/num_rollout_workers: prompts_per_step (6) must ...`;
+    an unknown field says what grpo-flow has instead, or the field it looks like."""
     lines = []
     for item in error.errors():
         rule = item.get("ctx", {}).get("error")
@@ -644,5 +665,9 @@ def describe_validation_error(error: ValidationError) -> str:
             continue
         field = ".".join(str(part) for part in item["loc"]) or "config"
         message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(field, GRPOFlowConfig.model_fields, n=1)
+            hint = TRL_ONLY_FIELDS.get(field) or (f"did you mean {close[0]}?" if close else "see GRPOFlowConfig")
+            message = f"not a grpo-flow option ({hint})"
         lines.append(f"{field}: {message}")
     return "\n".join(lines)

@@ -44,6 +44,9 @@ ROLLOUT_BASE_FIELDS: list[pa.Field] = [
     pa.field("score_s", pa.float64(), nullable=False),
 ]
 ROLLOUT_BASE_NAMES = frozenset(f.name for f in ROLLOUT_BASE_FIELDS)
+# What reward functions are called with besides the data set's columns (TRL's keyword arguments): a
+# column of one of these names would be passed in its place, or dropped.
+REWARD_CALL_NAMES = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"})
 
 
 def rollout_schema(reward_names: list[str], extra_columns: dict[str, pa.DataType]) -> pa.Schema:
@@ -87,10 +90,11 @@ class RolloutBatch:
     generate_s: float = 0.0
     score_s: float = 0.0
     # In memory only: the prompts as the data set has them (conversational ones as messages),
-    # each reward function's seconds, and what reward functions logged through log_metric.
+    # each reward function's seconds, and every value reward functions logged through log_metric
+    # (the step's metric is their mean over every call of every shard, as TRL averages them).
     raw_prompt: list[Any] = field(default_factory=list)
     reward_seconds: dict[str, float] = field(default_factory=dict)
-    logged_metrics: dict[str, float] = field(default_factory=dict)
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.completion)

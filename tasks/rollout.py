@@ -8,6 +8,7 @@ the step flow; the defaults here are the config's defaults.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 import threading
 import time
 
@@ -24,7 +25,13 @@ from workers import backends
 from workers.actor.advantages import multi_objective_advantages
 from workers.state.faults import maybe_fail, maybe_kill_engine
 from workers.data.loaders import load_task
-from workers.rewards.functions import RewardTimeoutError, RewardTrainerState, resolve_reward_funcs, score_batch
+from workers.rewards.functions import (
+    RewardOutputError,
+    RewardTimeoutError,
+    RewardTrainerState,
+    resolve_reward_funcs,
+    score_batch,
+)
 from workers.rollout.base import SamplingParams
 from workers.state.storage import RunStorage
 
@@ -122,11 +129,12 @@ def generate(
     )
 
 
-def not_a_timeout(task: object, task_run: object, state: object) -> bool:
+def worth_retrying(task: object, task_run: object, state: object) -> bool:
     """Retry condition of `score`: a reward call past reward_timeout_s is not retried (each attempt
-    would wait as long again, and could leave another thread behind)."""
+    would wait as long again, and could leave another thread behind), nor scores of the wrong shape
+    or kind (the same on every attempt)."""
     error = getattr(state, "data", None)
-    return not isinstance(error, RewardTimeoutError)
+    return not isinstance(error, (RewardTimeoutError, RewardOutputError))
 
 
 def not_a_missing_reward(task: object, task_run: object, state: object) -> bool:
@@ -134,7 +142,7 @@ def not_a_missing_reward(task: object, task_run: object, state: object) -> bool:
     return not isinstance(getattr(state, "data", None), NoRewardError)
 
 
-@task(name="score", retries=2, retry_delay_seconds=1, retry_condition_fn=not_a_timeout, cache_policy=NO_CACHE)
+@task(name="score", retries=2, retry_delay_seconds=1, retry_condition_fn=worth_retrying, cache_policy=NO_CACHE)
 def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, fail_at: str | None = None) -> RolloutBatch:
     """Every reward function on every completion of the shard, and the weighted total."""
     maybe_fail("score", batch.step, fail_at)
@@ -254,10 +262,35 @@ def compute_advantages(config: GRPOFlowConfig, batches: list[RolloutBatch]) -> t
     stats = reward_stats(rewards, std_is_zero, reward_columns, lengths, finish_reasons)
     for name in batches[0].reward_seconds:  # functions run per shard: their time summed over shards
         stats[f"time/reward/{name}_s"] = sum(b.reward_seconds.get(name, 0.0) for b in batches)
-    for batch in batches:
-        for name, value in batch.logged_metrics.items():  # what reward functions logged with log_metric
-            stats[name] = value
+    stats.update(logged_metric_means(batches, reserved=stats))
     return out, stats
+
+
+def logged_metric_means(batches: list[RolloutBatch], reserved: Collection[str]) -> dict[str, float]:
+    """What reward functions logged with `log_metric`: each name's mean over every call in every shard
+    (TRL averages the values it collects likewise). A name grpo-flow's own metrics use is an error."""
+    values: dict[str, list[float]] = {}
+    for batch in batches:
+        for name, logged in batch.logged_metrics.items():
+            values.setdefault(name, []).extend(logged)
+    clashes = sorted(set(values) & set(reserved))
+    if clashes:
+        raise RewardOutputError(
+            f"reward functions logged {clashes} with log_metric, which grpo-flow's own metrics are called; "
+            "log them under other names"
+        )
+    return {name: sum(logged) / len(logged) for name, logged in values.items() if logged}
+
+
+def check_metric_names(rollout_stats: dict[str, float], train_metrics: dict[str, float]) -> None:
+    """The actor's metrics and the step's rollout statistics share one row: a name in both can only be
+    one that a reward function logged with `log_metric` (the actor's names vary with the loss)."""
+    clashes = sorted(set(rollout_stats) & set(train_metrics))
+    if clashes:
+        raise RewardOutputError(
+            f"reward functions logged {clashes} with log_metric, which the actor's own metrics are called; "
+            "log them under other names"
+        )
 
 
 def reward_stats(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -13,13 +14,20 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as current_flow_run
 
 from schemas.config import GRPOFlowConfig
-from schemas.records import RunPlan
+from schemas.records import REWARD_PREFIX, RunPlan
 from workers import backends
 from workers.data.loaders import load_task
+from workers.rollout.base import check_chat_prompts, load_generation_tokenizer
 from workers.rollout.heldout import heldout_accuracy
 from workers.state.lock import hold_run_lock, release_run_lock, release_run_locks_of
-from workers.state.resume import check_config_change, check_max_steps, find_resume_point, record_resume
-from workers.rewards.functions import resolve_reward_funcs
+from workers.state.resume import (
+    check_config_change,
+    check_max_steps,
+    check_resumable,
+    find_resume_point,
+    record_resume,
+)
+from workers.rewards.functions import RewardTrainerState, resolve_reward_funcs
 from workers.state.storage import RunStorage
 from workers.data.tiny_model import read_build_info, resolve_model_path
 from workers.state.tracking import wandb_finish
@@ -32,13 +40,15 @@ def check_run_start(config: GRPOFlowConfig, allow_config_change: bool = False) -
     """
     storage = RunStorage(config.storage_root, config.run_id or "")
     if storage.exists():
+        check_resumable(storage)
         check_config_change(storage, config, allow_config_change)
     return storage
 
 
 @task(name="prepare-run", cache_policy=NO_CACHE)
-def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False) -> RunPlan:
-    """Validate rewards, data and model before writing anything; then create the run, or find where it stands."""
+def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode: str = "grpo") -> RunPlan:
+    """Validate rewards, data and model before writing anything; then create the run, or find where it
+    stands. `mode`: the loop that trains it (`simple`: TRL's), recorded in run.json."""
     # One writer per run: raises RunLockedError naming a live holder. Released by finish_run, or by
     # the flow's state hooks (release_flow_run_locks) when the run fails before it gets there.
     hold_run_lock(RunStorage(config.storage_root, config.run_id or "").run_dir, owner=current_flow_run.get_id())
@@ -50,7 +60,13 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False) -> Ru
         raise ValueError(f"reward_funcs: data set {config.dataset!r} has no default rewards; give reward_funcs")
     if config.reward_weights is not None and len(config.reward_weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(config.reward_weights)} values for {len(funcs)} reward functions")
+    taken = sorted(REWARD_PREFIX + name for name in funcs if REWARD_PREFIX + name in task_data.extra_columns)
+    if taken:
+        raise ValueError(f"dataset: columns {taken} clash with the reward columns of the rollout log; rename them")
     model_path = resolve_model_path(config.model, config.storage_root)
+    if Path(model_path).is_dir():  # a hub model not downloaded yet is checked where it loads
+        splits = {"train": task_data.train["prompt"], "heldout": task_data.heldout["prompt"]}
+        check_chat_prompts(load_generation_tokenizer(model_path), config.model, splits)
     total_steps = config.total_steps(len(task_data.train))
     session = uuid.uuid4().hex[:12]
     if storage.exists():
@@ -75,7 +91,7 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False) -> Ru
             get_run_logger().warning("run %s: damaged rollouts of steps %s set aside", storage.run_id, point.set_aside)
     else:
         storage.clean_temps()
-        storage.write_config(config.model_dump(mode="json"))
+        storage.write_config(config.model_dump(mode="json"), mode=mode)
         resume = {}
     return RunPlan(
         run_id=storage.run_id,
@@ -104,14 +120,32 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
     trained = plan.resume_checkpoint is not None or bool(plan.replay_steps)
     if config.eval_prompts == 0 or (initial and trained):  # the initial policy is gone
         return float("nan")
-        return float("nan")
     engine = backends.run_workers(config, plan.model_path).rollout[0]
+    task_data = load_task(config.dataset)
+    total_steps = plan.total_steps
+    # Rewards are called as in training; trainer_state says where the policy stands.
+    state = RewardTrainerState(
+        global_step=0 if initial else total_steps,
+        max_steps=total_steps,
+        epoch=0.0 if initial else total_steps * config.prompts_per_step / max(1, len(task_data.train)),
+    )
     accuracy = heldout_accuracy(
-        engine, load_task(config.dataset), config.eval_prompts, config.max_completion_length, config.max_prompt_length
+        engine, task_data, config.eval_prompts, config.max_completion_length, config.max_prompt_length, state=state
     )
     if initial:
         storage.write_initial_eval(accuracy)
     return accuracy
+
+
+def completed_summary(plan: RunPlan) -> dict[str, Any] | None:
+    """A resumed run with nothing left to train: its summary as it stands (not written again, no model
+    loaded, nothing evaluated again), flagged `already_completed`, and its writer lock released."""
+    storage = RunStorage(plan.storage_root, plan.run_id)
+    summary = storage.read_summary() if plan.resumes and plan.first_step > plan.total_steps else None
+    if not summary or summary.get("status") != "completed" or summary.get("steps_completed") != plan.total_steps:
+        return None
+    release_run_lock(storage.run_dir)
+    return {**summary, "already_completed": True}
 
 
 @task(name="finish-run", cache_policy=NO_CACHE)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import shutil
 import time
 from typing import Any
 
@@ -14,7 +16,7 @@ from tasks.caching import STEP_STAGE
 from tasks.observability import publish, step_artifact
 from workers import backends
 from workers.state.faults import maybe_fail
-from workers.state.storage import RunStorage
+from workers.state.storage import RunStorage, StorageFullError, is_disk_full
 
 
 @task(name="restore-workers", cache_policy=NO_CACHE)
@@ -55,7 +57,19 @@ def sync_weights(config: GRPOFlowConfig, plan: RunPlan) -> dict[str, float]:
     return {"synced_version": version, "time/sync_s": time.perf_counter() - started, **moved}
 
 
-@task(name="save-checkpoint", retries=1, retry_delay_seconds=1, cache_policy=STEP_STAGE, persist_result=True)
+def not_a_full_disk(task: object, task_run: object, state: object) -> bool:
+    """Retry condition of `save_checkpoint`: a full disk is as full a second later."""
+    return not isinstance(getattr(state, "data", None), StorageFullError)
+
+
+@task(
+    name="save-checkpoint",
+    retries=1,
+    retry_delay_seconds=1,
+    retry_condition_fn=not_a_full_disk,
+    cache_policy=STEP_STAGE,
+    persist_result=True,
+)
 def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int, fail_at: str | None = None) -> dict[str, float]:
     """Weights, optimizer, scheduler and RNG states (and the rollout workers' weights when they lag);
     the manifest is written last, then the folder is renamed; old checkpoints are pruned."""
@@ -66,10 +80,20 @@ def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int, fail_at: s
         return {"time/checkpoint_s": time.perf_counter() - started}
     workers = backends.run_workers(config, plan.model_path)
     staging = storage.staging_checkpoint_dir(step)
-    state = workers.actor.save_checkpoint(staging)
+    try:
+        state = workers.actor.save_checkpoint(staging)
+        rollout_state = workers.save_rollout_weights(staging)
+    except Exception as error:  # nothing half-written stays behind, and a full disk says so
+        shutil.rmtree(staging, ignore_errors=True)
+        if is_disk_full(error):
+            raise StorageFullError(
+                errno.ENOSPC,
+                f"no space left on the device while writing the checkpoint of step {step} under "
+                f"{storage.run_dir / 'checkpoints'}; the partial checkpoint was removed, every logged step is kept",
+            ) from error
+        raise
     if state["policy_version"] != step:
         raise RuntimeError(f"checkpoint of step {step}: the actor holds policy version {state['policy_version']}")
-    rollout_state = workers.save_rollout_weights(staging)
     maybe_fail("checkpoint", step, fail_at)
     seconds = time.perf_counter() - started
     storage.commit_checkpoint(

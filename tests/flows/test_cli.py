@@ -272,7 +272,10 @@ def test_help_shows_each_option_with_its_allowed_values_and_default_grouped_as_t
     flat = " ".join(help_text.split())  # argparse wraps the text
     assert "--loss-type {grpo,dapo,dr_grpo,bnpo,cispo,sapo,luspo,vespo}" in flat
     assert "(default: dapo)" in flat and "--use-lora {true,false}" in flat and "(default: false)" in flat
-    assert "--learning-rate X" in flat and "(default: 1e-06; > 0)" in flat and "--num-generations N" in flat
+    assert (
+        "--learning-rate X" in flat and "(default: 1e-06; the tiny preset, used without --preset: 0.005; > 0)" in flat
+    )
+    assert "--num-generations N" in flat
     assert "(default: 600.0; > 0)" in flat  # reward_timeout_s
     headings = [line[:-1] for line in help_text.splitlines() if line.endswith(" (config fields):")]
     assert headings == [f"{group} (config fields)" for group in CONFIG_GROUPS]
@@ -280,3 +283,26 @@ def test_help_shows_each_option_with_its_allowed_values_and_default_grouped_as_t
     for group, section in zip(CONFIG_GROUPS.values(), sections, strict=True):
         flags = re.findall(r"^  (--[a-z0-9-]+)", section, re.M)  # an option's line, not `--x` in a help text
         assert flags == ["--" + name.replace("_", "-") for name in group]
+
+
+def test_the_summary_says_what_was_not_measured_and_when_a_run_was_already_complete(capsys):
+    from flows.cli import print_summary
+
+    summary = {
+        "run_id": "done",
+        "status": "completed",
+        "steps_completed": 5,
+        "total_steps": 5,
+        "initial_eval_accuracy": float("nan"),  # evaluation off, in the flow's summary
+        "final_eval_accuracy": None,  # the same, read back from summary.json
+        "final_reward": 0.5,
+        "wall_seconds": 3.25,
+        "storage": "grpo-storage",
+        "already_completed": True,
+    }
+    print_summary(summary)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "grpo-flow: run done was already complete; nothing to train"
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in lines[1:])
+    assert rows["held-out accuracy, before RL"] == rows["held-out accuracy, after RL"] == "not measured"
+    assert rows["mean reward, last 5 steps"] == "0.500" and rows["wall time"] == "3.2 s"

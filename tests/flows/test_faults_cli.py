@@ -171,3 +171,19 @@ def test_a_reward_that_never_returns_fails_the_step_naming_it_and_the_run_resume
     )
     assert resumed.returncode == 0, resumed.stderr
     assert storage.read_summary()["status"] == "completed" and storage.logged_steps() == [1, 2]
+
+
+def test_a_raising_reward_fails_the_run_in_one_line_its_traceback_in_prefects_log(
+    prefect_server, storage_root, tmp_path
+):
+    argv = train_argv(storage_root, "raising-reward", "--preset", "tiny", "--max-steps", "1", *SMALL)
+    argv += ["--reward-funcs", "math:sqrt", "--score-retries", "0"]  # math.sqrt takes no keyword arguments
+    failed = subprocess.run(argv, capture_output=True, text=True, env=cli_env(tmp_path), timeout=300)
+
+    assert failed.returncode == 1
+    first, hint = failed.stderr.strip().splitlines()  # nothing else: the traceback is in Prefect's log
+    assert first.startswith(
+        "grpo train: run raising-reward failed: RewardFunctionError: reward function 'sqrt' raised on sample 0"
+    )
+    assert hint.startswith("(resume it with: grpo train --run-id raising-reward --resume")
+    assert "Traceback" in (storage_root / "logs" / "prefect.log").read_text()

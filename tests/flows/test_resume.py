@@ -219,6 +219,29 @@ def test_changing_a_training_field_on_resume_is_refused_unless_allowed(six_steps
     assert storage.logged_steps() == list(range(1, 8))
 
 
+def test_a_resume_applies_a_changed_learning_rate_and_goes_on_over_a_longer_schedule(prefect_server, storage_root):
+    """The checkpoint's optimizer and scheduler state held the old rate (and, for a linear schedule at its
+    end, 0): a resumed run trained at the rate it recorded as changed, and step 5 at 0."""
+    linear = dict(lr_scheduler_type="linear", max_steps=4, save_steps=2)
+    grpo(small_config(storage_root, "longer", **linear))
+    storage = RunStorage(storage_root, "longer")
+    changed = small_config(storage_root, "longer", **{**linear, "max_steps": 6, "learning_rate": 0.001})
+    grpo(changed, allow_config_change=True)
+    rates = {row["step"]: row["learning_rate"] for row in storage.read_metrics().to_pylist()}
+    assert rates[4] == pytest.approx(0.005 * 1 / 4)  # the first session: 4 steps at 5e-3, linear to 0
+    # Steps 5 and 6 at the new rate, at the 6-step schedule's position (TRL logs the step's rate).
+    assert rates[5] == pytest.approx(0.001 * 2 / 6) and rates[6] == pytest.approx(0.001 * 1 / 6)
+    assert json.loads((storage.run_dir / "resumes" / "resume-001.json").read_text())["changed_fields"][
+        "learning_rate"
+    ] == [0.005, 0.001]
+
+    # Resuming the completed run again trains nothing and leaves its summary as it was.
+    before = storage.summary_path.read_bytes()
+    again = grpo(changed)
+    assert again["already_completed"] is True and again["steps_completed"] == 6
+    assert storage.summary_path.read_bytes() == before and storage.logged_steps() == list(range(1, 7))
+
+
 # -- hardening (issue 15): backups, two writers, damaged earlier steps, max_steps ------------------------
 def test_a_run_restored_from_a_backup_resumes_to_the_same_weights(uninterrupted, storage_root, tmp_path):
     """Reported: a run folder restored from a backup, then resumed, failed with "run 'X' has no rollouts

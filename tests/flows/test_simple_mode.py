@@ -39,6 +39,25 @@ def test_simple_mode_runs_trls_loop_and_writes_metrics_and_checkpoints(prefect_s
     assert storage.verify_checkpoint(3)["mode"] == "simple"
     with pytest.raises(ValueError, match="simple mode does not resume"):
         grpo_simple(config)
+    # Nor does grpo-flow's loop go on from TRL's checkpoints: refused before anything starts, and
+    # nothing (no resume record) written.
+    from flows.grpo import grpo
+    from workers.state.resume import ResumeError
+
+    with pytest.raises(ResumeError, match=r"run_id: run 'simple-mode' was trained by TRL's loop \(--simple-mode\)"):
+        grpo(config.model_copy(update={"max_steps": 4}))
+    assert storage.resume_count() == 0
+
+
+def test_resuming_a_simple_mode_run_is_refused_by_the_cli_in_one_line(tmp_path, capsys):
+    from flows.cli import build_config
+
+    storage = RunStorage(tmp_path, "simple")
+    config = build_config("tiny", {"run_id": "simple", "storage_root": str(tmp_path)})
+    storage.write_config(config.model_dump(mode="json"), mode="simple")
+    assert main(["train", "--run-id", "simple", "--resume", "--storage-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--run-id: run 'simple' was trained by TRL's loop (--simple-mode), which does not resume" in err
 
 
 def test_simple_mode_refuses_an_existing_run_before_starting(tmp_path, capsys):

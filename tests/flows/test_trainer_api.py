@@ -84,7 +84,7 @@ def test_bad_api_input_is_refused_before_anything_loads(tmp_path):
         GRPOFlowTrainer(
             reward_funcs=[exact_digit], train_dataset=Dataset.from_dict({"question": ["1="]}), storage_root=str(root)
         )
-    with pytest.raises(ValueError, match="reward_weights has 1 values but reward_funcs has 2 functions"):
+    with pytest.raises(ValueError, match="reward_weights: 1 values but reward_funcs has 2 functions"):
         GRPOFlowTrainer(reward_funcs=[exact_digit, IsDigit()], reward_weights=[1.0], storage_root=str(root))
     with pytest.raises(TypeError, match=r"reward_funcs\[1\]: 42 is neither callable nor a reward environment"):
         GRPOFlowTrainer(reward_funcs=[exact_digit, 42], storage_root=str(root))
@@ -138,9 +138,76 @@ def test_nothing_is_held_out_when_evaluation_is_off(tmp_path):
     three = Dataset.from_dict({"prompt": ["11=", "22=", "33="], "answer": ["1", "2", "3"]})
     off = GRPOFlowTrainer(reward_funcs=[exact_digit], train_dataset=three, eval_prompts=0, storage_root=str(tmp_path))
     assert (off.task.train.num_rows, off.task.heldout.num_rows) == (3, 0)  # a 3-prompt data set trains on 3
-    on = GRPOFlowTrainer(reward_funcs=[exact_digit], train_dataset=digits_dataset(40), storage_root=str(tmp_path))
+    on = GRPOFlowTrainer(
+        reward_funcs=[exact_digit],
+        train_dataset=digits_dataset(40),
+        accuracy_reward="exact_digit",
+        storage_root=str(tmp_path),
+    )
     assert (on.task.train.num_rows, on.task.heldout.num_rows) == (36, 4)  # 10 % of the prompts, for evaluation
+    assert on.task.accuracy_function is exact_digit
     assert off.config.dataset != on.config.dataset  # what trains differs, so a resume sees the change
+    # Without a reward that says right or wrong, no accuracy can be measured: nothing is held out for one.
+    unscored = GRPOFlowTrainer(reward_funcs=[exact_digit], train_dataset=digits_dataset(40), storage_root=str(tmp_path))
+    assert (unscored.task.train.num_rows, unscored.task.heldout.num_rows) == (40, 0)
+    with pytest.raises(ValueError, match="accuracy_reward: eval_dataset is scored by accuracy_reward"):
+        GRPOFlowTrainer(reward_funcs=[exact_digit], train_dataset=three, eval_dataset=three, storage_root=str(tmp_path))
+    with pytest.raises(ValueError, match=r"accuracy_reward: 'exact' is neither one of reward_funcs \(exact_digit\)"):
+        GRPOFlowTrainer(
+            reward_funcs=[exact_digit], train_dataset=three, accuracy_reward="exact", storage_root=str(tmp_path)
+        )
+
+
+def test_held_out_accuracy_is_measured_with_the_users_accuracy_reward(prefect_server, storage_root):
+    trainer = GRPOFlowTrainer(
+        reward_funcs=[exact_digit],
+        accuracy_reward="exact_digit",
+        train_dataset=digits_dataset(),
+        run_id="api-accuracy",
+        storage_root=str(storage_root),
+        **{**SMALL, "eval_prompts": 4},
+    )
+    summary = trainer.train()
+    assert 0.0 <= summary["initial_eval_accuracy"] <= 1.0 and 0.0 <= summary["final_eval_accuracy"] <= 1.0
+
+
+def test_api_mistakes_get_one_line_naming_the_argument(tmp_path):
+    import pandas as pd
+    from datasets import DatasetDict
+
+    root = str(tmp_path / "never")
+    frame = pd.DataFrame({"prompt": ["1="], "answer": ["1"]})
+    with pytest.raises(ValueError, match=r"^train_dataset: a DataFrame, not a datasets.Dataset; convert it with"):
+        GRPOFlowTrainer(reward_funcs=[exact_digit], train_dataset=frame, storage_root=root)
+    split = DatasetDict({"train": digits_dataset()})
+    with pytest.raises(ValueError, match=r"^train_dataset: a DatasetDict.*dataset\['train'\]"):
+        GRPOFlowTrainer(reward_funcs=[exact_digit], train_dataset=split, storage_root=root)
+    with pytest.raises(
+        ValueError, match=r"^reward_funcs: 'last_digit' and 'test_trainer_api:last_digit' share the name"
+    ):
+        GRPOFlowTrainer(reward_funcs=["last_digit", last_digit], storage_root=root)
+    with pytest.raises(ValueError) as caught:
+        GRPOFlowTrainer(reward_funcs=[exact_digit], num_generation=4, per_device_train_batch_size=8, storage_root=root)
+    assert str(caught.value).splitlines() == [
+        "num_generation: not a grpo-flow option (did you mean num_generations?)",
+        "per_device_train_batch_size: not a grpo-flow option (a step takes prompts_per_step x num_generations "
+        "completions)",
+    ]
+
+
+def test_a_column_named_like_a_reward_column_is_refused_before_the_model_loads(prefect_server, storage_root):
+    dataset = digits_dataset().add_column("reward_exact_digit", ["x"] * 40)
+    trainer = GRPOFlowTrainer(
+        reward_funcs=[exact_digit], train_dataset=dataset, run_id="api-clash", storage_root=str(storage_root), **SMALL
+    )
+    with pytest.raises(ValueError, match=r"dataset: columns \['reward_exact_digit'\] clash with the reward columns"):
+        trainer.train()
+    assert not RunStorage(storage_root, "api-clash").config_path.exists()  # refused before the run was written
+
+
+def last_digit(completions, **kwargs):
+    """Shares its name with the built-in reward."""
+    return [0.0] * len(completions)
 
 
 def never_applies(completions, **kwargs):

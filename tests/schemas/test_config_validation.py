@@ -24,7 +24,11 @@ def problems(**fields) -> str:
         ({"run_id": "../escape"}, "run_id: String should match pattern"),
         ({"scale_rewards": "std"}, "scale_rewards: Input should be 'group', 'batch' or 'none'"),
         ({"max_steps": "abc"}, "max_steps: Input should be a valid integer"),
-        ({"no_such_field": 1}, "no_such_field: Extra inputs are not permitted"),
+        ({"no_such_field": 1}, "no_such_field: not a grpo-flow option (see GRPOFlowConfig)"),
+        ({"num_generation": 4}, "num_generation: not a grpo-flow option (did you mean num_generations?)"),
+        ({"per_device_train_batch_size": 8}, "per_device_train_batch_size: not a grpo-flow option (a step takes"),
+        ({"reward_weights": [float("nan")]}, "reward_weights.0: Input should be a finite number"),
+        ({"learning_rate": float("inf")}, "learning_rate: Input should be a finite number"),
         (
             {"prompts_per_step": 6, "num_rollout_workers": 4},
             "prompts_per_step/num_rollout_workers: prompts_per_step (6) must split into whole groups across "

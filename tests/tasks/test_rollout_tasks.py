@@ -93,6 +93,22 @@ def test_advantages_span_every_shard_of_the_step(config):
     assert stats["rewards/last_digit/mean"] == pytest.approx(5 / 8)
 
 
+def test_log_metric_values_are_averaged_over_every_call_and_may_not_take_grpo_flows_names(config):
+    from tasks.rollout import check_metric_names
+    from workers.rewards.functions import RewardOutputError
+
+    config = config.model_copy(update={"num_generations": 4})
+    first = scored_batch([1, 0, 0, 0]).replace(logged_metrics={"judge/calls": [1.0, 3.0]})
+    second = scored_batch([1, 1, 1, 1], offset=1).replace(logged_metrics={"judge/calls": [5.0]})
+    _, stats = compute_advantages.fn(config, [first, second])
+    assert stats["judge/calls"] == pytest.approx(3.0)  # every value of both shards, as TRL averages them, not the last
+    with pytest.raises(RewardOutputError, match=r"logged \['frac_reward_zero_std', 'reward'\] with log_metric"):
+        clash = first.replace(logged_metrics={"reward": [123.0], "frac_reward_zero_std": [-1.0]})
+        compute_advantages.fn(config, [clash, second])
+    with pytest.raises(RewardOutputError, match=r"logged \['loss'\] with log_metric, which the actor's own"):
+        check_metric_names({"reward": 1.0, "loss": 2.0}, {"loss": 0.1, "grad_norm": 1.0})
+
+
 def test_write_rollouts_enforces_the_schema_and_never_overwrites(config, plan):
     batch, _ = compute_advantages.fn(config.model_copy(update={"num_generations": 4}), [scored_batch([1, 0, 1, 0])])
     path = write_rollouts.fn(config, plan, batch[0], 0)

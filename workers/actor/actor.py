@@ -347,8 +347,26 @@ class Actor:
 
             saved = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
             self.model.load_state_dict(saved.state_dict())
-        self.objective.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
-        self.objective.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        optimizer, scheduler = self.objective.optimizer, self.objective.lr_scheduler
+        # What the run's config sets (learning_rate, weight_decay, AdamW's betas and eps) is taken from the
+        # config, not the checkpoint, so a change resumed with allow_config_change applies; the moments,
+        # step counts and the schedule's position come from the checkpoint.
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        for group, settings in zip(optimizer.param_groups, configured, strict=True):
+            group.update(settings)
+        if hasattr(scheduler, "lr_lambdas"):  # transformers' schedules: the rate at this position, as step() sets it
+            # With max_steps raised on resume, a linear or cosine schedule goes on over the new length (the
+            # saved rate was the end of the old one: 0 for linear).
+            scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+            rates = [
+                base * rate(scheduler.last_epoch)
+                for rate, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)
+            ]
+            for group, lr in zip(optimizer.param_groups, rates, strict=True):
+                group["lr"] = lr
+            scheduler._last_lr = rates
         rng = torch.load(folder / "rng.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])

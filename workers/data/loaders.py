@@ -28,7 +28,7 @@ from typing import Any
 
 from datasets import Dataset, DatasetDict, Value, concatenate_datasets, load_dataset, load_from_disk
 
-from schemas.records import ROLLOUT_BASE_NAMES
+from schemas.records import REWARD_CALL_NAMES, ROLLOUT_BASE_NAMES
 
 LAST_DIGIT_SEED = 20261122  # fixed: the data set is the same for every run, whatever the run's seed
 REVERSE_DIGITS_SEED = 20261124  # likewise for reverse_digits
@@ -68,6 +68,8 @@ class TaskData:
     # Synthetic tasks only: `format_answer(prompt, rng)` is an answer in the task's format drawn at
     # random (not, in general, the right one): what the tiny model's format warm start trains on.
     format_answer: Callable[[str, random.Random], str] | None = None
+    # The Python API's accuracy_reward as a function (the user's own, in memory; a built-in otherwise).
+    accuracy_function: Callable[..., Any] | None = None
 
     @property
     def extra_columns(self) -> list[str]:
@@ -497,6 +499,7 @@ def task_from_dataset(
     *,
     default_rewards: Sequence[str] = (),
     accuracy_reward: str | None = None,
+    accuracy_function: Callable[..., Any] | None = None,
     seed: int = SPLIT_SEED,
 ) -> TaskData:
     """A task from any data set with a `prompt` column (strings or lists of messages).
@@ -531,10 +534,16 @@ def task_from_dataset(
     clashes = sorted(ROLLOUT_BASE_NAMES.intersection(extra))
     if clashes:
         raise ValueError(f"{name}: columns {clashes} clash with rollout log fields of the same name; rename them")
+    clashes = sorted(REWARD_CALL_NAMES.intersection(extra))
+    if clashes:
+        raise ValueError(
+            f"{name}: columns {clashes} clash with the arguments reward functions are called with "
+            "(prompts, completions, completion_ids, trainer_state, log_extra, log_metric); rename them"
+        )
     check_unique_ids(name, (("train", train["prompt_id"]), ("heldout", heldout["prompt_id"])))
     # Same column order in both splits; extra held-out columns would never be read.
     heldout = heldout.select_columns(train.column_names)
-    return TaskData(name, train, heldout, tuple(default_rewards), accuracy_reward)
+    return TaskData(name, train, heldout, tuple(default_rewards), accuracy_reward, accuracy_function=accuracy_function)
 
 
 def check_unique_ids(name: str, splits: Iterable[tuple[str, Iterable[Any]]]) -> None:

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +114,17 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
     from workers.rewards.environments import as_reward_function, is_reward_environment
 
     funcs: dict[str, RewardFunc] = {}
+    sources: dict[str, str] = {}
     for index, name in enumerate(names):
+        # Scores, columns and metrics are keyed by the function's own name, so two entries that
+        # share one would leave a single function standing, silently.
+        key = reward_key(name)
+        if key in sources:
+            raise ValueError(
+                f"reward_funcs[{index}]: {name!r} and {sources[key]!r} share the name {key!r}, which names "
+                f"their reward_{key} column and metrics; wrap one in a function of another name"
+            )
+        sources[key] = name
         if name in BUILTIN_REWARDS:
             funcs[name] = BUILTIN_REWARDS[name]
             continue
@@ -138,6 +148,11 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
             func = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as error:
             raise ValueError(f"reward_funcs[{index}]: cannot import {name!r}: {error}") from error
+        except Exception as error:  # the module itself failed: a syntax error, a missing variable
+            raise ValueError(
+                f"reward_funcs[{index}]: importing {module_name!r} for {name!r} raised {type(error).__name__}: "
+                f"{one_line(error)}"
+            ) from error
         if is_reward_environment(func):
             func = as_reward_function(func, attr)
         if not callable(func):
@@ -146,14 +161,36 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
     return funcs
 
 
+def reward_key(name: str) -> str:
+    """What a reward_funcs entry is called in the log: a built-in's or registered object's name, or a
+    path's function name (`module:function` -> `function`)."""
+    return name.removeprefix(REGISTERED_PREFIX).rpartition(":")[2]
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line (a SyntaxError's with its file and line)."""
+    if isinstance(error, SyntaxError):
+        return f"{error.msg} ({error.filename}, line {error.lineno})"
+    return " ".join(str(error).split())
+
+
 def check_scores(name: str, scores: Any, expected: int) -> list[float]:
     """Scores as floats (None becomes NaN); a wrong count, a non-number, NaN or infinity is an error.
 
-    Stricter than TRL, which takes NaN silently: here None is the only way to say "does not apply".
+    What TRL's `torch.tensor(scores)` takes is taken: a list or tuple, a 1-D numpy array or torch
+    tensor, a generator, numbers of any numeric type, bools as 1.0 and 0.0. Stricter than TRL, which
+    takes NaN silently: here None is the only way to say "does not apply".
     """
-    if not isinstance(scores, (list, tuple)) or len(scores) != expected:
-        count = len(scores) if hasattr(scores, "__len__") else type(scores).__name__
-        raise ValueError(f"reward function {name!r} returned {count} scores for {expected} completions")
+    if hasattr(scores, "tolist") and getattr(scores, "ndim", None) == 1:  # numpy array, torch tensor
+        scores = scores.tolist()
+    elif isinstance(scores, Iterator):
+        scores = list(scores)
+    if not isinstance(scores, (list, tuple)):
+        raise RewardOutputError(
+            f"reward function {name!r} returned {_kind(scores)}; expected a list of {expected} scores, one per completion"
+        )
+    if len(scores) != expected:
+        raise RewardOutputError(f"reward function {name!r} returned {len(scores)} scores for {expected} completions")
     checked = []
     for index, score in enumerate(scores):
         if score is None:
@@ -161,12 +198,23 @@ def check_scores(name: str, scores: Any, expected: int) -> list[float]:
             continue
         if hasattr(score, "item") and getattr(score, "ndim", 1) == 0:  # numpy / torch scalars
             score = score.item()
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-            raise ValueError(
-                f"reward function {name!r} returned {score!r} for sample {index}; expected a finite number"
+        if not isinstance(score, (int, float)) or not math.isfinite(score):
+            raise RewardOutputError(
+                f"reward function {name!r} returned {score!r} for sample {index}; expected a finite number or None"
             )
         checked.append(float(score))
     return checked
+
+
+def _kind(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    kind = f"a {type(value).__module__}.{type(value).__qualname__}".replace("builtins.", "")
+    return f"{kind} of shape {tuple(shape)}" if shape is not None else kind
+
+
+class RewardOutputError(ValueError):
+    """A reward function returned what cannot be scores (a wrong count, a non-number, NaN): the same on
+    every attempt, so `score` does not retry it."""
 
 
 class RewardFunctionError(RuntimeError):
@@ -321,7 +369,7 @@ def score_batch(
     started = time.perf_counter()
     weights = list(weights) if weights is not None else [1.0] * len(funcs)
     prompts, completions = reward_inputs(batch)
-    logged_metrics: dict[str, float] = {}
+    logged_metrics: dict[str, list[float]] = {}
     logged_extra: dict[str, list[Any]] = {}
     kwargs: dict[str, Any] = {
         "prompts": prompts,
@@ -330,7 +378,7 @@ def score_batch(
         **batch.extra_columns,
         "trainer_state": state,
         "log_extra": lambda column, values: logged_extra.setdefault(str(column), []).extend(values),
-        "log_metric": lambda name, value: logged_metrics.__setitem__(name, float(value)),
+        "log_metric": lambda name, value: logged_metrics.setdefault(str(name), []).append(float(value)),
     }
     per_func: dict[str, list[float]] = {}
     seconds: dict[str, float] = {}

@@ -48,6 +48,34 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, max_prompt_length: int | None)
     return list(ids)
 
 
+def check_chat_prompts(tokenizer: Any, model: str, splits: dict[str, Any]) -> None:
+    """Conversational prompts need the model's chat template, and the template must take their
+    messages: checked on one prompt of each sequence of roles, so a problem is named (split, row)
+    before any model loads, not at generation."""
+    seen: set[tuple[str, ...]] = set()
+    for split, prompts in splits.items():
+        for row, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                continue
+            if tokenizer.chat_template is None:
+                raise ValueError(
+                    f"dataset: {split} row {row} is a list of messages, but the tokenizer of model {model!r} has "
+                    "no chat template; give plain-text prompts, or a model with a chat template"
+                )
+            roles = tuple(str(message.get("role")) for message in prompt)
+            if roles in seen:
+                continue
+            seen.add(roles)
+            try:
+                tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            except Exception as error:
+                reason = " ".join(str(error).split())
+                raise ValueError(
+                    f"dataset: {split} row {row}: the chat template of model {model!r} refuses its messages "
+                    f"(roles {list(roles)}): {type(error).__name__}: {reason}"
+                ) from None
+
+
 def load_generation_tokenizer(model_path: str | Path) -> Any:
     """The model's tokenizer as generation needs it: prompts padded on the left, a pad token (EOS if none)."""
     from transformers import AutoTokenizer

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from workers.data.loaders import TaskData
-from workers.rewards.functions import BUILTIN_REWARDS, check_scores
+from workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, check_scores
 from workers.rollout.base import SamplingParams
 from workers.rollout.transformers_engine import TransformersRolloutEngine
 
@@ -15,17 +15,32 @@ def heldout_accuracy(
     max_tokens: int,
     max_prompt_length: int | None = None,
     batch_size: int = 64,
+    state: RewardTrainerState | None = None,
 ) -> float:
-    """Fraction of the first `limit` held-out prompts whose greedy completion scores 1.0."""
+    """Fraction of the first `limit` held-out prompts whose greedy completion scores 1.0. The accuracy
+    reward is called as TRL calls reward functions (prompts, completions, completion_ids, the data
+    set's columns, trainer_state, log_extra, log_metric), so a user's training reward can serve."""
     if task.accuracy_reward is None:  # a custom data set given no 0/1 reward: nothing to measure
         return float("nan")
     rows = task.heldout.select(range(min(limit, len(task.heldout))))
-    reward = BUILTIN_REWARDS[task.accuracy_reward]
+    reward = task.accuracy_function or BUILTIN_REWARDS[task.accuracy_reward]
     correct = 0
     for start in range(0, len(rows), batch_size):
         chunk = rows.select(range(start, min(start + batch_size, len(rows))))
         result = engine.generate(chunk["prompt"], SamplingParams(max_tokens=max_tokens, greedy=True), max_prompt_length)
-        columns = {c: chunk[c] for c in task.extra_columns}
-        scores = check_scores(task.accuracy_reward, reward(completions=result.texts, **columns), len(chunk))
-        correct += sum(1 for s in scores if s == 1.0)
+        prompts = chunk["prompt"]
+        conversational = bool(prompts) and isinstance(prompts[0], list)
+        completions = (
+            [[{"role": "assistant", "content": text}] for text in result.texts] if conversational else result.texts
+        )
+        scores = reward(
+            prompts=prompts,
+            completions=completions,
+            completion_ids=result.completion_token_ids,
+            **{c: chunk[c] for c in task.extra_columns},
+            trainer_state=state,
+            log_extra=lambda column, values: None,  # held-out scoring logs nothing
+            log_metric=lambda name, value: None,
+        )
+        correct += sum(1 for s in check_scores(task.accuracy_reward, scores, len(chunk)) if s == 1.0)
     return correct / len(rows) if len(rows) else 0.0

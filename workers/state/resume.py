@@ -96,7 +96,17 @@ def check_max_steps(storage: RunStorage, total_steps: int) -> None:
 
 def config_for_resume(storage: RunStorage, overrides: dict[str, Any]) -> GRPOFlowConfig:
     """The run's config in force, with the fields a user gave on the command line applied."""
+    check_resumable(storage)
     return GRPOFlowConfig(**{**storage.effective_config(), **overrides})
+
+
+def check_resumable(storage: RunStorage) -> None:
+    """A run TRL's own loop trained (simple mode) keeps no state grpo-flow's loop can go on from."""
+    if storage.run_mode() == "simple":
+        raise ResumeError(
+            f"run_id: run {storage.run_id!r} was trained by TRL's loop (--simple-mode), which does not resume; "
+            "start a new run"
+        )
 
 
 def find_resume_point(storage: RunStorage) -> ResumePoint:

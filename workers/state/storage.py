@@ -42,6 +42,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import logging
 import os
 import re
@@ -83,6 +84,15 @@ def _explain_write_error(path: Path, error: OSError) -> OSError:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         return StorageFullError(error.errno, f"no space left on the device while writing {path}; nothing was logged")
     return error
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC or EDQUOT, as an OSError or inside another library's error (safetensors' SafetensorError
+    says `No space left on device (os error 28)`; torch.save's RuntimeError says the same)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    return any(marker in text for marker in ("No space left on device", "Disk quota exceeded", "os error 28"))
 
 
 # -- temporary files ---------------------------------------------------------------------------------
@@ -143,6 +153,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def atomic_write_json(path: Path, payload: Any) -> None:
@@ -244,15 +258,20 @@ class RunStorage:
         return self.config_path.exists()
 
     # -- config and summary --------------------------------------------------------------------
-    def write_config(self, config: dict[str, Any]) -> None:
-        """Create the run: its identity (run.json, a fresh uid) and its frozen config."""
+    def write_config(self, config: dict[str, Any], mode: str = "grpo") -> None:
+        """Create the run: its identity (run.json, a fresh uid, the loop that trains it: `grpo`, or
+        `simple` for TRL's own) and its frozen config."""
         if self.config_path.exists():
             raise FileExistsError(f"run {self.run_id!r} already has a config at {self.config_path}")
-        atomic_write_json(self.run_dir / "run.json", {"run_id": self.run_id, "uid": uuid.uuid4().hex})
+        atomic_write_json(self.run_dir / "run.json", {"run_id": self.run_id, "uid": uuid.uuid4().hex, "mode": mode})
         atomic_write_json(self.config_path, config)
 
     def run_uid(self) -> str:
         return json.loads((self.run_dir / "run.json").read_text())["uid"]
+
+    def run_mode(self) -> str:
+        """`grpo` (grpo-flow's loop, resumable) or `simple` (TRL's loop, which does not resume)."""
+        return str(json.loads((self.run_dir / "run.json").read_text()).get("mode", "grpo"))
 
     def resume_count(self) -> int:
         return len(list((self.run_dir / "resumes").glob("resume-*.json")))
@@ -261,10 +280,20 @@ class RunStorage:
         return json.loads(self.config_path.read_text())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        atomic_write_json(self.summary_path, summary)
+        """As strict JSON: a figure that was not measured (NaN: no evaluation) is `null`, which every JSON
+        parser reads (Python's json writes NaN, which JavaScript's and jq's refuse)."""
+        atomic_write_json(self.summary_path, {key: finite_or_none(value) for key, value in summary.items()})
 
     def read_summary(self) -> dict[str, Any] | None:
-        return json.loads(self.summary_path.read_text()) if self.summary_path.exists() else None
+        """The last session's summary; None when there is none, or it cannot be read (it is a report,
+        written again at the end of every session: `list_runs` names it damaged meanwhile)."""
+        try:
+            summary = json.loads(self.summary_path.read_text())
+        except FileNotFoundError:
+            return None
+        except (ValueError, OSError):  # not JSON, not UTF-8, unreadable
+            return None
+        return summary if isinstance(summary, dict) else None
 
     # -- rollouts and metrics: append-only -------------------------------------------------------
     def staging_rollout_dir(self, step: int) -> Path:
@@ -608,6 +637,8 @@ def list_runs(root: str | os.PathLike, check: bool = True) -> list[RunInfo]:
         damaged = (
             [p for s in storage.rollout_steps() for p in storage.step_problems(s, checksums=False)] if check else []
         )
+        if not summary and storage.summary_path.exists():
+            damaged.append(f"{storage.relative(storage.summary_path)}: unreadable (not a JSON object)")
         runs.append(
             RunInfo(
                 run_id=run_dir.name,

@@ -347,6 +347,10 @@ def test_task_from_dataset_keeps_existing_prompt_ids_as_strings():
         ({"prompt": [3, 4]}, "custom: train row 0: prompt is a int; expected a string or a list of messages"),
         ({"prompt": [["just", "strings"]]}, "custom: train row 0: prompt message 0 is a str"),
         ({"prompt": ["a", "b"], "completion": ["x", "y"]}, r"columns \['completion'\] clash with rollout log fields"),
+        (
+            {"prompt": ["a", "b"], "completions": ["x", "y"], "log_metric": [1, 2]},
+            r"columns \['completions', 'log_metric'\] clash with the arguments reward functions are called with",
+        ),
         ({"prompt": ["a", "b", "c"], "prompt_id": ["p1", "p2", "p1"]}, "prompt_id 'p1' is not unique"),
         ({"prompt": ["a", "a"]}, "needs at least 2 distinct prompts"),
     ],

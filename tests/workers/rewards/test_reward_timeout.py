@@ -96,13 +96,13 @@ def test_within_the_timeout_scores_are_as_without_one():
     timed = score_batch(batch(["0", "1"], ["0", "0"]), {"quick": quick}, None, timeout_s=30)
     untimed = score_batch(batch(["0", "1"], ["0", "0"]), {"quick": quick}, None)
     assert timed.rewards == untimed.rewards == {"quick": [1.0, 0.0]}
-    assert timed.logged_metrics == {"seen": 2.0}
+    assert timed.logged_metrics == {"seen": [2.0]}
 
 
 def test_a_timeout_is_not_retried():
     from prefect.states import Failed
 
-    from tasks.rollout import not_a_timeout
+    from tasks.rollout import worth_retrying
 
-    assert not not_a_timeout(None, None, Failed(data=RewardTimeoutError("slow")))
-    assert not_a_timeout(None, None, Failed(data=ValueError("transient")))
+    assert not worth_retrying(None, None, Failed(data=RewardTimeoutError("slow")))
+    assert worth_retrying(None, None, Failed(data=ValueError("transient")))

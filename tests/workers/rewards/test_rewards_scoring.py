@@ -82,13 +82,55 @@ def test_a_sample_no_function_applies_to_has_no_reward(tmp_path, monkeypatch):
         ([1.0, float("nan")], "returned nan for sample 1"),
         ([float("inf"), 1.0], "returned inf for sample 0"),
         (["1", 1.0], "returned '1' for sample 0"),
-        ([True, 1.0], "returned True for sample 0"),
-        (None, "returned NoneType scores"),
+        ({"a": 1.0, "b": 0.0}, "returned a dict; expected a list of 2 scores"),
+        (None, "returned a NoneType; expected a list of 2 scores"),
     ],
 )
 def test_bad_scores_name_the_function_and_sample(scores, message):
     with pytest.raises(ValueError, match=f"reward function 'mine' {message}"):
         check_scores("mine", scores, 2)
+
+
+def test_scores_are_taken_in_every_shape_trl_takes():
+    import numpy as np
+    import torch
+
+    assert check_scores("mine", np.array([1.0, 0.5]), 2) == [1.0, 0.5]
+    assert check_scores("mine", torch.tensor([0.0, 1.0]), 2) == [0.0, 1.0]
+    assert check_scores("mine", (s for s in [0.25, None]), 2)[0] == 0.25  # a generator
+    assert check_scores("mine", [True, False], 2) == [1.0, 0.0]  # `[c == a for ...]`, as TRL takes it
+    with pytest.raises(ValueError, match=r"'mine' returned a numpy.ndarray of shape \(2, 1\); expected a list"):
+        check_scores("mine", np.zeros((2, 1)), 2)
+
+
+def test_wrong_scores_are_not_retried_as_they_are_the_same_every_time():
+    from prefect.states import Failed
+
+    from tasks.rollout import worth_retrying
+    from workers.rewards.functions import RewardOutputError
+
+    with pytest.raises(RewardOutputError) as caught:
+        check_scores("mine", [1.0], 2)
+    assert not worth_retrying(None, None, Failed(data=caught.value))
+
+
+def test_two_rewards_of_one_name_are_refused_not_one_dropped(tmp_path, monkeypatch):
+    for module in ("moda", "modb"):
+        (tmp_path / f"{module}.py").write_text(
+            "def exact(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+        )
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    (tmp_path / "needs_key.py").write_text("import os\nKEY = os.environ['NO_SUCH_KEY_FOR_TEST']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"reward_funcs\[1\]: 'modb:exact' and 'moda:exact' share the name 'exact'"):
+        resolve_reward_funcs(["moda:exact", "modb:exact"])
+    (tmp_path / "modc.py").write_text("def last_digit(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    with pytest.raises(ValueError, match=r"reward_funcs\[1\]: 'last_digit' and 'modc:last_digit' share"):
+        resolve_reward_funcs(["modc:last_digit", "last_digit"])  # the built-in is not replaced
+    with pytest.raises(ValueError, match=r"importing 'broken' for 'broken:f' raised SyntaxError: .*line 1\)$"):
+        resolve_reward_funcs(["broken:f"])
+    with pytest.raises(ValueError, match=r"importing 'needs_key' for 'needs_key:f' raised KeyError: 'NO_SUCH_KEY"):
+        resolve_reward_funcs(["needs_key:f"])
 
 
 @pytest.mark.parametrize(
@@ -173,7 +215,7 @@ def test_async_rewards_numpy_scores_log_metric_and_per_function_time():
 
     scored = score_batch(batch(["a", "b"], ["0", "0"]), {"later": later}, None)
     assert scored.rewards["later"] == [None, 0.5] and math.isnan(scored.reward[0])
-    assert scored.logged_metrics == {"judge/calls": 2.0} and scored.reward_seconds["later"] >= 0
+    assert scored.logged_metrics == {"judge/calls": [2.0]} and scored.reward_seconds["later"] >= 0
 
 
 def test_log_extra_values_land_per_row_as_json_and_a_wrong_count_names_the_function():

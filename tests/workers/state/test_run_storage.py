@@ -151,6 +151,20 @@ def test_list_runs_reports_status_and_last_step(tmp_path):
         ("done", "completed", 1),
         ("running", "incomplete", 1),
     ]
+    # One unreadable summary.json costs its run its status, never the listing of every run.
+    running.summary_path.write_text("{bad")
+    listed = {r.run_id: r for r in list_runs(tmp_path)}
+    assert listed["done"].status == "completed" and listed["running"].status == "incomplete"
+    assert listed["running"].damaged == ("summary.json: unreadable (not a JSON object)",)
+    assert running.read_summary() is None
+
+
+def test_a_summary_is_strict_json_with_null_for_what_was_not_measured(tmp_path):
+    storage = RunStorage(tmp_path, "r")
+    storage.write_summary({"status": "completed", "initial_eval_accuracy": float("nan"), "final_reward": 0.5})
+    text = storage.summary_path.read_text()
+    assert "NaN" not in text and '"initial_eval_accuracy": null' in text
+    assert storage.read_summary() == {"status": "completed", "initial_eval_accuracy": None, "final_reward": 0.5}
 
 
 # -- step manifests: integrity of committed steps ----------------------------------------------------------
