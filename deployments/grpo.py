@@ -42,7 +42,8 @@ from prefect import Flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import Field, ValidationError
 
-from flows.grpo import grpo, new_run_id
+from flows.grpo import grpo
+from schemas.config import new_run_id
 from schemas.config import GRPOFlowConfig, describe_validation_error
 from schemas.presets import PRESETS
 from workers.state.resume import ResumeError, check_config_change, config_for_resume

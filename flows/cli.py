@@ -159,7 +159,7 @@ def command_train(args: argparse.Namespace) -> int:
             parse_fail_at(args.fail_at)
         except ValueError as error:
             raise UsageError(f"--{error}") from error
-    from flows.grpo import new_run_id
+    from schemas.config import new_run_id
 
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})

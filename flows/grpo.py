@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import contextvars
 from contextlib import nullcontext
-import re
 import statistics
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, unmapped
@@ -42,7 +39,7 @@ from tqdm.auto import tqdm
 
 from flows import ephemeral_database_in_memory
 from flows.interrupt import interrupted_summary, resume_command, stop_requested, stop_signal_name
-from schemas.config import GRPOFlowConfig
+from schemas.config import GRPOFlowConfig, new_run_id
 from schemas.records import RunPlan
 from tasks import with_retries
 from tasks.observability import (
@@ -67,14 +64,6 @@ from tasks.train import actor_step, log_metrics, restore_workers, save_checkpoin
 from workers import backends
 from workers.state.faults import parse_fail_at
 from workers.state.storage import RunStorage
-
-
-def new_run_id(config: GRPOFlowConfig) -> str:
-    """`<data set>-<UTC time>-<4 hex>`, e.g. `last-digit-20261122-152852-ecfc`."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    name = "api" if config.dataset.startswith("registered:") else config.dataset.removeprefix("hf:")
-    name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[-40:].lstrip("-") or "run"
-    return f"{name}-{stamp}-{uuid.uuid4().hex[:4]}"
 
 
 def grpo_run_name() -> str:

@@ -16,7 +16,8 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.grpo import grpo_run_name, new_run_id
+from flows.grpo import grpo_run_name
+from schemas.config import new_run_id
 from schemas.config import GRPOFlowConfig
 from schemas.records import RunPlan
 from tasks.run import finish_run, prepare_run

@@ -155,7 +155,7 @@ class GRPOFlowTrainer:
             raise InvalidConfigError(describe_validation_error(error)) from None
         check_before_start(self.config, self.reward_objects)  # reward paths, weights, model path, storage root
         if self.config.run_id is None:
-            from flows.grpo import new_run_id
+            from schemas.config import new_run_id
 
             self.config = self.config.model_copy(update={"run_id": new_run_id(self.config)})
 

@@ -12,7 +12,10 @@ import difflib
 import hashlib
 import json
 import math
+import re
+import uuid
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -671,3 +674,11 @@ def describe_validation_error(error: ValidationError) -> str:
             message = f"not a grpo-flow option ({hint})"
         lines.append(f"{field}: {message}")
     return "\n".join(lines)
+
+
+def new_run_id(config: GRPOFlowConfig) -> str:
+    """`<data set>-<UTC time>-<4 hex>`, e.g. `last-digit-20261122-152852-ecfc`."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    name = "api" if config.dataset.startswith("registered:") else config.dataset.removeprefix("hf:")
+    name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[-40:].lstrip("-") or "run"
+    return f"{name}-{stamp}-{uuid.uuid4().hex[:4]}"

@@ -126,7 +126,7 @@ def test_a_reward_that_keeps_failing_fails_the_step_naming_it_and_keeps_the_log(
 def test_generated_run_ids_are_valid_for_every_kind_of_data_set(dataset):
     import re
 
-    from flows.grpo import new_run_id
+    from schemas.config import new_run_id
     from schemas.config import RUN_ID_PATTERN, GRPOFlowConfig
 
     run_id = new_run_id(GRPOFlowConfig(dataset=dataset))
