@@ -67,6 +67,8 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
     if Path(model_path).is_dir():  # a hub model not downloaded yet is checked where it loads
         splits = {"train": task_data.train["prompt"], "heldout": task_data.heldout["prompt"]}
         check_chat_prompts(load_generation_tokenizer(model_path), config.model, splits)
+        if config.use_lora and config.lora_target_modules:
+            check_lora_targets(model_path, config.lora_target_modules)
     total_steps = config.total_steps(len(task_data.train))
     session = uuid.uuid4().hex[:12]
     if storage.exists():
@@ -135,6 +137,25 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
     if initial:
         storage.write_initial_eval(accuracy)
     return accuracy
+
+
+def check_lora_targets(model_path: str | Path, targets: list[str]) -> None:
+    """Each of lora_target_modules names modules of the model (peft's rule: the module's name, or its
+    last dotted parts), checked on the model's shape without its weights, before it loads."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    names = [name for name, _ in model.named_modules() if name]
+    missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
+    if missing:
+        leaves = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if not list(module.children())}
+        )
+        raise ValueError(
+            f"lora_target_modules: {missing} name no module of the model; its layers are called {', '.join(leaves)}"
+        )
 
 
 def completed_summary(plan: RunPlan) -> dict[str, Any] | None:
