@@ -16,19 +16,6 @@ def config(tmp_path):
     return preset_config("tiny", run_id="tasks", storage_root=str(tmp_path), prompts_per_step=8, num_rollout_workers=2)
 
 
-@pytest.fixture
-def plan(config):
-    return RunPlan(
-        run_id="tasks",
-        storage_root=config.storage_root,
-        model_path="unused",
-        total_steps=10,
-        reward_names=("last_digit",),
-        extra_columns=("answer",),
-        num_train_prompts=len(load_task("last_digit").train),
-    )
-
-
 def prompt_ids(shards):
     return [row["prompt_id"] for shard in shards for row in shard.rows]
 

@@ -7,7 +7,6 @@ import pytest
 from prefect.states import Failed
 
 from schemas.presets import preset_config
-from schemas.records import RunPlan
 from tasks import train
 from workers.state.storage import RunStorage, StorageFullError
 
@@ -15,19 +14,6 @@ from workers.state.storage import RunStorage, StorageFullError
 @pytest.fixture
 def config(tmp_path):
     return preset_config("tiny", run_id="ckpt", storage_root=str(tmp_path))
-
-
-@pytest.fixture
-def plan(config):
-    return RunPlan(
-        run_id="ckpt",
-        storage_root=config.storage_root,
-        model_path="unused",
-        total_steps=10,
-        reward_names=("last_digit",),
-        extra_columns=("answer",),
-        num_train_prompts=100,
-    )
 
 
 def workers_failing_with(error):
