@@ -67,7 +67,7 @@ def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = ()) -> N
     """Reward names resolve (built-ins, `module:function` imports), and reward_weights has one weight
     per function, the data set's default ones included."""
     from workers.data.loaders import DEFAULT_REWARDS
-    from workers.rewards.functions import resolve_reward_funcs
+    from workers.rewards.functions import check_distinct_reward_names, resolve_reward_funcs
 
     names = list(config.reward_funcs)
     if not names:
@@ -78,6 +78,7 @@ def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = ()) -> N
             )
     checkable = [name for name in names if name.removeprefix("registered:") not in registered]
     try:
+        check_distinct_reward_names(names)  # the registered ones too, which resolve only at train()
         resolve_reward_funcs(checkable)
     except ValueError as error:
         raise StartCheckError("reward_funcs", str(error).partition(": ")[2] or str(error)) from None

@@ -70,7 +70,6 @@ class GRPOFlowTrainer:
         **config_fields: Any,
     ):
         from workers.rewards.environments import as_reward_function, is_reward_environment, snake_case
-        from workers.rewards.functions import reward_key
 
         funcs = [] if reward_funcs is None else reward_funcs
         if isinstance(funcs, (str, bytes)) or callable(funcs) or is_reward_environment(funcs):
@@ -98,14 +97,6 @@ class GRPOFlowTrainer:
             self.reward_objects[name] = func
             names.append(path or name)
             registered.append(path is None)
-        keys = [reward_key(name) for name in names]
-        for index, key in enumerate(keys):
-            if key in keys[:index]:
-                raise StartCheckError(
-                    "reward_funcs",
-                    f"{names[keys.index(key)]!r} and {names[index]!r} share the name {key!r}, which names their "
-                    f"reward_{key} column and metrics; wrap one in a function of another name",
-                )
         if reward_weights is not None and len(reward_weights) != len(names):
             raise StartCheckError(
                 "reward_weights", f"{len(reward_weights)} values but reward_funcs has {len(names)} functions"
@@ -116,7 +107,7 @@ class GRPOFlowTrainer:
         if train_dataset is not None:
             from workers.data.loaders import task_from_dataset
 
-            accuracy = self._accuracy_function(accuracy_reward, keys, names)
+            accuracy = self._accuracy_function(accuracy_reward, names)
             if eval_dataset is not None and accuracy is None:
                 raise StartCheckError(
                     "accuracy_reward",
@@ -160,14 +151,15 @@ class GRPOFlowTrainer:
             self.config = self.config.model_copy(update={"run_id": new_run_id(self.config)})
 
     def _accuracy_function(
-        self, accuracy_reward: str | Callable[..., Any] | None, keys: list[str], names: list[str]
+        self, accuracy_reward: str | Callable[..., Any] | None, names: list[str]
     ) -> tuple[str, Callable[..., Any]] | None:
         """The held-out accuracy's scorer as (name, function): one of reward_funcs by name, a built-in
         reward, or a function; None without one."""
-        from workers.rewards.functions import BUILTIN_REWARDS, resolve_reward_funcs
+        from workers.rewards.functions import BUILTIN_REWARDS, resolve_reward_funcs, reward_key
 
         if accuracy_reward is None:
             return None
+        keys = [reward_key(name) for name in names]
         if callable(accuracy_reward):
             return getattr(accuracy_reward, "__name__", "accuracy"), accuracy_reward
         if accuracy_reward in keys:

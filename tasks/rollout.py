@@ -273,23 +273,21 @@ def logged_metric_means(batches: list[RolloutBatch], reserved: Collection[str]) 
     for batch in batches:
         for name, logged in batch.logged_metrics.items():
             values.setdefault(name, []).extend(logged)
-    clashes = sorted(set(values) & set(reserved))
-    if clashes:
-        raise RewardOutputError(
-            f"reward functions logged {clashes} with log_metric, which grpo-flow's own metrics are called; "
-            "log them under other names"
-        )
+    refuse_metric_clashes(values, reserved, "grpo-flow's own metrics")
     return {name: sum(logged) / len(logged) for name, logged in values.items() if logged}
 
 
 def check_metric_names(rollout_stats: dict[str, float], train_metrics: dict[str, float]) -> None:
     """The actor's metrics and the step's rollout statistics share one row: a name in both can only be
     one that a reward function logged with `log_metric` (the actor's names vary with the loss)."""
-    clashes = sorted(set(rollout_stats) & set(train_metrics))
+    refuse_metric_clashes(rollout_stats, train_metrics, "the actor's own metrics")
+
+
+def refuse_metric_clashes(logged: Collection[str], taken: Collection[str], whose: str) -> None:
+    clashes = sorted(set(logged) & set(taken))
     if clashes:
         raise RewardOutputError(
-            f"reward functions logged {clashes} with log_metric, which the actor's own metrics are called; "
-            "log them under other names"
+            f"reward functions logged {clashes} with log_metric, which {whose} are called; log them under other names"
         )
 
 

@@ -183,7 +183,7 @@ def test_api_mistakes_get_one_line_naming_the_argument(tmp_path):
     with pytest.raises(ValueError, match=r"^train_dataset: a DatasetDict.*dataset\['train'\]"):
         GRPOFlowTrainer(reward_funcs=[exact_digit], train_dataset=split, storage_root=root)
     with pytest.raises(
-        ValueError, match=r"^reward_funcs: 'last_digit' and 'test_trainer_api:last_digit' share the name"
+        ValueError, match=r"^reward_funcs: 'test_trainer_api:last_digit' and 'last_digit' share the name 'last_digit'"
     ):
         GRPOFlowTrainer(reward_funcs=["last_digit", last_digit], storage_root=root)
     with pytest.raises(ValueError) as caught:

@@ -113,18 +113,9 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
     registered for the run; resolved before anything loads."""
     from workers.rewards.environments import as_reward_function, is_reward_environment
 
+    check_distinct_reward_names(names)
     funcs: dict[str, RewardFunc] = {}
-    sources: dict[str, str] = {}
     for index, name in enumerate(names):
-        # Scores, columns and metrics are keyed by the function's own name, so two entries that
-        # share one would leave a single function standing, silently.
-        key = reward_key(name)
-        if key in sources:
-            raise ValueError(
-                f"reward_funcs[{index}]: {name!r} and {sources[key]!r} share the name {key!r}, which names "
-                f"their reward_{key} column and metrics; wrap one in a function of another name"
-            )
-        sources[key] = name
         if name in BUILTIN_REWARDS:
             funcs[name] = BUILTIN_REWARDS[name]
             continue
@@ -159,6 +150,21 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
             raise ValueError(f"reward_funcs[{index}]: {name!r} is neither callable nor a reward environment")
         funcs[attr] = func
     return funcs
+
+
+def check_distinct_reward_names(names: Sequence[str]) -> None:
+    """Scores, columns and metrics are keyed by a function's own name (`reward_key`), so two entries
+    that share one would leave a single function standing, silently: a ValueError naming both."""
+    sources: dict[str, str] = {}
+    for index, name in enumerate(names):
+        key = reward_key(name)
+        if key in sources:
+            shown = name.removeprefix(REGISTERED_PREFIX)
+            raise ValueError(
+                f"reward_funcs[{index}]: {shown!r} and {sources[key]!r} share the name {key!r}, which names "
+                f"their reward_{key} column and metrics; wrap one in a function of another name"
+            )
+        sources[key] = name.removeprefix(REGISTERED_PREFIX)
 
 
 def reward_key(name: str) -> str:
@@ -331,9 +337,15 @@ def _failing_sample(
 def reward_inputs(batch: RolloutBatch) -> tuple[list[Any], list[Any]]:
     """Prompts and completions as TRL passes them: strings, or lists of messages for conversational data."""
     prompts = batch.raw_prompt or batch.prompt
+    return prompts, trl_completions(prompts, batch.completion)
+
+
+def trl_completions(prompts: Sequence[Any], texts: list[str]) -> list[Any]:
+    """Completions as TRL passes them to rewards: the texts, or assistant messages when the prompts
+    are conversational (lists of messages)."""
     if prompts and isinstance(prompts[0], list):
-        return prompts, [[{"role": "assistant", "content": text}] for text in batch.completion]
-    return prompts, batch.completion
+        return [[{"role": "assistant", "content": text}] for text in texts]
+    return texts
 
 
 def check_logged_extra(func_name: str, logged: dict[str, list[Any]], rows: int, step: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from workers.data.loaders import TaskData
-from workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, check_scores
+from workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, check_scores, trl_completions
 from workers.rollout.base import SamplingParams
 from workers.rollout.transformers_engine import TransformersRolloutEngine
 
@@ -28,14 +28,9 @@ def heldout_accuracy(
     for start in range(0, len(rows), batch_size):
         chunk = rows.select(range(start, min(start + batch_size, len(rows))))
         result = engine.generate(chunk["prompt"], SamplingParams(max_tokens=max_tokens, greedy=True), max_prompt_length)
-        prompts = chunk["prompt"]
-        conversational = bool(prompts) and isinstance(prompts[0], list)
-        completions = (
-            [[{"role": "assistant", "content": text}] for text in result.texts] if conversational else result.texts
-        )
         scores = reward(
-            prompts=prompts,
-            completions=completions,
+            prompts=chunk["prompt"],
+            completions=trl_completions(chunk["prompt"], result.texts),
             completion_ids=result.completion_token_ids,
             **{c: chunk[c] for c in task.extra_columns},
             trainer_state=state,

@@ -81,7 +81,7 @@ class DamagedStepError(ValueError):
 
 
 def _explain_write_error(path: Path, error: OSError) -> OSError:
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if is_disk_full(error):
         return StorageFullError(error.errno, f"no space left on the device while writing {path}; nothing was logged")
     return error
 
@@ -289,9 +289,7 @@ class RunStorage:
         written again at the end of every session: `list_runs` names it damaged meanwhile)."""
         try:
             summary = json.loads(self.summary_path.read_text())
-        except FileNotFoundError:
-            return None
-        except (ValueError, OSError):  # not JSON, not UTF-8, unreadable
+        except (OSError, ValueError):  # none yet; unreadable, not UTF-8, not JSON
             return None
         return summary if isinstance(summary, dict) else None
 
