@@ -230,7 +230,7 @@ def train_run(config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, 
         if args.verbose:
             raise
         # The first line: a reward function's error carries the traceback of its failing call after it.
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        reason = (str(error).strip().splitlines() or [""])[0]
         print(f"grpo train: run {config.run_id} failed: {type(error).__name__}: {reason}", file=sys.stderr)
         hint = f"add --verbose for the traceback; Prefect's log: {log_path}"
         if storage.exists():  # a run that never started has nothing to resume

@@ -66,8 +66,7 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
     model_path = resolve_model_path(config.model, config.storage_root)
     if Path(model_path).is_dir():  # a hub model not downloaded yet is checked where it loads
         splits = {"train": task_data.train["prompt"], "heldout": task_data.heldout["prompt"]}
-        if any(not isinstance(prompt, str) for prompts in splits.values() for prompt in prompts):
-            check_chat_prompts(load_generation_tokenizer(model_path), config.model, splits)
+        check_chat_prompts(lambda: load_generation_tokenizer(model_path), config.model, splits)
         if config.use_lora and config.lora_target_modules:
             check_lora_targets(model_path, config.lora_target_modules)
     total_steps = config.total_steps(len(task_data.train))

@@ -7,6 +7,7 @@ library, and every engine (transformers, the out-of-process one, vLLM) returns t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,15 +49,19 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, max_prompt_length: int | None)
     return list(ids)
 
 
-def check_chat_prompts(tokenizer: Any, model: str, splits: dict[str, Any]) -> None:
+def check_chat_prompts(load_tokenizer: Callable[[], Any], model: str, splits: dict[str, Any]) -> None:
     """Conversational prompts need the model's chat template, and the template must take their
     messages: checked on one prompt of each sequence of roles, so a problem is named (split, row)
-    before any model loads, not at generation."""
+    before any model loads, not at generation. The tokenizer is loaded at the first such prompt:
+    plain-text data needs none."""
     seen: set[tuple[str, ...]] = set()
+    tokenizer = None
     for split, prompts in splits.items():
         for row, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 continue
+            if tokenizer is None:
+                tokenizer = load_tokenizer()
             if tokenizer.chat_template is None:
                 raise ValueError(
                     f"dataset: {split} row {row} is a list of messages, but the tokenizer of model {model!r} has "
