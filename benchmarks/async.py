@@ -1,6 +1,6 @@
 """One-step-off pipelining (max_staleness 1) against synchronous training, in one invocation.
 
-    python -m benchmarks.async [--steps 8] [--completion-length 48] [--json FILE]
+    python -m grpo_flow.benchmarks.async [--steps 8] [--completion-length 48] [--json FILE]
 
 The same run twice on a generation-bound config (a randomly initialised Qwen2 that rarely
 stops, so every completion runs to full length): the same model, data, reward, seed, steps
@@ -45,10 +45,10 @@ def run(
     pipelined side shares the cores out itself)."""
     import torch
 
-    from flows.grpo import grpo
-    from schemas.presets import preset_config
-    from workers.backends import release
-    from workers.state.storage import RunStorage
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers.backends import release
+    from grpo_flow.workers.state.storage import RunStorage
 
     config = preset_config(
         "tiny",
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from prefect.testing.utilities import prefect_test_harness
 
-    from benchmarks.vs_trl import build_shared_model
+    from grpo_flow.benchmarks.vs_trl import build_shared_model
 
     root = tempfile.mkdtemp(prefix="grpo-flow-async-bench-")
     # A randomly initialised model rarely samples EOS, so every completion runs to full length:

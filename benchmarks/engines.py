@@ -1,6 +1,6 @@
 """Rollout engines side by side: vLLM (its own environment and process) against transformers.
 
-    python -m benchmarks.engines [--hidden-size 384] [--layers 4] [--prompts 32] [--n 8]
+    python -m grpo_flow.benchmarks.engines [--hidden-size 384] [--layers 4] [--prompts 32] [--n 8]
                                  [--max-tokens 32] [--repeats 3] [--dtypes float32,bfloat16]
                                  [--json FILE]
 
@@ -40,7 +40,7 @@ SYNC_METHODS = ("reload", "volume", "direct", "checkpoint")
 
 
 def build_model(folder: Path, hidden_size: int, layers: int) -> int:
-    from workers.data.tiny_model import build_model as build, build_tokenizer
+    from grpo_flow.workers.data.tiny_model import build_model as build, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build(tokenizer, hidden_size=hidden_size, layers=layers, seed=1)
@@ -50,7 +50,7 @@ def build_model(folder: Path, hidden_size: int, layers: int) -> int:
 
 
 def prompts(count: int) -> list[str]:
-    from workers.data.loaders import load_task
+    from grpo_flow.workers.data.loaders import load_task
 
     return list(load_task("last_digit").train.select(range(count))["prompt"])
 
@@ -80,7 +80,7 @@ def agreement(engine: Any, actor: Any, batch: list[str], params: Any) -> dict[st
 
 def sync_seconds(engine: Any, actor: Any, method: str | None, run_dir: Path) -> float:
     """Median of three: the actor's export and the engine's load (method None: a state dict in memory)."""
-    from workers.backends.weight_sync import apply_weights, export_weights
+    from grpo_flow.workers.backends.weight_sync import apply_weights, export_weights
 
     seconds = []
     for _ in range(3):
@@ -116,14 +116,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not set(args.dtypes) <= {"float32", "bfloat16"}:
         parser.error(f"--dtypes: float32 and/or bfloat16, comma-separated; got {','.join(args.dtypes)}")
 
-    from schemas.config import GRPOFlowConfig
-    from workers.actor.actor import Actor
-    from workers.backends.vllm_env import vllm_python
-    from workers.rollout.base import SamplingParams
-    from workers.rollout.channel import EngineProcessError
-    from workers.rollout.transformers_engine import TransformersRolloutEngine
-    from workers.rollout.vllm_engine import VLLMOptions
-    from workers.rollout.vllm_process import VLLMProcessEngine
+    from grpo_flow.schemas.config import GRPOFlowConfig
+    from grpo_flow.workers.actor.actor import Actor
+    from grpo_flow.workers.backends.vllm_env import vllm_python
+    from grpo_flow.workers.rollout.base import SamplingParams
+    from grpo_flow.workers.rollout.channel import EngineProcessError
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
+    from grpo_flow.workers.rollout.vllm_engine import VLLMOptions
+    from grpo_flow.workers.rollout.vllm_process import VLLMProcessEngine
 
     python = vllm_python()
     if not os.path.isfile(python):

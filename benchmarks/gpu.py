@@ -1,7 +1,7 @@
 """GPU figures on a randomly initialised model of Qwen2.5-0.5B's shape: the actor's step
 throughput and model FLOPs utilisation, and generation throughput of transformers and of vLLM.
 
-    python -m benchmarks.gpu [--rows 64] [--prompt-tokens 128] [--completion-tokens 256]
+    python -m grpo_flow.benchmarks.gpu [--rows 64] [--prompt-tokens 128] [--completion-tokens 256]
                              [--steps 5] [--no-vllm] [--json FILE]
 
 Needs a CUDA GPU: without one it says so and exits with status 2 (`--device cpu --shape tiny`
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.memory import QWEN_05B_SHAPE, rollouts_table
+from grpo_flow.benchmarks.memory import QWEN_05B_SHAPE, rollouts_table
 
 TINY_SHAPE = {
     **QWEN_05B_SHAPE,
@@ -91,7 +91,7 @@ def build_model(folder: Path, shape: dict[str, Any]) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from workers.data.tiny_model import build_tokenizer
+    from grpo_flow.workers.data.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -112,8 +112,8 @@ def actor_throughput(
 ) -> dict[str, Any]:
     import torch
 
-    from schemas.presets import preset_config
-    from workers.actor.actor import Actor
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers.actor.actor import Actor
 
     overrides: dict[str, Any] = {
         "model": model_path,
@@ -161,9 +161,9 @@ def generation_throughput(
 ) -> dict[str, Any]:
     import torch
 
-    from workers.data.loaders import load_task
-    from workers.rollout.base import SamplingParams
-    from workers.rollout.transformers_engine import TransformersRolloutEngine
+    from grpo_flow.workers.data.loaders import load_task
+    from grpo_flow.workers.rollout.base import SamplingParams
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
     engine = TransformersRolloutEngine(model_path, worker_id="gpu-bench", device=device)
     engine.load()
@@ -194,10 +194,10 @@ def vllm_generation_throughput(
     model_path: str, prompts: int, n: int, new_tokens: int, dtype_name: str, python: str, log_dir: Path
 ) -> dict[str, Any]:
     """As generation_throughput (on the device vLLM's build is for), through the project's vLLM engine process; also its start seconds."""
-    from workers.data.loaders import load_task
-    from workers.rollout.base import SamplingParams
-    from workers.rollout.vllm_engine import VLLMOptions
-    from workers.rollout.vllm_process import VLLMProcessEngine
+    from grpo_flow.workers.data.loaders import load_task
+    from grpo_flow.workers.rollout.base import SamplingParams
+    from grpo_flow.workers.rollout.vllm_engine import VLLMOptions
+    from grpo_flow.workers.rollout.vllm_process import VLLMProcessEngine
 
     texts = load_task("last_digit").train.select(range(prompts))["prompt"]
     options = VLLMOptions(dtype=dtype_name, max_model_len=64 + new_tokens, gpu_memory_utilization=0.5)
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--device cpu is for checking the code: use it with --shape tiny")
     python = None
     if not args.no_vllm:
-        from workers.backends.vllm_env import vllm_python
+        from grpo_flow.workers.backends.vllm_env import vllm_python
 
         python = vllm_python()
         if not Path(python).is_file():

@@ -4,9 +4,9 @@ task runs, serialization and storage.
     with instant_workers():
         grpo(config)        # the real `grpo` flow, its `grpo-step` subflows and their tasks
 
-`instant_workers()` swaps `workers.backends.run_workers` and `workers.backends.release` (which
+`instant_workers()` swaps `grpo_flow.workers.backends.run_workers` and `grpo_flow.workers.backends.release` (which
 every task calls through the module, so nothing else changes) for a backend with the same
-surface as `workers.backends.local.LocalWorkers`:
+surface as `grpo_flow.workers.backends.local.LocalWorkers`:
 
 - rollout engines answer `generate` at once with completions of the requested length, drawn
   from the seed (digits, so the `last_digit` reward spreads and advantages are not all zero),
@@ -35,12 +35,12 @@ import random
 from pathlib import Path
 from typing import Any, Iterator
 
-from schemas.config import GRPOFlowConfig
-from workers.backends.registry import RunWorkers
-from workers.backends.ray_app import ActorWorker, RolloutWorker
-from workers.rollout.base import GenerationResult, SamplingParams
-from workers.state.storage import RunStorage
-from workers.state.resume import replay_actor_to
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.backends.registry import RunWorkers
+from grpo_flow.workers.backends.ray_app import ActorWorker, RolloutWorker
+from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
+from grpo_flow.workers.state.storage import RunStorage
+from grpo_flow.workers.state.resume import replay_actor_to
 
 EOS_ID = 257  # the tiny tokenizer's <|im_end|>: 256 byte tokens, then pad, then eos
 DIGIT_IDS = {str(d): 48 + d for d in range(10)}  # the tiny tokenizer is byte-level
@@ -143,7 +143,7 @@ class InstantActor:
 
 
 class InstantWorkers:
-    """`workers.backends.local.LocalWorkers`' surface, with nothing behind it."""
+    """`grpo_flow.workers.backends.local.LocalWorkers`' surface, with nothing behind it."""
 
     def __init__(self, config: GRPOFlowConfig, checkpoint_bytes: int):
         self.config = config
@@ -213,7 +213,7 @@ _WORKERS: RunWorkers[Any] = RunWorkers()
 def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False) -> Iterator[RunWorkers[Any]]:
     """Inside the block, every run's workers are instant ones (whatever `config.backend` says); with
     `ray`, in Ray actors of the run's Ray cluster (`config.ray_address`, RAY_ADDRESS or a local instance)."""
-    from workers import backends
+    from grpo_flow.workers import backends
 
     if ray and checkpoint_bytes != CHECKPOINT_BYTES:
         raise ValueError(f"instant Ray workers publish {CHECKPOINT_BYTES} bytes of weights")
@@ -221,7 +221,7 @@ def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False)
     def run_workers(config: GRPOFlowConfig, model_path: Any) -> Any:
         def build() -> Any:
             if ray:
-                from workers.backends.ray_backend import RayWorkers
+                from grpo_flow.workers.backends.ray_backend import RayWorkers
 
                 return RayWorkers(config, model_path, worker_classes=(InstantActorWorker, InstantRolloutWorker))
             return InstantWorkers(config, checkpoint_bytes)

@@ -1,6 +1,6 @@
 """Learning, side by side with TRL: held-out accuracy against step and against seconds.
 
-    python -m benchmarks.learning [--tasks last_digit reverse_digits] [--seeds 3] [--first-seed 0]
+    python -m grpo_flow.benchmarks.learning [--tasks last_digit reverse_digits] [--seeds 3] [--first-seed 0]
         [--sides trl grpo_flow [trl_resampled]] [--steps N] [--eval-every K] [--eval-prompts 200]
         [--json FILE] [--png FILE] [--storage-root DIR]
 
@@ -10,13 +10,13 @@ model after the task's format warm start, built once and loaded by both with
 and schedule, prompts per step, generations, completion length, temperature, loss, beta and
 number of steps, once per seed (seeds 0, 1, ...; each side gets the same seed). TRL is handed
 the training prompts in the order grpo-flow's run with that seed visits them
-(`tasks.rollout.step_prompt_indices`) and told not to shuffle, so at every step both sides
+(`grpo_flow.tasks.rollout.step_prompt_indices`) and told not to shuffle, so at every step both sides
 train on the same 32 prompts.
 
 Held-out accuracy is measured the same way for both: every `--eval-every` steps the policy's
 weights are copied in memory (a TRL callback; a hook after each grpo-flow step), with the
 clock paused, and after the runs every copy is scored by the project's own held-out code
-(`workers.rollout.heldout.heldout_accuracy`: greedy, the first `--eval-prompts` held-out
+(`grpo_flow.workers.rollout.heldout.heldout_accuracy`: greedy, the first `--eval-prompts` held-out
 prompts, the task's 0/1 accuracy reward). Scoring after the runs matters: the scoring engine
 seeds torch's global RNG, which TRL's sampling draws from.
 
@@ -55,10 +55,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.steps import quiet
+from grpo_flow.benchmarks.steps import quiet
 
 quiet()  # before Prefect is first imported
-import flows  # noqa: E402,F401  Prefect's recorder batched before its server starts (flows/__init__.py)
+import grpo_flow.flows  # noqa: E402,F401  Prefect's recorder batched before its server starts (flows/__init__.py)
 
 # The task's preset, the steps and the evaluation interval each runs by default.
 TASKS: dict[str, dict[str, Any]] = {
@@ -165,7 +165,7 @@ def clone(weights: dict[str, Any]) -> dict[str, Any]:
 
 def planned_order(task: Any, seed: int, steps: int, prompts_per_step: int) -> list[int]:
     """Train rows in the order a grpo-flow run with `seed` visits them, one step's prompts after another."""
-    from tasks.rollout import step_prompt_indices
+    from grpo_flow.tasks.rollout import step_prompt_indices
 
     size = len(task.train)
     return [i for step in range(1, steps + 1) for i in step_prompt_indices(seed, step, prompts_per_step, size)]
@@ -179,7 +179,7 @@ def planned_prompts(task: Any, seed: int, steps: int, prompts_per_step: int) -> 
 
 
 def reward_funcs(task: Any) -> dict[str, Any]:
-    from workers.rewards.functions import resolve_reward_funcs
+    from grpo_flow.workers.rewards.functions import resolve_reward_funcs
 
     return resolve_reward_funcs(task.default_rewards)
 
@@ -198,7 +198,7 @@ def run_trl(
     its sampling draws from) is `sampling_seed`, `seed` unless given."""
     from transformers import TrainerCallback
 
-    from benchmarks.trl_side import grpo_config, grpo_trainer
+    from grpo_flow.benchmarks.trl_side import grpo_config, grpo_trainer
 
     run = SideRun(seed)
     per_call: list[float] = []
@@ -246,11 +246,11 @@ def run_trl(
 
 
 def run_grpo_flow(model_path: str, preset: str, steps: int, seed: int, at: list[int], workdir: Path) -> SideRun:
-    from benchmarks.steps import StepClock
-    from flows.grpo import grpo
-    from schemas.presets import preset_config
-    from workers import backends
-    from workers.state.storage import RunStorage
+    from grpo_flow.benchmarks.steps import StepClock
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers import backends
+    from grpo_flow.workers.state.storage import RunStorage
 
     run = SideRun(seed)
     config = preset_config(
@@ -313,7 +313,7 @@ def config_differences(config: Any, trl_args: Any) -> dict[str, list[str]]:
     but for NOT_LEARNING: what could make the two sides learn differently."""
     import dataclasses
 
-    from workers.actor.trl_objective import grpo_args
+    from grpo_flow.workers.actor.trl_objective import grpo_args
 
     with tempfile.TemporaryDirectory() as tmp:
         ours = grpo_args(config, tmp)
@@ -338,11 +338,11 @@ def benchmark_task(
     workdir: Path,
 ) -> dict[str, Any]:
     """The sides' runs of one task, each seed's curve scored; `summarize` adds the figures."""
-    from schemas.presets import PRESETS, preset_config
-    from workers.data.loaders import load_task
-    from workers.data.tiny_model import ensure_tiny_model
-    from workers.rollout.heldout import heldout_accuracy
-    from workers.rollout.transformers_engine import TransformersRolloutEngine
+    from grpo_flow.schemas.presets import PRESETS, preset_config
+    from grpo_flow.workers.data.loaders import load_task
+    from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+    from grpo_flow.workers.rollout.heldout import heldout_accuracy
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
     preset = TASKS[name]["preset"]
     work = preset_config(preset).model_dump()
@@ -445,7 +445,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def trl_args_for(work: dict[str, Any], steps: int) -> Any:
-    from benchmarks.trl_side import grpo_config
+    from grpo_flow.benchmarks.trl_side import grpo_config
 
     with tempfile.TemporaryDirectory() as tmp:
         shared = {k: v for k, v in work.items() if k in SHARED_FIELDS}

@@ -1,7 +1,7 @@
 """Peak resident memory of the actor process for one step, CPU, with and without gradient
 checkpointing, each measurement in a fresh process.
 
-    python -m benchmarks.memory [--models tiny,qwen0.5b] [--rows 8] [--prompt-tokens 64]
+    python -m grpo_flow.benchmarks.memory [--models tiny,qwen0.5b] [--rows 8] [--prompt-tokens 64]
                                 [--completion-tokens 32] [--json FILE]
 
 Models:
@@ -59,7 +59,7 @@ def peak_rss_bytes() -> int:
 
 
 def supports_gradient_checkpointing() -> bool:
-    from schemas.config import GRPOFlowConfig
+    from grpo_flow.schemas.config import GRPOFlowConfig
 
     return "gradient_checkpointing" in GRPOFlowConfig.model_fields
 
@@ -71,7 +71,7 @@ def build_qwen_shape(folder: Path) -> dict[str, Any]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from workers.data.tiny_model import build_tokenizer
+    from grpo_flow.workers.data.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -113,8 +113,8 @@ def measure_step(
 ) -> dict[str, Any]:
     import torch
 
-    from schemas.presets import preset_config
-    from workers.actor.actor import Actor
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers.actor.actor import Actor
 
     started = time.perf_counter()
     overrides: dict[str, Any] = {
@@ -173,7 +173,11 @@ def child_main(args: argparse.Namespace) -> None:
 def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory", *argv], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "grpo_flow.benchmarks.memory", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -183,7 +187,7 @@ def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
 
 
 def tiny_model(workdir: Path, given: str | None) -> str:
-    from benchmarks.steps import build_tiny_architecture, default_tiny_model
+    from grpo_flow.benchmarks.steps import build_tiny_architecture, default_tiny_model
 
     return given or default_tiny_model() or build_tiny_architecture(workdir / "tiny-architecture")
 

@@ -1,7 +1,7 @@
 """Orchestration overhead: the real step DAG with workers that return instantly, against real
 steps of the tiny preset, in one invocation.
 
-    python -m benchmarks.orchestration [--steps 30] [--real-steps 5] [--database ephemeral|sqlite|postgres]
+    python -m grpo_flow.benchmarks.orchestration [--steps 30] [--real-steps 5] [--database ephemeral|sqlite|postgres]
                                        [--tiny-model DIR] [--backend local|ray] [--json FILE]
 
 Instant side: the `grpo` flow, its `grpo-step` subflows and every task in them, on the tiny
@@ -66,7 +66,7 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
-from benchmarks.steps import (
+from grpo_flow.benchmarks.steps import (
     ApiCounter,
     StepClock,
     build_tiny_architecture,
@@ -92,7 +92,7 @@ RAY_FIELDS = {"backend": "ray", "actor_cpus": 1.0, "rollout_cpus": 0.5}
 
 
 def tiny_config(model: str, storage_root: str, run_id: str, steps: int, ray: bool = False) -> Any:
-    from schemas.presets import preset_config
+    from grpo_flow.schemas.presets import preset_config
 
     fields = RAY_FIELDS if ray else {}
     return preset_config(
@@ -101,8 +101,8 @@ def tiny_config(model: str, storage_root: str, run_id: str, steps: int, ray: boo
 
 
 def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
-    from flows.grpo import grpo
-    from workers.state.storage import RunStorage
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.workers.state.storage import RunStorage
 
     counter = ApiCounter()
     clock = StepClock(counter)
@@ -122,7 +122,7 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
     steady = list(range(2, config.max_steps + 1)) or [1]
     direct = {}
     if direct_steps:  # the same run continued by the same task functions without Prefect
-        from workers.backends import release
+        from grpo_flow.workers.backends import release
 
         release(config, config.run_id)
         more = config.model_copy(update={"max_steps": config.max_steps + direct_steps})
@@ -155,7 +155,7 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
 def run_instant(
     workdir: Path, steps: int, profile: int, step_subflows: bool = True, ray: bool = False
 ) -> dict[str, Any]:
-    from benchmarks.instant_workers import instant_model_dir, instant_workers
+    from grpo_flow.benchmarks.instant_workers import instant_model_dir, instant_workers
 
     run_id = ("instant" if step_subflows else "instant-no-subflows") + ("-ray" if ray else "")
     model = instant_model_dir(workdir / "instant-model")
@@ -185,7 +185,7 @@ def server(database: str, workdir: Path) -> Iterator[None]:
         return
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from deployments.local_server import local_postgres, prefect_server
+    from grpo_flow.deployments.local_server import local_postgres, prefect_server
 
     with contextlib.ExitStack() as stack:
         database_url = stack.enter_context(local_postgres()) if database == "postgres" else None
@@ -199,7 +199,7 @@ def server(database: str, workdir: Path) -> Iterator[None]:
 
 
 def run_real(workdir: Path, steps: int, model: str | None, ray: bool = False) -> dict[str, Any]:
-    from workers.backends import release
+    from grpo_flow.workers.backends import release
 
     if model is None:
         model = build_tiny_architecture(workdir / "tiny-architecture")
@@ -251,7 +251,7 @@ WALK_SHAPES = {  # one rollout shard: rows, prompt tokens, completion tokens
 
 
 def synthetic_batch(rows: int, prompt_tokens: int, completion_tokens: int) -> Any:
-    from schemas.records import RolloutBatch
+    from grpo_flow.schemas.records import RolloutBatch
 
     return RolloutBatch(
         run_id="walk",

@@ -1,6 +1,6 @@
 """Costs that stay flat as a run grows, with instant workers, in one invocation.
 
-    python -m benchmarks.scaling [--steps 500] [--window 10] [--resumes 3] [--json FILE]
+    python -m grpo_flow.benchmarks.scaling [--steps 500] [--window 10] [--resumes 3] [--json FILE]
 
 One run of `--steps` steps on the tiny preset's config (32 prompts x 8 generations, 2 shards),
 a checkpoint every step (`--save-steps`), workers that answer at once
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from benchmarks.steps import StepClock, median_of, quiet, run_steps_directly
+from grpo_flow.benchmarks.steps import StepClock, median_of, quiet, run_steps_directly
 
 quiet()
 
@@ -58,12 +58,11 @@ class LoggingClock:
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[LoggingClock]:
-        import tasks.rollout
-        import tasks.train
+        from grpo_flow.tasks import rollout, train
 
         originals = []
         for name in LOGGING_TASKS:
-            task = getattr(tasks.rollout, name, None) or getattr(tasks.train, name)
+            task = getattr(rollout, name, None) or getattr(train, name)
             originals.append((task, task.fn))
             task.fn = self._timed(task.fn)
         try:
@@ -91,7 +90,7 @@ class LoggingClock:
 
 
 def scaling_config(storage_root: str, model: str, run_id: str, steps: int, save_steps: int) -> Any:
-    from schemas.presets import preset_config
+    from grpo_flow.schemas.presets import preset_config
 
     return preset_config(
         "tiny",
@@ -105,7 +104,7 @@ def scaling_config(storage_root: str, model: str, run_id: str, steps: int, save_
 
 
 def run_flow(config: Any, clock: StepClock) -> dict[str, Any]:
-    from flows.grpo import grpo
+    from grpo_flow.flows.grpo import grpo
 
     with clock.watch():
         summary = grpo(config)
@@ -118,7 +117,7 @@ def build_run(
     workdir: Path, model: str, run_id: str, steps: int, window: int, save_steps: int, fill: str
 ) -> dict[str, Any]:
     """The run, with its first and last `window` steps through the flow; the logging and step times of those."""
-    from workers import backends
+    from grpo_flow.workers import backends
 
     storage_root = str(workdir / "storage")
     logging_clock, clock = LoggingClock(), StepClock()
@@ -152,7 +151,7 @@ def build_run(
 
 
 def resume_once(workdir: Path, model: str, run_id: str, to_step: int, save_steps: int) -> dict[str, float]:
-    from workers import backends
+    from grpo_flow.workers import backends
 
     config = scaling_config(str(workdir / "storage"), model, run_id, to_step, save_steps)
     clock = StepClock()
@@ -164,10 +163,10 @@ def resume_once(workdir: Path, model: str, run_id: str, to_step: int, save_steps
 
 def cli_latency(storage_root: str, argv: list[str], repeats: int) -> dict[str, float]:
     """`grpo ARGV` as typed (a fresh interpreter: what a user waits for) and as main(ARGV) in this process."""
-    from flows.cli import main
+    from grpo_flow.flows.cli import main
 
     grpo = Path(sys.executable).with_name("grpo")
-    command = [str(grpo)] if grpo.exists() else [sys.executable, "-m", "flows.cli"]
+    command = [str(grpo)] if grpo.exists() else [sys.executable, "-m", "grpo_flow.flows.cli"]
     full = argv + ["--storage-root", storage_root]
     walls, inproc = [], []
     for _ in range(repeats):
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.window < 2 or args.steps < 2 * args.window or args.short_steps < 2:
         parser.error("need --window >= 2, --steps >= 2 x --window and --short-steps >= 2")
 
-    from benchmarks.instant_workers import instant_model_dir, instant_workers
+    from grpo_flow.benchmarks.instant_workers import instant_model_dir, instant_workers
 
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="grpo-flow-scaling-"))

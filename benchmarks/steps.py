@@ -53,7 +53,7 @@ class StepClock:
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[StepClock]:
-        import flows.grpo as module
+        import grpo_flow.flows.grpo as module
 
         originals = {name: getattr(module, name) for name in ("grpo_step", "run_step")}
 
@@ -186,7 +186,7 @@ def median_of(values: dict[int, float], steps: range | list[int]) -> float:
 def build_tiny_architecture(folder: Path) -> str:
     """The tiny preset's model architecture and tokenizer, randomly initialised (no format warm start:
     building that takes minutes, and a step's cost depends on the shapes, not on the weights)."""
-    from workers.data.tiny_model import build_model, build_tokenizer
+    from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
@@ -209,8 +209,15 @@ def run_steps_directly(config: Any, plan: Any, first: int, last: int) -> dict[in
     import dataclasses
     import warnings
 
-    from tasks.rollout import commit_rollouts, compute_advantages, generate, sample_batch, score, write_rollouts
-    from tasks.train import actor_step, log_metrics, save_checkpoint, sync_weights
+    from grpo_flow.tasks.rollout import (
+        commit_rollouts,
+        compute_advantages,
+        generate,
+        sample_batch,
+        score,
+        write_rollouts,
+    )
+    from grpo_flow.tasks.train import actor_step, log_metrics, save_checkpoint, sync_weights
 
     plan = dataclasses.replace(plan, total_steps=last, first_step=first, replay_steps=(), resume_checkpoint=None)
     # log_metrics publishes the step's artifact as in the flow, here with no flow run around it, which

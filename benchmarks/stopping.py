@@ -1,6 +1,6 @@
 """How fast `grpo train` refuses bad input and stops on a signal, as a user sees it (real processes).
 
-    python -m benchmarks.stopping [--storage-root DIR] [--repeats 3]
+    python -m grpo_flow.benchmarks.stopping [--storage-root DIR] [--repeats 3]
 
 Figures (seconds, median over --repeats):
 - `checks_s`: from start to exit 2 for each kind of bad input (a reward path, reward_weights, a data
@@ -38,7 +38,7 @@ BAD_INPUT = {
 
 
 def grpo(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *args]
+    return [sys.executable, "-m", "grpo_flow.flows.cli", *args]
 
 
 def timed_refusal(args: list[str], root: Path) -> float:

@@ -1,7 +1,7 @@
 """grpo-flow against TRL's GRPOTrainer on the same work, in one invocation.
 
-    python -m benchmarks.vs_trl [--steps 8] [--hidden-size 384] [--layers 4] [--json FILE]
-    python -m benchmarks.vs_trl --engine vllm [--steps 8] [...]
+    python -m grpo_flow.benchmarks.vs_trl [--steps 8] [--hidden-size 384] [--layers 4] [--json FILE]
+    python -m grpo_flow.benchmarks.vs_trl --engine vllm [--steps 8] [...]
 
 With `--engine vllm` both sides generate with vLLM as well: grpo-flow with
 `rollout_engine="vllm"` (its engine in the vLLM environment, `grpo setup-vllm`), TRL with
@@ -68,7 +68,7 @@ WORK = {  # identical for both sides
 
 
 def build_shared_model(folder: Path, hidden_size: int, layers: int) -> tuple[str, int]:
-    from workers.data.tiny_model import build_model, build_tokenizer
+    from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, hidden_size=hidden_size, layers=layers, seed=1)
@@ -97,9 +97,9 @@ def run_trl(
     """TRL's side; `partial` receives what is measured before training starts (kept if training fails)."""
     from transformers import TrainerCallback
 
-    from benchmarks.trl_side import grpo_config, grpo_trainer
-    from workers.data.loaders import load_task
-    from workers.rewards.functions import last_digit
+    from grpo_flow.benchmarks.trl_side import grpo_config, grpo_trainer
+    from grpo_flow.workers.data.loaders import load_task
+    from grpo_flow.workers.rewards.functions import last_digit
 
     completion_tokens: list[int] = []
 
@@ -155,9 +155,9 @@ def run_trl(
 def run_grpo_flow(
     model_path: str, steps: int, workdir: Path, step_subflows: bool = True, rollout_engine: str = "transformers"
 ) -> dict[str, Any]:
-    from flows.grpo import grpo
-    from schemas.config import GRPOFlowConfig
-    from workers.state.storage import RunStorage
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.schemas.config import GRPOFlowConfig
+    from grpo_flow.workers.state.storage import RunStorage
 
     config = GRPOFlowConfig(
         run_id=("vs-trl" if step_subflows else "vs-trl-no-subflows") + f"-{rollout_engine}",
@@ -229,7 +229,7 @@ def run_trl_in_vllm_env(model_path: str, steps: int, workdir: Path) -> dict[str,
     """TRL's GRPOTrainer with colocated vLLM, in a process of the vLLM environment; its figures or its error."""
     import subprocess
 
-    from workers.backends.vllm_env import vllm_python
+    from grpo_flow.workers.backends.vllm_env import vllm_python
 
     python = vllm_python()
     if subprocess.run([python, "-c", "import trl"], capture_output=True).returncode != 0:
@@ -238,7 +238,7 @@ def run_trl_in_vllm_env(model_path: str, steps: int, workdir: Path) -> dict[str,
     root = str(Path(__file__).resolve().parents[1])
     # vLLM's CPU build reserves its KV cache as a fraction of RAM unless told a size (GiB)
     env = {**os.environ, "PYTHONPATH": root, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    argv = [python, "-m", "benchmarks.vs_trl", "--trl-side", model_path, str(out), "--steps", str(steps)]
+    argv = [python, "-m", "grpo_flow.benchmarks.vs_trl", "--trl-side", model_path, str(out), "--steps", str(steps)]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=root)
     if out.exists():
         return json.loads(out.read_text())

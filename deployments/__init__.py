@@ -29,5 +29,5 @@ config and fails naming the field.
 Or register them on a work pool for a worker to run (deployments/work_pool.py, which also
 documents the Modal push pool of Prefect Cloud):
 
-    python -m deployments.work_pool --pool grpo-local && prefect worker start --pool grpo-local
+    python -m grpo_flow.deployments.work_pool --pool grpo-local && prefect worker start --pool grpo-local
 """

@@ -42,12 +42,12 @@ from prefect import Flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import Field, ValidationError
 
-from flows.grpo import grpo
-from schemas.config import new_run_id
-from schemas.config import GRPOFlowConfig, describe_validation_error
-from schemas.presets import PRESETS
-from workers.state.resume import ResumeError, check_config_change, config_for_resume
-from workers.state.storage import RunStorage
+from grpo_flow.flows.grpo import grpo
+from grpo_flow.schemas.config import new_run_id
+from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
+from grpo_flow.schemas.presets import PRESETS
+from grpo_flow.workers.state.resume import ResumeError, check_config_change, config_for_resume
+from grpo_flow.workers.state.storage import RunStorage
 
 # Parameters of the wrapper that are not config fields.
 OWN_PARAMETERS = ("preset", "config", "allow_config_change", "fail_at")

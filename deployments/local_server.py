@@ -1,6 +1,6 @@
 """A local Prefect server on PostgreSQL, started from what `pip install` brought in.
 
-    python -m deployments.local_server [--data DIR] [--port 4200]      # until Ctrl-C
+    python -m grpo_flow.deployments.local_server [--data DIR] [--port 4200]      # until Ctrl-C
 
     with local_postgres(folder) as database_url:                    # postgresql+asyncpg://...
         with prefect_server(home, database_url) as api_url:          # http://127.0.0.1:PORT/api
@@ -162,7 +162,7 @@ def local_postgres(folder: Path | str | None = None, port: int | None = None) ->
 
 def server_environment(home: Path | str, database_url: str | None = None) -> dict[str, str]:
     """The environment of a `prefect server start` with its own home and, when given, database."""
-    import flows  # the recorder settings `import flows` puts in the environment, for this server too;
+    from grpo_flow import flows  # the recorder settings `import flows` puts in the environment, for this server too;
     # not what it set for the in-memory ephemeral server (the database, the event persister off)
 
     inherited = {name: value for name, value in os.environ.items() if name not in flows.EPHEMERAL_ONLY}

@@ -13,7 +13,7 @@ environment (GRPO_FLOW_NIGHTLY_CRON, GRPO_FLOW_NIGHTLY_TZ, an IANA name such as
 Europe/Berlin); Prefect's scheduler evaluates the cron in that time zone, daylight saving
 included.
 
-Entrypoints are module paths (`deployments.grpo.grpo_preset`, `flows.evaluate.evaluate`),
+Entrypoints are module paths (`grpo_flow.deployments.grpo.grpo_preset`, `grpo_flow.flows.evaluate.evaluate`),
 not file paths relative to where `grpo serve` was started, so a flow run finds its code from
 any working directory where grpo-flow is installed.
 """
@@ -28,7 +28,7 @@ from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron
 from prefect.types.entrypoint import EntrypointType
 
-from schemas.presets import PRESETS
+from grpo_flow.schemas.presets import PRESETS
 
 NIGHTLY_CRON = "0 2 * * *"
 NIGHTLY_TIMEZONE = "UTC"
@@ -65,7 +65,7 @@ def nightly_schedule(cron: str | None = None, timezone: str | None = None) -> tu
 
 def grpo_deployments(storage_root: str | os.PathLike) -> list[RunnerDeployment]:
     """`grpo/<preset>` for each preset in GRPO_PRESETS (that exists in schemas/presets.py)."""
-    from deployments.grpo import grpo_preset
+    from grpo_flow.deployments.grpo import grpo_preset
 
     root = str(Path(storage_root).absolute())
     deployments = []
@@ -94,7 +94,7 @@ def nightly_deployment(
     prompts: int | None = None,
 ) -> RunnerDeployment:
     """`evaluate/nightly`: the `evaluate` flow with no run id, on a cron schedule in a time zone."""
-    from flows.evaluate import DEFAULT_K, evaluate
+    from grpo_flow.flows.evaluate import DEFAULT_K, evaluate
 
     cron, timezone = nightly_schedule(cron, timezone)
     parameters: dict[str, object] = {"storage_root": str(Path(storage_root).absolute()), "k": k or DEFAULT_K}

@@ -3,7 +3,7 @@
 Local process pool (a self-hosted `prefect server start`, or Prefect Cloud):
 
     export PREFECT_API_URL=http://127.0.0.1:4200/api
-    python -m deployments.work_pool --pool grpo-local --storage-root /data/grpo-storage
+    python -m grpo_flow.deployments.work_pool --pool grpo-local --storage-root /data/grpo-storage
     prefect worker start --pool grpo-local          # where grpo-flow is installed (pip install -e .)
     prefect deployment run grpo/tiny --param max_steps=3
 
@@ -19,7 +19,7 @@ a push pool needs no worker, Prefect Cloud starts each flow run as a Modal funct
     prefect cloud login
     modal token new                                    # the `modal` package is a grpo-flow dependency
     prefect work-pool create grpo-modal --type modal:push --provision-infra
-    python -m deployments.work_pool --pool grpo-modal --image <registry>/grpo-flow:<tag> --storage-root /vol/grpo
+    python -m grpo_flow.deployments.work_pool --pool grpo-modal --image <registry>/grpo-flow:<tag> --storage-root /vol/grpo
 
 `--provision-infra` (prefect/infrastructure/provisioners/modal.py) reads the local Modal token
 and stores it in a Prefect block the pool uses. The image must contain grpo-flow
@@ -37,7 +37,7 @@ import os
 import sys
 from uuid import UUID
 
-from deployments.serve import DeploymentSettingsError, build_deployments
+from grpo_flow.deployments.serve import DeploymentSettingsError, build_deployments
 
 DEFAULT_POOL = "grpo-local"
 
@@ -84,7 +84,7 @@ def deploy_to_work_pool(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m deployments.work_pool", description="Register grpo-flow's deployments on a work pool."
+        prog="python -m grpo_flow.deployments.work_pool", description="Register grpo-flow's deployments on a work pool."
     )
     parser.add_argument("--pool", default=DEFAULT_POOL, help=f"work pool name (default: {DEFAULT_POOL})")
     parser.add_argument("--storage-root", default=os.environ.get("GRPO_FLOW_STORAGE", "grpo-storage"))
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             args.pool, args.storage_root, args.nightly_cron, args.timezone, args.eval_k, args.eval_prompts, args.image
         )
     except DeploymentSettingsError as error:
-        print(f"deployments.work_pool: {error}", file=sys.stderr)
+        print(f"grpo_flow.deployments.work_pool: {error}", file=sys.stderr)
         return 2
     print(
         f"registered {len(ids)} deployments on work pool {args.pool!r}; start a worker with: "

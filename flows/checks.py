@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Collection
 from pathlib import Path
 
-from schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.config import GRPOFlowConfig
 
 # A Hugging Face hub id: `name` or `namespace/name` (letters, digits, `-`, `_`, `.`; at most 96 each).
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
@@ -66,8 +66,8 @@ def check_storage_root(root: str | os.PathLike) -> None:
 def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = ()) -> None:
     """Reward names resolve (built-ins, `module:function` imports), and reward_weights has one weight
     per function, the data set's default ones included."""
-    from workers.data.loaders import DEFAULT_REWARDS
-    from workers.rewards.functions import check_distinct_reward_names, resolve_reward_funcs
+    from grpo_flow.workers.data.loaders import DEFAULT_REWARDS
+    from grpo_flow.workers.rewards.functions import check_distinct_reward_names, resolve_reward_funcs
 
     names = list(config.reward_funcs)
     if not names:
@@ -92,7 +92,7 @@ def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = ()) -> N
 def check_local_or_hub(field: str, value: str, what: str, folder_only: bool) -> str:
     """`value` is an existing local path ("local"), or has the form of a hub id ("hub"; whether the hub
     has it is found out when it loads: that needs the network)."""
-    from workers.data.loaders import FILE_BUILDERS
+    from grpo_flow.workers.data.loaders import FILE_BUILDERS
 
     path = Path(value).expanduser()
     if path.exists():

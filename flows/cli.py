@@ -31,9 +31,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flows.cli_common import UsageError, quiet_prefect
-from schemas.config import GRPOFlowConfig, describe_validation_error
-from schemas.presets import PRESETS
+from grpo_flow.flows.cli_common import UsageError, quiet_prefect
+from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
+from grpo_flow.schemas.presets import PRESETS
 
 DEFAULT_STORAGE_ROOT = os.environ.get("GRPO_FLOW_STORAGE", "grpo-storage")
 
@@ -80,9 +80,9 @@ def option_help(field: Any, preset_value: Any = None) -> tuple[str, str]:
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
-    """Every config field as `--field-name`, grouped as schemas.config.CONFIG_GROUPS (and the README) group them."""
-    from schemas.config import CONFIG_GROUPS, field_group
-    from schemas.presets import PRESETS
+    """Every config field as `--field-name`, grouped as grpo_flow.schemas.config.CONFIG_GROUPS (and the README) group them."""
+    from grpo_flow.schemas.config import CONFIG_GROUPS, field_group
+    from grpo_flow.schemas.presets import PRESETS
 
     groups = {name: parser.add_argument_group(f"{name} (config fields)") for name in [*CONFIG_GROUPS, "Other"]}
     for name, field in GRPOFlowConfig.model_fields.items():
@@ -132,8 +132,8 @@ def cli_spelling(line: str) -> str:
 def command_train(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args)
     quiet_prefect(args.verbose)  # before Prefect is first imported: its settings are read then
-    from flows.checks import StartCheckError, check_before_start
-    from workers.state.storage import RunStorage
+    from grpo_flow.flows.checks import StartCheckError, check_before_start
+    from grpo_flow.workers.state.storage import RunStorage
 
     try:  # everything up to check_before_start runs in about a second: no torch, Prefect or model yet
         check_storage_root(args.storage_root)
@@ -153,18 +153,18 @@ def command_train(args: argparse.Namespace) -> int:
     except StartCheckError as error:
         raise UsageError(f"--{error.field.replace('_', '-')}: {error.message}") from None
     if args.fail_at:
-        from workers.state.faults import parse_fail_at
+        from grpo_flow.workers.state.faults import parse_fail_at
 
         try:
             parse_fail_at(args.fail_at)
         except ValueError as error:
             raise UsageError(f"--{error}") from error
-    from schemas.config import new_run_id
+    from grpo_flow.schemas.config import new_run_id
 
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
-    from workers.backends import check_backend_ready
-    from workers.backends.vllm_env import VLLMNotReady, check_vllm_ready
+    from grpo_flow.workers.backends import check_backend_ready
+    from grpo_flow.workers.backends.vllm_env import VLLMNotReady, check_vllm_ready
 
     try:
         check_vllm_ready(config)  # no vLLM environment, or what this machine lacks: say so, start nothing
@@ -179,8 +179,8 @@ def command_train(args: argparse.Namespace) -> int:
         if existing:
             raise UsageError(f"--simple-mode: run {config.run_id!r} exists; simple mode does not resume")
         return run_simple_mode(config, args)
-    from flows.ephemeral_server import ServerStartError, start_ephemeral_server
-    from flows.quiet import log_path_for, quiet_prefect_run
+    from grpo_flow.flows.ephemeral_server import ServerStartError, start_ephemeral_server
+    from grpo_flow.flows.quiet import log_path_for, quiet_prefect_run
 
     log_path = log_path_for(config.storage_root)
     try:  # Prefect's logs and its server's output to the log file; --verbose keeps Prefect's console
@@ -194,9 +194,9 @@ def command_train(args: argparse.Namespace) -> int:
 
 def train_run(config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, log_path: Any) -> int:
     """The grpo flow on a thread, Ctrl-C and SIGTERM handled (flows/interrupt.py); the outcome in a few lines."""
-    from flows.grpo import grpo
-    from flows.interrupt import exit_status, resume_command, run_until_signalled, stop_signal_number
-    from workers.state.storage import RunStorage
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.flows.interrupt import exit_status, resume_command, run_until_signalled, stop_signal_number
+    from grpo_flow.workers.state.storage import RunStorage
 
     storage = RunStorage(config.storage_root, config.run_id or "")
     what = "resuming run" if existing else "run"
@@ -245,10 +245,10 @@ def stop_at_once(config: GRPOFlowConfig, signum: int) -> None:
     """A second Ctrl-C, or a step that did not end in time after the first: record the run as
     interrupted from what is on disk, end the engine processes and the server, exit now. Safe: the run
     survives being killed anywhere (flows/interrupt.py)."""
-    from flows.ephemeral_server import stop_ephemeral_server_now
-    from flows.interrupt import exit_status, interrupted_summary, resume_command
-    from workers.backends import local
-    from workers.state.storage import RunStorage
+    from grpo_flow.flows.ephemeral_server import stop_ephemeral_server_now
+    from grpo_flow.flows.interrupt import exit_status, interrupted_summary, resume_command
+    from grpo_flow.workers.backends import local
+    from grpo_flow.workers.state.storage import RunStorage
 
     storage = RunStorage(config.storage_root, config.run_id or "")
     try:
@@ -277,8 +277,8 @@ def signal_name(signum: int) -> str:
 def hold_cli_lock(config: GRPOFlowConfig) -> None:
     """One writer per run, taken before Prefect starts, so a second process is refused (exit 2) in
     about a second. The flow finds it held (re-entrant in-process) and gives it back when it ends."""
-    from workers.state.lock import RunLockedError, hold_run_lock, release_run_lock
-    from workers.state.storage import RunStorage
+    from grpo_flow.workers.state.lock import RunLockedError, hold_run_lock, release_run_lock
+    from grpo_flow.workers.state.storage import RunStorage
 
     run_dir = RunStorage(config.storage_root, config.run_id or "").run_dir
     try:
@@ -291,8 +291,8 @@ def hold_cli_lock(config: GRPOFlowConfig) -> None:
 def give_back_cli_lock(config: GRPOFlowConfig) -> None:
     """Release the writer lock of a run that never started; the lock's release removes the run folder
     if it is empty, and this the `runs/` folder if that is empty too."""
-    from workers.state.lock import release_run_lock
-    from workers.state.storage import RunStorage
+    from grpo_flow.workers.state.lock import release_run_lock
+    from grpo_flow.workers.state.storage import RunStorage
 
     run_dir = RunStorage(config.storage_root, config.run_id or "").run_dir
     release_run_lock(run_dir)
@@ -304,7 +304,7 @@ def give_back_cli_lock(config: GRPOFlowConfig) -> None:
 
 def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
     """TRL's own GRPOTrainer loop in the `grpo-simple` flow, writing to the same storage layout."""
-    from flows.simple import grpo_simple
+    from grpo_flow.flows.simple import grpo_simple
 
     print(f"grpo-flow: run {config.run_id} in simple mode (TRL's GRPOTrainer loop)", flush=True)
     try:
@@ -320,7 +320,7 @@ def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
 
 def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namespace) -> GRPOFlowConfig:
     """The run's own config with the options given applied; a change to training needs --allow-config-change."""
-    from workers.state.resume import ResumeError, check_config_change, config_for_resume
+    from grpo_flow.workers.state.resume import ResumeError, check_config_change, config_for_resume
 
     if args.preset:
         print(
@@ -337,7 +337,7 @@ def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namesp
 
 
 def check_storage_root(root: str) -> None:
-    from flows.checks import StartCheckError, check_storage_root as check
+    from grpo_flow.flows.checks import StartCheckError, check_storage_root as check
 
     try:
         check(root)
@@ -378,7 +378,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def command_runs(args: argparse.Namespace) -> int:
-    from workers.state.storage import list_runs
+    from grpo_flow.workers.state.storage import list_runs
 
     runs = list_runs(args.storage_root)
     if not runs:
@@ -398,7 +398,7 @@ def command_runs(args: argparse.Namespace) -> int:
 
 
 def command_rollouts(args: argparse.Namespace) -> int:
-    from workers.state.storage import RunStorage
+    from grpo_flow.workers.state.storage import RunStorage
 
     storage = RunStorage(args.storage_root, args.run_id)
     if not storage.exists():
@@ -429,8 +429,8 @@ def command_rollouts(args: argparse.Namespace) -> int:
 
 def command_verify(args: argparse.Namespace) -> int:
     """Every step and checkpoint checked byte for byte; damaged ones named and moved aside (exit 1)."""
-    from workers.state.storage import RunStorage
-    from workers.state.verify import report_lines, verify_run
+    from grpo_flow.workers.state.storage import RunStorage
+    from grpo_flow.workers.state.verify import report_lines, verify_run
 
     storage = RunStorage(args.storage_root, args.run_id)
     if not storage.exists():
@@ -446,7 +446,7 @@ def command_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before Prefect reads its settings
     from prefect.settings import PREFECT_API_URL
 
-    from deployments.serve import GRPO_PRESETS, DeploymentSettingsError, nightly_schedule, serve_deployments
+    from grpo_flow.deployments.serve import GRPO_PRESETS, DeploymentSettingsError, nightly_schedule, serve_deployments
 
     api_url = PREFECT_API_URL.value()
     if not api_url:
@@ -483,7 +483,7 @@ def command_eval(args: argparse.Namespace) -> int:
     model), unless --force evaluates it again (the earlier file is moved to eval/superseded/).
     """
     quiet_prefect(args.verbose)
-    from workers.state.storage import RunStorage
+    from grpo_flow.workers.state.storage import RunStorage
 
     if args.k < 1:
         raise UsageError(f"--k: must be at least 1, got {args.k}")
@@ -498,13 +498,13 @@ def command_eval(args: argparse.Namespace) -> int:
         for note in settings_differences(stored, args):
             print(f"note: {note}")
         return 0
-    from flows.evaluate import EvaluationError, resolve_checkpoint
+    from grpo_flow.flows.evaluate import EvaluationError, resolve_checkpoint
 
     try:
         step = resolve_checkpoint(storage, args.checkpoint)
     except EvaluationError as error:
         raise UsageError(f"{'--checkpoint' if args.checkpoint is not None else 'RUN'}: {error}") from error
-    from flows.evaluate import evaluate
+    from grpo_flow.flows.evaluate import evaluate
 
     print(f"grpo-flow: evaluating run {args.run_id}, checkpoint {step} (k={args.k})", flush=True)
     try:
@@ -544,7 +544,7 @@ def settings_differences(stored: dict[str, Any], args: argparse.Namespace) -> li
 
 
 def print_eval_summary(summary: dict[str, Any]) -> None:
-    from workers.state.storage import eval_metric_names
+    from grpo_flow.workers.state.storage import eval_metric_names
 
     rows = [
         ("run", summary["run_id"]),
@@ -560,7 +560,7 @@ def print_eval_summary(summary: dict[str, Any]) -> None:
 
 def command_report(args: argparse.Namespace) -> int:
     """A PNG of reward, loss, KL and completion length per step (and evaluations, when there are any)."""
-    from flows.report import ReportError, write_report
+    from grpo_flow.flows.report import ReportError, write_report
 
     try:
         report = write_report(args.storage_root, args.run_id, args.out)
@@ -577,7 +577,13 @@ def command_setup_vllm(args: argparse.Namespace) -> int:
     """Build the environment vLLM rollout engines run in (vLLM and Prefect cannot share one)."""
     from pathlib import Path
 
-    from workers.backends.vllm_env import default_vllm_env, env_python, has_cuda, setup_commands, setup_vllm_env
+    from grpo_flow.workers.backends.vllm_env import (
+        default_vllm_env,
+        env_python,
+        has_cuda,
+        setup_commands,
+        setup_vllm_env,
+    )
 
     path = Path(args.path or default_vllm_env()).absolute()
     device = args.device if args.device != "auto" else ("cuda" if has_cuda() else "cpu")
@@ -718,7 +724,7 @@ def make_parser() -> argparse.ArgumentParser:
     setup_vllm.add_argument("--dry-run", action="store_true", help="print the commands it would run, run nothing")
     setup_vllm.set_defaults(handler=command_setup_vllm)
 
-    from flows.components import add_component_commands
+    from grpo_flow.flows.components import add_component_commands
 
     add_component_commands(commands, DEFAULT_STORAGE_ROOT)
     return parser

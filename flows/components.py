@@ -18,21 +18,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.cli_common import UsageError as ComponentError  # bad input; `grpo` prints it and exits 2
+from grpo_flow.flows.cli_common import UsageError as ComponentError  # bad input; `grpo` prints it and exits 2
 
 DEFAULT_PROMPT = "What is 12 + 7? Answer with the number."
 
 
 # -- test-rollout ----------------------------------------------------------------------------------------
 def command_test_rollout(args: argparse.Namespace) -> int:
-    from flows.cli_common import quiet_prefect
+    from grpo_flow.flows.cli_common import quiet_prefect
 
     quiet_prefect(verbose=False)  # no download/loading progress bars around the answer
     from pydantic import ValidationError
 
-    from schemas.config import describe_validation_error
-    from schemas.presets import preset_config
-    from workers.rollout.base import SamplingParams
+    from grpo_flow.schemas.config import describe_validation_error
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers.rollout.base import SamplingParams
 
     overrides = {"backend": args.backend, "storage_root": args.storage_root, "run_id": "component-test-rollout"}
     if args.model:
@@ -47,7 +47,7 @@ def command_test_rollout(args: argparse.Namespace) -> int:
         raise ComponentError(describe_validation_error(error)) from None
     if args.n < 1 or args.max_tokens < 1:
         raise ComponentError("--n and --max-tokens must be at least 1")
-    from workers.backends.vllm_env import VLLMNotReady, check_vllm_ready
+    from grpo_flow.workers.backends.vllm_env import VLLMNotReady, check_vllm_ready
 
     try:
         check_vllm_ready(config)
@@ -84,11 +84,11 @@ def command_test_rollout(args: argparse.Namespace) -> int:
 def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, str]:
     """One rollout worker's answer: the local engine (transformers, or vLLM in its own environment), or
     the Modal RolloutWorker (`.local()` on CPU when GRPO_FLOW_MODAL_MODE=local)."""
-    from workers.data.tiny_model import resolve_model_path
+    from grpo_flow.workers.data.tiny_model import resolve_model_path
 
     model_path = resolve_model_path(config.model, config.storage_root)
     if config.backend == "local" and config.rollout_engine == "vllm":
-        from workers.backends.vllm_env import local_engine
+        from grpo_flow.workers.backends.vllm_env import local_engine
 
         engine = local_engine(config, model_path, 0, threads=None, log_dir=None)
         engine.load()
@@ -97,13 +97,13 @@ def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, st
         finally:
             engine.close()
     if config.backend == "local":
-        from workers.rollout.transformers_engine import TransformersRolloutEngine
+        from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
         engine = TransformersRolloutEngine(model_path)
         engine.load()
         return engine.generate(prompts, params, config.max_prompt_length), "local transformers engine"
-    from workers.backends import check_backend_ready
-    from workers.backends.modal_app import VOLUME_PATH, build_worker_app, worker_config_json
+    from grpo_flow.workers.backends import check_backend_ready
+    from grpo_flow.workers.backends.modal_app import VOLUME_PATH, build_worker_app, worker_config_json
 
     check_backend_ready(config)
     local = os.environ.get("GRPO_FLOW_MODAL_MODE") == "local"
@@ -142,8 +142,8 @@ def parse_columns(pairs: list[str]) -> dict[str, Any]:
 
 
 def command_test_reward(args: argparse.Namespace) -> int:
-    from schemas.records import RolloutBatch
-    from workers.rewards.functions import RewardTrainerState, resolve_reward_funcs, score_batch
+    from grpo_flow.schemas.records import RolloutBatch
+    from grpo_flow.workers.rewards.functions import RewardTrainerState, resolve_reward_funcs, score_batch
 
     try:
         funcs = resolve_reward_funcs(args.reward_funcs)
@@ -182,7 +182,7 @@ def command_test_reward(args: argparse.Namespace) -> int:
 
 # -- checkpoints -----------------------------------------------------------------------------------------
 def command_checkpoints(args: argparse.Namespace) -> int:
-    from workers.state.storage import MANIFEST, DamagedCheckpointError, RunStorage
+    from grpo_flow.workers.state.storage import MANIFEST, DamagedCheckpointError, RunStorage
 
     storage = RunStorage(args.storage_root, args.run_id)
     if not storage.exists():
@@ -219,7 +219,7 @@ def hub_cache_dir() -> Path:
 def cache_entries(storage_root: str, model: str | None) -> list[Path]:
     """The cached copies of `model` (all models when None): the project's models under the storage root
     and the hub's download of a hub id."""
-    from workers.data.tiny_model import TINY_MODELS, tiny_model_path
+    from grpo_flow.workers.data.tiny_model import TINY_MODELS, tiny_model_path
 
     models_dir = Path(storage_root) / "models"
     entries: list[Path] = []
@@ -236,7 +236,7 @@ def cache_entries(storage_root: str, model: str | None) -> list[Path]:
 
 
 def command_clear_cache(args: argparse.Namespace) -> int:
-    from workers.data.tiny_model import TINY_MODELS
+    from grpo_flow.workers.data.tiny_model import TINY_MODELS
 
     if args.backend == "modal":
         return clear_modal_cache(args)
@@ -262,10 +262,10 @@ def clear_modal_cache(args: argparse.Namespace) -> int:
     """Delete the model's download from the hub cache on the run's Modal Volume (UNTESTED HERE: needs Modal)."""
     import modal
 
-    from schemas.config import GRPOFlowConfig
-    from workers.backends.modal_app import HF_HOME, VOLUME_PATH
-    from workers.backends.modal_backend import check_modal_ready
-    from workers.data.tiny_model import TINY_MODELS
+    from grpo_flow.schemas.config import GRPOFlowConfig
+    from grpo_flow.workers.backends.modal_app import HF_HOME, VOLUME_PATH
+    from grpo_flow.workers.backends.modal_backend import check_modal_ready
+    from grpo_flow.workers.data.tiny_model import TINY_MODELS
 
     if not args.model or args.model in TINY_MODELS:
         raise ComponentError("--model: name the hub model whose cached download to delete from the Volume")
@@ -282,7 +282,7 @@ def clear_modal_cache(args: argparse.Namespace) -> int:
 
 # -- wiring ---------------------------------------------------------------------------------------------
 def add_component_commands(commands: Any, default_storage_root: str) -> None:
-    from schemas.presets import PRESETS
+    from grpo_flow.schemas.presets import PRESETS
 
     rollout = commands.add_parser("test-rollout", help="one rollout worker generates for a prompt")
     rollout.add_argument("--preset", default="tiny", help=f"one of: {', '.join(sorted(PRESETS))} (default: tiny)")

@@ -18,7 +18,7 @@ uses it and Prefect's exit handler stops it. Only the command differs from Prefe
 with the terminal's process group, so it watches its parent and ends itself when the parent is gone
 (even one killed with SIGKILL).
 
-`python -m flows.ephemeral_server PARENT_PID UVICORN_ARGS...` is that server process.
+`python -m grpo_flow.flows.ephemeral_server PARENT_PID UVICORN_ARGS...` is that server process.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _server_class() -> Any:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "ab") as log:
                 return subprocess.Popen(
-                    [sys.executable, "-m", "flows.ephemeral_server", str(os.getpid()), *uvicorn_args],
+                    [sys.executable, "-m", "grpo_flow.flows.ephemeral_server", str(os.getpid()), *uvicorn_args],
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,

@@ -55,10 +55,10 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from schemas.config import GRPOFlowConfig
-from schemas.records import REWARD_PREFIX, RolloutBatch
-from tasks.observability import artifact_key
-from workers.state.storage import (
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.records import REWARD_PREFIX, RolloutBatch
+from grpo_flow.tasks.observability import artifact_key
+from grpo_flow.workers.state.storage import (
     EVAL_METADATA_KEY,
     RunStorage,
     clean_stale_temps,
@@ -66,8 +66,8 @@ from workers.state.storage import (
     read_eval_summary,
     temp_prefix,
 )
-from workers.state.storage import eval_metric_names as metric_names
-from workers.state.tracking import wandb_dir
+from grpo_flow.workers.state.storage import eval_metric_names as metric_names
+from grpo_flow.workers.state.tracking import wandb_dir
 
 __all__ = ["EVAL_METADATA_KEY", "metric_names", "read_eval_summary"]  # kept importable from here
 DEFAULT_K = 8
@@ -161,7 +161,7 @@ def resolve_checkpoint(storage: RunStorage, checkpoint: int | None) -> int:
         raise EvaluationError(
             f"run {storage.run_id!r} has no checkpoint of step {checkpoint}; checkpoints: {steps or 'none'}"
         )
-    from workers.state.storage import DamagedCheckpointError
+    from grpo_flow.workers.state.storage import DamagedCheckpointError
 
     try:
         storage.verify_checkpoint(checkpoint)
@@ -215,7 +215,7 @@ def _scored_batch(
     state: Any,
 ) -> RolloutBatch:
     """The completions of one generate call as a RolloutBatch, scored by `funcs` (training's scorer)."""
-    from workers.rewards.functions import score_batch
+    from grpo_flow.workers.rewards.functions import score_batch
 
     repeat = lambda values: [v for v in values for _ in range(n)]  # noqa: E731 - prompt-major, as generated
     batch = RolloutBatch(
@@ -264,7 +264,7 @@ def _batch_rows(batch: RolloutBatch, mode: str, correct: list[bool | None]) -> l
 def _correct(batch: RolloutBatch, accuracy_name: str | None, accuracy_func: Any, state: Any) -> list[bool | None]:
     """0/1 correctness by the data set's accuracy reward; reuses its column when the run trains on it
     (code rewards run sandboxes: never twice)."""
-    from workers.rewards.functions import score_batch
+    from grpo_flow.workers.rewards.functions import score_batch
 
     if accuracy_name is None:
         return [None] * len(batch)
@@ -306,7 +306,7 @@ def checkpoint_model(storage: RunStorage, step: int) -> Path:
     folder = storage.checkpoint_dir(step)
     if (folder / "model").is_dir():
         return folder / "model"
-    from workers.backends.modal_backend import checkpoint_model_dir
+    from grpo_flow.workers.backends.modal_backend import checkpoint_model_dir
 
     return checkpoint_model_dir(folder, storage.root / "cache")
 
@@ -331,10 +331,10 @@ def evaluate_checkpoint(
     """
     import torch
 
-    from workers.data.loaders import load_task
-    from workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, resolve_reward_funcs
-    from workers.rollout.base import SamplingParams
-    from workers.rollout.transformers_engine import TransformersRolloutEngine
+    from grpo_flow.workers.data.loaders import load_task
+    from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, resolve_reward_funcs
+    from grpo_flow.workers.rollout.base import SamplingParams
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
     storage = RunStorage(storage_root, run_id)
     path = eval_path(storage, step)

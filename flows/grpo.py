@@ -37,12 +37,12 @@ from prefect.utilities.annotations import quote
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from tqdm.auto import tqdm
 
-from flows import ephemeral_database_in_memory
-from flows.interrupt import interrupted_summary, resume_command, stop_requested, stop_signal_name
-from schemas.config import GRPOFlowConfig, new_run_id
-from schemas.records import RunPlan
-from tasks import with_retries
-from tasks.observability import (
+from grpo_flow.flows import ephemeral_database_in_memory
+from grpo_flow.flows.interrupt import interrupted_summary, resume_command, stop_requested, stop_signal_name
+from grpo_flow.schemas.config import GRPOFlowConfig, new_run_id
+from grpo_flow.schemas.records import RunPlan
+from grpo_flow.tasks import with_retries
+from grpo_flow.tasks.observability import (
     artifact_writes_allowed,
     artifact_writes_paused,
     create_run_progress,
@@ -50,7 +50,7 @@ from tasks.observability import (
     publish,
     update_run_progress,
 )
-from tasks.rollout import (
+from grpo_flow.tasks.rollout import (
     check_metric_names,
     generate,
     keep_informative_groups,
@@ -59,11 +59,11 @@ from tasks.rollout import (
     sample_batch,
     score,
 )
-from tasks.run import completed_summary, evaluate_heldout, finish_run, prepare_run, release_flow_run_locks
-from tasks.train import actor_step, log_metrics, restore_workers, save_checkpoint, sync_weights
-from workers import backends
-from workers.state.faults import parse_fail_at
-from workers.state.storage import RunStorage
+from grpo_flow.tasks.run import completed_summary, evaluate_heldout, finish_run, prepare_run, release_flow_run_locks
+from grpo_flow.tasks.train import actor_step, log_metrics, restore_workers, save_checkpoint, sync_weights
+from grpo_flow.workers import backends
+from grpo_flow.workers.state.faults import parse_fail_at
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def grpo_run_name() -> str:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tasks.observability import USER_FACING
+from grpo_flow.tasks.observability import USER_FACING
 
 _FILE_HANDLERS: dict[Path, logging.Handler] = {}
 
@@ -59,7 +59,7 @@ def log_path_for(storage_root: str | os.PathLike) -> Path:
 def quiet_prefect_run(storage_root: str | os.PathLike) -> Path:
     """Route Prefect's console logs to the storage root's log file and start the ephemeral server
     writing there too (in a session of its own: see flows/ephemeral_server.py); returns the file."""
-    from flows.ephemeral_server import start_ephemeral_server
+    from grpo_flow.flows.ephemeral_server import start_ephemeral_server
 
     path = log_path_for(storage_root)
     route_prefect_console(path)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.state.storage import RunStorage, temp_prefix
+from grpo_flow.workers.state.storage import RunStorage, temp_prefix
 
 # (metrics column, panel title, band column drawn as +/- one value around the line)
 PANELS: tuple[tuple[str, str, str | None], ...] = (
@@ -53,7 +53,7 @@ def _series(table: Any, column: str) -> tuple[list[int], list[float]]:
 
 def _eval_series(storage: RunStorage) -> dict[str, tuple[list[int], list[float]]]:
     """pass@1, pass@k (the largest k) and greedy accuracy per evaluated checkpoint."""
-    from flows.evaluate import eval_path, evaluated_steps, read_eval_summary
+    from grpo_flow.flows.evaluate import eval_path, evaluated_steps, read_eval_summary
 
     series: dict[str, tuple[list[int], list[float]]] = {}
     for step in evaluated_steps(storage):

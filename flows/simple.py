@@ -16,20 +16,20 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.grpo import grpo_run_name
-from schemas.config import new_run_id
-from schemas.config import GRPOFlowConfig
-from schemas.records import RunPlan
-from tasks.run import finish_run, prepare_run
-from workers.data.loaders import load_task
-from workers.rewards.functions import resolve_reward_funcs
-from workers.state.storage import RunStorage
+from grpo_flow.flows.grpo import grpo_run_name
+from grpo_flow.schemas.config import new_run_id
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.records import RunPlan
+from grpo_flow.tasks.run import finish_run, prepare_run
+from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.rewards.functions import resolve_reward_funcs
+from grpo_flow.workers.state.storage import RunStorage
 
 
 @task(name="trl-train", cache_policy=NO_CACHE)
 def trl_train(config: GRPOFlowConfig, plan: RunPlan, show_progress: bool = False) -> dict[str, Any]:
     """GRPOTrainer.train() on the run's data and rewards. No retries: TRL's loop is not resumable here."""
-    from workers.actor.simple_mode import train_with_trl
+    from grpo_flow.workers.actor.simple_mode import train_with_trl
 
     funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names), plan.run_id)
     return train_with_trl(config, plan, list(funcs.values()), load_task(config.dataset).train, show_progress)

@@ -1,6 +1,6 @@
 """The Python API, in the seeds' (and TRL's) style:
 
-    from flows.trainer import GRPOFlowTrainer
+    from grpo_flow.flows.trainer import GRPOFlowTrainer
 
     trainer = GRPOFlowTrainer(
         model="tiny",                     # the project's offline model, or a hub id / local path
@@ -24,8 +24,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flows.checks import StartCheckError, check_before_start
-from schemas.config import GRPOFlowConfig, InvalidConfigError, describe_validation_error
+from grpo_flow.flows.checks import StartCheckError, check_before_start
+from grpo_flow.schemas.config import GRPOFlowConfig, InvalidConfigError, describe_validation_error
 
 HELDOUT_FRACTION = 0.1  # of train_dataset's distinct prompts, held out when evaluating without eval_dataset
 
@@ -69,7 +69,7 @@ class GRPOFlowTrainer:
         accuracy_reward: str | Callable[..., Any] | None = None,
         **config_fields: Any,
     ):
-        from workers.rewards.environments import as_reward_function, is_reward_environment, snake_case
+        from grpo_flow.workers.rewards.environments import as_reward_function, is_reward_environment, snake_case
 
         funcs = [] if reward_funcs is None else reward_funcs
         if isinstance(funcs, (str, bytes)) or callable(funcs) or is_reward_environment(funcs):
@@ -105,7 +105,7 @@ class GRPOFlowTrainer:
             check_dataset_type(field, value)
         self.task = None
         if train_dataset is not None:
-            from workers.data.loaders import task_from_dataset
+            from grpo_flow.workers.data.loaders import task_from_dataset
 
             accuracy = self._accuracy_function(accuracy_reward, names)
             if eval_dataset is not None and accuracy is None:
@@ -146,7 +146,7 @@ class GRPOFlowTrainer:
             raise InvalidConfigError(describe_validation_error(error)) from None
         check_before_start(self.config, self.reward_objects)  # reward paths, weights, model path, storage root
         if self.config.run_id is None:
-            from schemas.config import new_run_id
+            from grpo_flow.schemas.config import new_run_id
 
             self.config = self.config.model_copy(update={"run_id": new_run_id(self.config)})
 
@@ -155,7 +155,7 @@ class GRPOFlowTrainer:
     ) -> tuple[str, Callable[..., Any]] | None:
         """The held-out accuracy's scorer as (name, function): one of reward_funcs by name, a built-in
         reward, or a function; None without one."""
-        from workers.rewards.functions import BUILTIN_REWARDS, resolve_reward_funcs, reward_key
+        from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS, resolve_reward_funcs, reward_key
 
         if accuracy_reward is None:
             return None
@@ -187,10 +187,10 @@ class GRPOFlowTrainer:
         `<storage_root>/logs/prefect.log` from here on (flows/quiet.py), and a warning meant for the
         user (a step without any reward) is printed as `grpo-flow: warning: ...`.
         """
-        from flows.grpo import grpo
-        from flows.quiet import quiet_libraries, quiet_prefect_run
-        from workers.data.loaders import register_task
-        from workers.rewards.functions import register_reward_funcs
+        from grpo_flow.flows.grpo import grpo
+        from grpo_flow.flows.quiet import quiet_libraries, quiet_prefect_run
+        from grpo_flow.workers.data.loaders import register_task
+        from grpo_flow.workers.rewards.functions import register_reward_funcs
 
         if self.task is not None:
             register_task(self.config.dataset.removeprefix("registered:"), self.task)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.config import GRPOFlowConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Offline, CPU, about a minute: the project's tiny Qwen2 model learns to answer `35060=`

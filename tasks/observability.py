@@ -42,7 +42,7 @@ from uuid import UUID
 
 import pyarrow as pa
 
-from schemas.records import REWARD_PREFIX, RolloutBatch, RunPlan
+from grpo_flow.schemas.records import REWARD_PREFIX, RolloutBatch, RunPlan
 
 logger = logging.getLogger("grpo_flow.observability")
 
@@ -99,7 +99,7 @@ def rollout_rows(
             return []
         import pyarrow.dataset as ds
 
-        from workers.state.storage import RunStorage
+        from grpo_flow.workers.state.storage import RunStorage
 
         storage = RunStorage(plan_or_run_id.storage_root, plan_or_run_id.run_id)
         # Only what the artifact shows: token ids and logprobs are most of a step's bytes.

@@ -17,23 +17,23 @@ import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from schemas.config import GRPOFlowConfig
-from schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
-from tasks.caching import STEP_STAGE
-from tasks.observability import USER_FACING
-from workers import backends
-from workers.actor.advantages import multi_objective_advantages
-from workers.state.faults import maybe_fail, maybe_kill_engine
-from workers.data.loaders import load_task
-from workers.rewards.functions import (
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
+from grpo_flow.tasks.caching import STEP_STAGE
+from grpo_flow.tasks.observability import USER_FACING
+from grpo_flow.workers import backends
+from grpo_flow.workers.actor.advantages import multi_objective_advantages
+from grpo_flow.workers.state.faults import maybe_fail, maybe_kill_engine
+from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.rewards.functions import (
     RewardOutputError,
     RewardTimeoutError,
     RewardTrainerState,
     resolve_reward_funcs,
     score_batch,
 )
-from workers.rollout.base import SamplingParams
-from workers.state.storage import RunStorage
+from grpo_flow.workers.rollout.base import SamplingParams
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def step_seed(seed: int, step: int, shard: int = 0, refill_round: int = 0) -> int:
@@ -368,7 +368,7 @@ def log_rollouts(
 
     A retry after the commit finds the step logged and leaves it as it is (nothing logged is
     ever rewritten); the statistics are computed again from the same batches."""
-    from tasks.observability import pick_samples, rollout_rows
+    from grpo_flow.tasks.observability import pick_samples, rollout_rows
 
     started = time.perf_counter()
     scored, stats = compute_advantages.fn(config, batches)

@@ -13,24 +13,24 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as current_flow_run
 
-from schemas.config import GRPOFlowConfig
-from schemas.records import REWARD_PREFIX, RunPlan
-from workers import backends
-from workers.data.loaders import load_task
-from workers.rollout.base import check_chat_prompts, load_generation_tokenizer
-from workers.rollout.heldout import heldout_accuracy
-from workers.state.lock import hold_run_lock, release_run_lock, release_run_locks_of
-from workers.state.resume import (
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.records import REWARD_PREFIX, RunPlan
+from grpo_flow.workers import backends
+from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.rollout.base import check_chat_prompts, load_generation_tokenizer
+from grpo_flow.workers.rollout.heldout import heldout_accuracy
+from grpo_flow.workers.state.lock import hold_run_lock, release_run_lock, release_run_locks_of
+from grpo_flow.workers.state.resume import (
     check_config_change,
     check_max_steps,
     check_resumable,
     find_resume_point,
     record_resume,
 )
-from workers.rewards.functions import RewardTrainerState, resolve_reward_funcs
-from workers.state.storage import RunStorage
-from workers.data.tiny_model import read_build_info, resolve_model_path
-from workers.state.tracking import wandb_finish
+from grpo_flow.workers.rewards.functions import RewardTrainerState, resolve_reward_funcs
+from grpo_flow.workers.state.storage import RunStorage
+from grpo_flow.workers.data.tiny_model import read_build_info, resolve_model_path
+from grpo_flow.workers.state.tracking import wandb_finish
 
 
 def check_run_start(config: GRPOFlowConfig, allow_config_change: bool = False) -> RunStorage:

@@ -10,13 +10,13 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from schemas.config import GRPOFlowConfig
-from schemas.records import RunPlan, metrics_table
-from tasks.caching import STEP_STAGE
-from tasks.observability import publish, step_artifact
-from workers import backends
-from workers.state.faults import maybe_fail
-from workers.state.storage import RunStorage, StorageFullError, is_disk_full
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.records import RunPlan, metrics_table
+from grpo_flow.tasks.caching import STEP_STAGE
+from grpo_flow.tasks.observability import publish, step_artifact
+from grpo_flow.workers import backends
+from grpo_flow.workers.state.faults import maybe_fail
+from grpo_flow.workers.state.storage import RunStorage, StorageFullError, is_disk_full
 
 
 @task(name="restore-workers", cache_policy=NO_CACHE)
@@ -131,7 +131,7 @@ def log_metrics(
     if not path.exists():
         path = storage.write_metrics(step, metrics_table(row))
         if config.report_to == "wandb":
-            from workers.state.tracking import wandb_log
+            from grpo_flow.workers.state.tracking import wandb_log
 
             wandb_log(config, plan.run_id, step, row)
     publish(step_artifact, plan, step, row, samples)  # never raises; linked to this task run

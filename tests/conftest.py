@@ -9,7 +9,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
-import flows  # noqa: E402,F401  as every use of grpo-flow: Prefect's recorder batched (flows/__init__.py)
+import grpo_flow.flows  # noqa: E402,F401  as every use of grpo-flow: Prefect's recorder batched (flows/__init__.py)
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from benchmarks.engines import SYNC_METHODS, main
-from workers.backends import vllm_env
+from grpo_flow.benchmarks.engines import SYNC_METHODS, main
+from grpo_flow.workers.backends import vllm_env
 
 
 def test_engines_benchmark_measures_both_engines_and_prints_ratios(tmp_path, capsys):

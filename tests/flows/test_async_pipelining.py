@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.grpo import grpo
-from schemas.presets import preset_config
-from workers.backends import local
-from workers.state.storage import RunStorage
+from grpo_flow.flows.grpo import grpo
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.backends import local
+from grpo_flow.workers.state.storage import RunStorage
 
 FIELDS = dict(max_steps=4, save_steps=2, prompts_per_step=4, num_generations=4, eval_prompts=0, max_staleness=1)
 

@@ -3,8 +3,8 @@
 import pytest
 from huggingface_hub import constants
 
-from flows.checks import StartCheckError, check_before_start
-from schemas.config import GRPOFlowConfig
+from grpo_flow.flows.checks import StartCheckError, check_before_start
+from grpo_flow.schemas.config import GRPOFlowConfig
 
 HUB_MODEL = "someone/not-a-cached-model"
 

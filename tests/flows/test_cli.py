@@ -9,19 +9,19 @@ import sys
 import pytest
 
 from cli_output import SIMPLE_MODE_SUMMARY_ROWS, SUMMARY_ROWS  # tests/flows/cli_output.py
-from flows.cli import build_config, main, make_parser, parse_overrides
+from grpo_flow.flows.cli import build_config, main, make_parser, parse_overrides
 
 
 def run_cli(*args, env_extra=None, timeout=600):
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(env_extra or {})}
     env.pop("WANDB_MODE", None)  # conftest's; with it transformers prints "Running in WANDB offline mode"
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-m", "grpo_flow.flows.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
     )
 
 
 def test_every_config_field_is_an_option():
-    from schemas.config import GRPOFlowConfig
+    from grpo_flow.schemas.config import GRPOFlowConfig
 
     args = make_parser().parse_args(
         ["train", "--max-steps", "3", "--loss-type", "grpo", "--run-id", "abc", "--reward-funcs", "last_digit"]
@@ -75,7 +75,7 @@ def test_storage_root_that_cannot_be_a_folder_is_refused(tmp_path, capsys):
 
 
 def test_resume_refuses_an_unknown_run_and_a_changed_model_before_writing(tmp_path, capsys):
-    from workers.state.storage import RunStorage
+    from grpo_flow.workers.state.storage import RunStorage
 
     assert main(["train", "--resume", "--run-id", "nope", "--storage-root", str(tmp_path)]) == 2
     assert "--resume: no run 'nope'" in capsys.readouterr().err
@@ -204,7 +204,7 @@ def test_a_storage_root_that_cannot_be_written_is_refused_even_as_root(tmp_path,
 def test_checks_load_no_model_torch_or_prefect(tmp_path):
     """Why they take about a second: the refusal happens before any heavy import."""
     code = (
-        "import sys; from flows.cli import main; "
+        "import sys; from grpo_flow.flows.cli import main; "
         f"rc = main(['train', '--reward-funcs', 'no_such_module:score', '--storage-root', {str(tmp_path)!r}]); "
         "print(rc, sorted(m for m in ('torch', 'prefect', 'transformers') if m in sys.modules))"
     )
@@ -248,7 +248,7 @@ def test_the_ephemeral_server_gets_time_to_start_and_a_timeout_says_what_to_do(t
     (tmp_path / "home").mkdir()
     env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0")
     refused = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", "--storage-root", str(tmp_path / "store")],
+        [sys.executable, "-m", "grpo_flow.flows.cli", "train", "--storage-root", str(tmp_path / "store")],
         capture_output=True,
         text=True,
         env=env,
@@ -265,7 +265,7 @@ def test_the_ephemeral_server_gets_time_to_start_and_a_timeout_says_what_to_do(t
 
 # -- grpo train --help (item 13) ------------------------------------------------------------------------
 def test_help_shows_each_option_with_its_allowed_values_and_default_grouped_as_the_config():
-    from schemas.config import CONFIG_GROUPS
+    from grpo_flow.schemas.config import CONFIG_GROUPS
 
     help_text = make_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert not re.search(r"--[a-z0-9-]+ VALUE", help_text)  # every option says what it takes
@@ -286,7 +286,7 @@ def test_help_shows_each_option_with_its_allowed_values_and_default_grouped_as_t
 
 
 def test_the_summary_says_what_was_not_measured_and_when_a_run_was_already_complete(capsys):
-    from flows.cli import print_summary
+    from grpo_flow.flows.cli import print_summary
 
     summary = {
         "run_id": "done",

@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 
-from flows.cli import main
-from workers.data.tiny_model import ensure_tiny_model
+from grpo_flow.flows.cli import main
+from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 
 
 def json_lines(text):
@@ -99,9 +99,9 @@ def test_test_reward_shows_the_failing_function_and_refuses_bad_names(tmp_path, 
 
 
 def test_checkpoints_lists_each_with_its_verification(prefect_server, tmp_path, capsys):
-    from flows.grpo import grpo
-    from schemas.presets import preset_config
-    from workers.state.storage import RunStorage
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers.state.storage import RunStorage
 
     config = preset_config(
         "tiny",
@@ -137,7 +137,7 @@ def test_clear_cache_deletes_the_cached_model_which_the_next_use_rebuilds(tmp_pa
     hub = tmp_path / "hub"
     (hub / "models--Org--Model" / "blobs").mkdir(parents=True)
     (hub / "models--Org--Model" / "blobs" / "x").write_bytes(b"0" * 10)
-    monkeypatch.setattr("flows.components.hub_cache_dir", lambda: hub)
+    monkeypatch.setattr("grpo_flow.flows.components.hub_cache_dir", lambda: hub)
     assert main(["clear-cache", "--model", "Org/Model", "--storage-root", str(tmp_path)]) == 0
     assert not (hub / "models--Org--Model").exists()
     assert main(["clear-cache", "--model", "Org/Other", "--storage-root", str(tmp_path)]) == 0

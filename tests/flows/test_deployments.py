@@ -16,11 +16,11 @@ from prefect.cli._utilities import load_json_key_values
 from prefect.utilities.schema_tools import validate
 from prefect.utilities.schema_tools.validation import ValidationError as SchemaValidationError
 
-from deployments.grpo import DeploymentConfigError, grpo_preset, resolve_config, split_parameters
-from deployments.serve import DeploymentSettingsError, build_deployments, nightly_schedule
-from schemas.config import GRPOFlowConfig
-from schemas.presets import PRESETS, preset_config
-from workers.state.storage import RunStorage
+from grpo_flow.deployments.grpo import DeploymentConfigError, grpo_preset, resolve_config, split_parameters
+from grpo_flow.deployments.serve import DeploymentSettingsError, build_deployments, nightly_schedule
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.presets import PRESETS, preset_config
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def schema() -> dict:
@@ -131,7 +131,7 @@ def test_storage_root_falls_back_to_the_environment(monkeypatch):
 
 def test_the_wrapper_runs_the_grpo_flow_under_the_run_id(prefect_server, storage_root, tmp_path):
     from prefect.client.orchestration import get_client
-    from workers.data.tiny_model import ensure_tiny_model
+    from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 
     model = str(ensure_tiny_model(storage_root))  # built once per session; this test's runs are its own
     summary = grpo_preset(
@@ -163,11 +163,11 @@ def test_build_deployments_names_entrypoints_parameters_and_schedule(tmp_path):
     assert set(deployments) == {"tiny", "gsm8k", "math", "mbpp", "nightly"}
     for preset in ("tiny", "gsm8k", "math", "mbpp"):
         deployment = deployments[preset]
-        assert deployment.flow_name == "grpo" and deployment.entrypoint == "deployments.grpo.grpo_preset"
+        assert deployment.flow_name == "grpo" and deployment.entrypoint == "grpo_flow.deployments.grpo.grpo_preset"
         assert deployment.parameters == {"preset": preset, "storage_root": str((tmp_path / "store").absolute())}
         assert not deployment.schedules
     nightly = deployments["nightly"]
-    assert nightly.flow_name == "evaluate" and nightly.entrypoint == "flows.evaluate.evaluate"
+    assert nightly.flow_name == "evaluate" and nightly.entrypoint == "grpo_flow.flows.evaluate.evaluate"
     assert nightly.parameters == {"storage_root": str((tmp_path / "store").absolute()), "k": 4}
     (schedule,) = nightly.schedules
     assert (schedule.schedule.cron, schedule.schedule.timezone) == ("0 2 * * *", "Europe/Berlin")
@@ -191,9 +191,9 @@ def test_entrypoints_load_from_any_working_directory(tmp_path, monkeypatch):
     from prefect.flows import load_flow_from_entrypoint
 
     monkeypatch.chdir(tmp_path)
-    loaded = load_flow_from_entrypoint("deployments.grpo.grpo_preset")
+    loaded = load_flow_from_entrypoint("grpo_flow.deployments.grpo.grpo_preset")
     assert loaded.name == "grpo" and set(loaded.parameters.properties) == set(schema()["properties"])
-    assert load_flow_from_entrypoint("flows.evaluate.evaluate").name == "evaluate"
+    assert load_flow_from_entrypoint("grpo_flow.flows.evaluate.evaluate").name == "evaluate"
 
 
 @pytest.mark.parametrize(
@@ -217,7 +217,7 @@ def test_serve_refuses_bad_input_before_registering_anything(tmp_path, args, env
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     environment.update(PREFECT_HOME=str(tmp_path / "home"), **env)  # a profile without an API URL
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args, "--storage-root", str(tmp_path)],
+        [sys.executable, "-m", "grpo_flow.flows.cli", *args, "--storage-root", str(tmp_path)],
         env=environment,
         capture_output=True,
         text=True,
@@ -230,7 +230,7 @@ def test_serve_refuses_bad_input_before_registering_anything(tmp_path, args, env
 # -- presets ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, dataset, reward", [("math", "math", "math_accuracy"), ("mbpp", "mbpp", "mbpp_tests")])
 def test_math_and_mbpp_presets(name, dataset, reward):
-    from workers.rewards.functions import resolve_reward_funcs
+    from grpo_flow.workers.rewards.functions import resolve_reward_funcs
 
     config = preset_config(name)
     assert config.dataset == dataset and config.reward_funcs == [reward]

@@ -5,9 +5,9 @@ import time
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterName
 
-from flows.grpo import grpo
-from schemas.presets import preset_config
-from workers.state.storage import RunStorage
+from grpo_flow.flows.grpo import grpo
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def test_logged_groups_all_carry_signal_and_the_filtered_count_is_logged(prefect_server, storage_root):

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Runs in a fresh interpreter, so `import flows` meets an environment with no Prefect server or database.
 SCRIPT = r"""
 import json, sys, time
-import flows
-from flows.ephemeral_server import start_ephemeral_server
+from grpo_flow import flows
+from grpo_flow.flows.ephemeral_server import start_ephemeral_server
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
@@ -77,14 +77,14 @@ def test_in_memory_server_records_runs_without_an_event_store(tmp_path):
 def test_a_database_of_ones_own_keeps_the_event_persister(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env["PREFECT_API_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}"
-    code = "import flows, json, os; print(json.dumps([flows.EPHEMERAL_ONLY, os.environ.get(flows.EVENT_PERSISTER)]))"
+    code = "from grpo_flow import flows; import json, os; print(json.dumps([flows.EPHEMERAL_ONLY, os.environ.get(flows.EVENT_PERSISTER)]))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert json.loads(done.stdout) == [{}, None]
 
 
 def test_a_prefect_server_start_of_ours_keeps_prefects_event_persister(monkeypatch, tmp_path):
-    import flows
-    from deployments.local_server import server_environment
+    from grpo_flow import flows
+    from grpo_flow.deployments.local_server import server_environment
 
     monkeypatch.setattr(flows, "EPHEMERAL_ONLY", {flows.EVENT_PERSISTER: "false"})
     monkeypatch.setenv(flows.EVENT_PERSISTER, "false")  # as `import flows` leaves it in this process

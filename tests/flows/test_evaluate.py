@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flows.cli import main
-from flows.evaluate import (
+from grpo_flow.flows.cli import main
+from grpo_flow.flows.evaluate import (
     EvalSettings,
     EvaluationError,
     eval_path,
@@ -22,9 +22,9 @@ from flows.evaluate import (
     summarize,
     write_once,
 )
-from schemas.presets import preset_config
-from tasks.observability import artifact_key
-from workers.state.storage import RunStorage
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.tasks.observability import artifact_key
+from grpo_flow.workers.state.storage import RunStorage
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
 
@@ -87,8 +87,8 @@ def test_an_eval_file_is_never_overwritten(tmp_path):
 def eval_root(prefect_server, storage_root, tmp_path_factory, monkeypatch_module):
     """Its own storage root (the nightly sweep takes every run under it) holding run `evaluated`
     (checkpoints 1 and 2, wandb offline) and run `no-checkpoint` (failed in step 1)."""
-    from flows.grpo import grpo
-    from workers.data.tiny_model import ensure_tiny_model
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 
     root = tmp_path_factory.mktemp("eval-root")
     wandb_dir = tmp_path_factory.mktemp("wandb")
@@ -262,9 +262,9 @@ def as_modal_checkpoint(run_dir, step: int) -> FakeVolume:
     import json
     import shutil
 
-    from workers.backends.modal_app import VOLUME_PATH
-    from workers.backends.modal_backend import VOLUME_CHECKPOINT_POINTER
-    from workers.state.storage import MANIFEST, file_manifest
+    from grpo_flow.workers.backends.modal_app import VOLUME_PATH
+    from grpo_flow.workers.backends.modal_backend import VOLUME_CHECKPOINT_POINTER
+    from grpo_flow.workers.state.storage import MANIFEST, file_manifest
 
     folder = run_dir / "checkpoints" / f"step-{step:06d}"
     remote = f"runs/{run_dir.name}/checkpoints/step-{step:06d}"
@@ -284,7 +284,7 @@ def test_a_modal_runs_checkpoint_is_fetched_from_its_volume_checked_and_evaluate
 ):
     import shutil
 
-    import workers.backends.modal_backend as modal_backend
+    import grpo_flow.workers.backends.modal_backend as modal_backend
 
     root, _ = eval_root
     local_root, modal_root = tmp_path / "local-root", tmp_path / "modal-root"
@@ -309,7 +309,7 @@ def test_a_modal_runs_checkpoint_is_fetched_from_its_volume_checked_and_evaluate
     assert all(str(p).startswith("eval") for p in added) and added
 
     # A second look downloads nothing: the cached files match the pointer.
-    from workers.backends.modal_backend import checkpoint_model_dir
+    from grpo_flow.workers.backends.modal_backend import checkpoint_model_dir
 
     assert checkpoint_model_dir(run_dir / "checkpoints" / "step-000002", modal_root / "cache").is_dir()
     assert volume.reads == len(volume.files)
@@ -318,8 +318,8 @@ def test_a_modal_runs_checkpoint_is_fetched_from_its_volume_checked_and_evaluate
 def test_a_volume_file_that_no_longer_matches_its_pointer_is_refused(eval_root, tmp_path, monkeypatch):
     import shutil
 
-    import workers.backends.modal_backend as modal_backend
-    from workers.backends.modal_backend import checkpoint_model_dir
+    import grpo_flow.workers.backends.modal_backend as modal_backend
+    from grpo_flow.workers.backends.modal_backend import checkpoint_model_dir
 
     root, _ = eval_root
     shutil.copytree(root / "runs" / "evaluated", tmp_path / "runs" / "evaluated", ignore=shutil.ignore_patterns("eval"))
@@ -346,7 +346,7 @@ def test_grpo_eval_of_an_evaluated_checkpoint_shows_the_stored_result_without_lo
         evaluate(run_id="evaluated", storage_root=str(root), checkpoint=1, k=4, prompts=8)
     stored = read_eval_summary(path)
     code = (
-        "import sys\nfrom flows.cli import main\nrc = main(sys.argv[1:])\n"
+        "import sys\nfrom grpo_flow.flows.cli import main\nrc = main(sys.argv[1:])\n"
         "print('loaded:', [m for m in ('torch', 'transformers', 'prefect') if m in sys.modules])\nsys.exit(rc)\n"
     )
     argv = [sys.executable, "-c", code, "eval", "evaluated", "--checkpoint", "1", "--storage-root", str(root)]

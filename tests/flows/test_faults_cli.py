@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cli_output import SUMMARY_ROWS  # tests/flows/cli_output.py
-from workers.state.storage import RunStorage, list_runs
+from grpo_flow.workers.state.storage import RunStorage, list_runs
 
 HERE = Path(__file__).parent  # fault_rewards.py, the misbehaving reward functions
 SMALL = ["--prompts-per-step", "8", "--num-generations", "4", "--num-rollout-workers", "1", "--eval-prompts", "8"]
@@ -40,7 +40,7 @@ def cli_env(tmp_path, own_server=False, **extra):
 
 def train_argv(storage_root, run_id, *args):
     flags = ["--run-id", run_id, "--storage-root", str(storage_root), "--no-progress"]
-    return [sys.executable, "-m", "flows.cli", "train", *flags, *args]
+    return [sys.executable, "-m", "grpo_flow.flows.cli", "train", *flags, *args]
 
 
 def start(argv, env):
@@ -64,7 +64,7 @@ def server_processes(parent_pid):
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"flows.ephemeral_server" in argv and str(parent_pid).encode() in argv:
+        if b"grpo_flow.flows.ephemeral_server" in argv and str(parent_pid).encode() in argv:
             found.append(int(entry.name))
     return found
 
@@ -97,7 +97,7 @@ def test_ctrl_c_stops_after_the_step_marks_the_run_interrupted_and_it_resumes(pr
     # The printed command resumes it; a clean run prints only the run line and the summary.
     resumed = subprocess.run(
         [
-            *resume.replace("grpo", f"{sys.executable} -m flows.cli", 1).split(),
+            *resume.replace("grpo", f"{sys.executable} -m grpo_flow.flows.cli", 1).split(),
             "--max-steps",
             str(last + 1),
             "--no-progress",

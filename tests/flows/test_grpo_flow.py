@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.grpo import grpo
-from schemas.presets import preset_config
-from workers.state.storage import RunStorage
+from grpo_flow.flows.grpo import grpo
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.state.storage import RunStorage
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def test_a_failing_step_fails_the_run_and_keeps_what_was_logged(prefect_server, 
     assert storage.read_rollouts(step=1).column("reward_breaks_at_step_2").to_pylist() == [0.5] * 4
     assert not storage.rollout_dir(2).exists()
 
-    from workers.state.storage import list_runs
+    from grpo_flow.workers.state.storage import list_runs
 
     assert ("fails-at-2", "failed", 1) in [(r.run_id, r.status, r.last_step) for r in list_runs(storage_root)]
 
@@ -189,7 +189,7 @@ def test_steps_without_subflows_train_the_same_and_make_no_step_subflow_runs(pre
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    from workers.backends import release
+    from grpo_flow.workers.backends import release
 
     runs = {}
     for step_subflows in (True, False):

@@ -5,9 +5,9 @@ import warnings
 
 import pytest
 
-from flows.grpo import grpo
-from schemas.presets import preset_config
-from workers.state.storage import RunStorage
+from grpo_flow.flows.grpo import grpo
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.state.storage import RunStorage
 
 
 @pytest.mark.parametrize("method", ["direct", "volume"])
@@ -39,7 +39,7 @@ def test_a_run_on_the_modal_backend_logs_gpu_seconds_and_sync_bytes(prefect_serv
 
 
 def test_missing_modal_credentials_stop_the_cli_before_anything_starts(tmp_path, monkeypatch, capsys):
-    from flows.cli import main
+    from grpo_flow.flows.cli import main
 
     for name in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "GRPO_FLOW_MODAL_MODE"):
         monkeypatch.delenv(name, raising=False)
@@ -59,7 +59,7 @@ def test_a_failed_modal_run_resumes_from_its_checkpoint_and_ends_where_an_unbrok
     import torch
     from safetensors.torch import load_file
 
-    from workers.backends import modal_backend
+    from grpo_flow.workers.backends import modal_backend
 
     monkeypatch.setenv("GRPO_FLOW_MODAL_MODE", "local")
     warnings.filterwarnings("ignore", message=".*executing locally and will not have access to the mounted Volume")

@@ -1,9 +1,9 @@
 """The objective's options in a real run: LoRA publishing its adapter, several optimizer steps per
 batch, micro-batches, and a checkpoint that resumes."""
 
-from flows.grpo import grpo
-from schemas.presets import preset_config
-from workers.state.storage import RunStorage
+from grpo_flow.flows.grpo import grpo
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def test_a_lora_run_publishes_the_adapter_and_logs_its_size(prefect_server, storage_root):

@@ -21,7 +21,7 @@ from test_real_server import (
     stop,
 )
 
-from deployments.local_server import local_postgres, postgres_bindir, prefect_server
+from grpo_flow.deployments.local_server import local_postgres, postgres_bindir, prefect_server
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def postgres_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_model(storage_root) -> str:
-    from workers.data.tiny_model import ensure_tiny_model
+    from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model(storage_root))
 
@@ -62,7 +62,7 @@ def serve(env, store, log_path, extra_env=None):
     """`grpo serve` in its own process group; returns once every deployment is registered."""
     log = open(log_path, "a")
     process = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "serve", "--storage-root", str(store), "--eval-k", "4"],
+        [sys.executable, "-m", "grpo_flow.flows.cli", "serve", "--storage-root", str(store), "--eval-k", "4"],
         env={**env, "PREFECT_RUNNER_POLL_FREQUENCY": "2", **(extra_env or {})},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
@@ -78,8 +78,8 @@ def test_serve_a_run_that_fails_then_flow_run_retry_resumes_it_then_nightly(post
     """On PostgreSQL: `grpo serve`; `prefect deployment run grpo/tiny` that fails at step 2 (a fault
     injected in the serving process); `prefect flow-run retry` of that flow run, served by a
     `grpo serve` without the fault, resumes it at step 2 and completes it; the nightly evaluation."""
-    from flows.evaluate import eval_path, read_eval_summary
-    from workers.state.storage import RunStorage
+    from grpo_flow.flows.evaluate import eval_path, read_eval_summary
+    from grpo_flow.workers.state.storage import RunStorage
 
     url, _ = postgres_server
     store = tmp_path / "store"
@@ -141,7 +141,7 @@ def test_binaries_inside_a_private_folder_still_start_the_server(tmp_path, monke
     import os
     import shutil
 
-    import deployments.local_server as local_server
+    import grpo_flow.deployments.local_server as local_server
 
     site = postgres_bindir().parent.parent.parent
     private = tmp_path / "private"

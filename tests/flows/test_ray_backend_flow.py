@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.grpo import grpo
-from schemas.presets import preset_config
-from workers.state.storage import RunStorage
+from grpo_flow.flows.grpo import grpo
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.state.storage import RunStorage
 
 # The tiny preset on 2 CPUs: the actor gets one, the two rollout engines half of one each.
 RAY = dict(backend="ray", actor_cpus=1.0, rollout_cpus=0.5)
@@ -70,7 +70,7 @@ def test_an_engine_and_then_the_actor_killed_mid_run_heal_and_the_run_ends_with_
     """SIGKILL rollout-1's process while it generates step 10, and the actor's while it takes step 25:
     Ray restarts each process, the backend restores what it must hold (the published weights from the
     object store; checkpoint 20 plus the logged steps 21-24), and the step goes on."""
-    from workers.backends import ray_backend
+    from grpo_flow.workers.backends import ray_backend
 
     calls: Counter = Counter()
     kill_at = {("rollout-1", "generate"): 10, ("actor", "step"): 25}
@@ -118,7 +118,7 @@ VLLM_RUN = dict(
 
 
 def vllm_engines(cluster) -> list[int]:
-    """Live vLLM engine processes (`-m workers.rollout.vllm_server`) of the test cluster: they inherit its
+    """Live vLLM engine processes (`-m grpo_flow.workers.rollout.vllm_server`) of the test cluster: they inherit its
     marker from the Ray worker that started them, so other sessions' engines on this machine are not counted."""
     found = []
     for pid in cluster.processes():
@@ -126,7 +126,7 @@ def vllm_engines(cluster) -> list[int]:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if b"workers.rollout.vllm_server" in cmdline:
+        if b"grpo_flow.workers.rollout.vllm_server" in cmdline:
             found.append(pid)
     return found
 
@@ -157,7 +157,7 @@ def test_vllm_engines_on_ray_actors_generate_and_heal_when_the_engine_or_its_act
     with the same final weights as an unbroken run of the same seed, and no engine process outlives it.
     The unbroken run syncs through Ray's object store (`reload`), the killed one through versioned files on
     the storage root (`volume`): both reach the vLLM engine, with the same weights."""
-    from workers.backends import ray_backend, vllm_env
+    from grpo_flow.workers.backends import ray_backend, vllm_env
 
     if not os.path.isfile(vllm_env.vllm_python()):
         pytest.fail(f"no vLLM environment at {vllm_env.vllm_python()}: run `grpo setup-vllm` first (.ci/run does)")
@@ -209,7 +209,16 @@ def cli(storage_root, run_id, *args, fail_at=None):
     env.pop("GRPO_FLOW_FAIL_AT", None)
     if fail_at:
         env["GRPO_FLOW_FAIL_AT"] = fail_at
-    argv = [sys.executable, "-m", "flows.cli", "train", "--run-id", run_id, "--storage-root", str(storage_root)]
+    argv = [
+        sys.executable,
+        "-m",
+        "grpo_flow.flows.cli",
+        "train",
+        "--run-id",
+        run_id,
+        "--storage-root",
+        str(storage_root),
+    ]
     return subprocess.run([*argv, "--no-progress", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -248,7 +257,7 @@ def unused_port() -> int:
 
 @pytest.mark.parametrize("source", ["--ray-address", "RAY_ADDRESS"])
 def test_no_cluster_at_the_address_is_refused_naming_it(tmp_path, monkeypatch, capsys, source):
-    from flows.cli import main
+    from grpo_flow.flows.cli import main
 
     address = f"127.0.0.1:{unused_port()}"
     argv = ["train", "--backend", "ray", "--storage-root", str(tmp_path / "store")]
@@ -264,7 +273,7 @@ def test_no_cluster_at_the_address_is_refused_naming_it(tmp_path, monkeypatch, c
 
 
 def test_more_gpus_than_the_cluster_has_are_refused_naming_the_resource(ray_cluster, tmp_path, capsys):
-    from flows.cli import main
+    from grpo_flow.flows.cli import main
 
     argv = ["train", *RAY_CLI, "--ray-address", ray_cluster.address, "--storage-root", str(tmp_path / "s")]
     assert main([*argv, "--rollout-gpus", "1"]) == 2
@@ -278,7 +287,7 @@ def test_more_gpus_than_the_cluster_has_are_refused_naming_the_resource(ray_clus
 def test_vllm_engines_without_vllm_on_the_nodes_are_refused_naming_the_field(ray_cluster, tmp_path, capsys):
     """Each node that can hold a rollout engine is asked (a task on it) before anything starts; sleep mode
     is refused when the engines get no GPU."""
-    from flows.cli import main
+    from grpo_flow.flows.cli import main
 
     python = tmp_path / "none" / "bin" / "python"
     argv = ["train", *RAY_CLI, "--ray-address", ray_cluster.address, "--storage-root", str(tmp_path / "s")]
@@ -292,7 +301,7 @@ def test_vllm_engines_without_vllm_on_the_nodes_are_refused_naming_the_field(ray
 
 
 def test_without_ray_installed_the_backend_names_the_install_command(tmp_path, monkeypatch, capsys):
-    from flows.cli import main
+    from grpo_flow.flows.cli import main
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     assert main(["train", "--backend", "ray", "--storage-root", str(tmp_path / "store")]) == 2

@@ -16,7 +16,7 @@ import pytest
 def running_prefect_server(home, database_url=None):
     """`prefect server start` on a free local port with its own home and database (a SQLite file
     in `home` unless `database_url` says otherwise); yields its API URL."""
-    from deployments.local_server import prefect_server
+    from grpo_flow.deployments.local_server import prefect_server
 
     with prefect_server(home, database_url, log=os.path.join(home, "server.log")) as url:
         yield url
@@ -32,7 +32,7 @@ def real_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_model(storage_root) -> str:
     """The session's tiny model (built once); each test's runs and storage root are its own."""
-    from workers.data.tiny_model import ensure_tiny_model
+    from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model(storage_root))
 
@@ -52,7 +52,7 @@ def test_a_run_is_recorded_by_the_server_in_prefect_api_url(real_server, tiny_mo
         [
             sys.executable,
             "-m",
-            "flows.cli",
+            "grpo_flow.flows.cli",
             "train",
             "--model",
             tiny_model,
@@ -165,8 +165,8 @@ def stop(process: subprocess.Popen) -> None:
 def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, tiny_model, tmp_path):
     """`grpo serve`, then `prefect deployment run` as a user types it: a run, a run failed at step 2
     on purpose and resumed there, the nightly evaluation by hand; checked on disk and through the API."""
-    from flows.evaluate import eval_path, read_eval_summary
-    from workers.state.storage import RunStorage
+    from grpo_flow.flows.evaluate import eval_path, read_eval_summary
+    from grpo_flow.workers.state.storage import RunStorage
 
     url, store = real_server, tmp_path / "store"
     env = client_env(url, tmp_path / "client-home")
@@ -175,7 +175,7 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         [
             sys.executable,
             "-m",
-            "flows.cli",
+            "grpo_flow.flows.cli",
             "serve",
             "--storage-root",
             str(store),
@@ -283,7 +283,15 @@ def test_deployments_on_a_process_work_pool_run_on_a_worker(real_server, tmp_pat
     url, store = real_server, tmp_path / "store"
     env = client_env(url, tmp_path / "client-home")
     done = subprocess.run(
-        [sys.executable, "-m", "deployments.work_pool", "--pool", "grpo-test-pool", "--storage-root", str(store)],
+        [
+            sys.executable,
+            "-m",
+            "grpo_flow.deployments.work_pool",
+            "--pool",
+            "grpo-test-pool",
+            "--storage-root",
+            str(store),
+        ],
         env=env,
         capture_output=True,
         text=True,

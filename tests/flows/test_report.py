@@ -7,10 +7,10 @@ import pyarrow as pa
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.cli import main
-from schemas.records import RolloutBatch, RunPlan, metrics_table
-from schemas.presets import preset_config
-from tasks.observability import (
+from grpo_flow.flows.cli import main
+from grpo_flow.schemas.records import RolloutBatch, RunPlan, metrics_table
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.tasks.observability import (
     artifact_key,
     create_run_progress,
     flush_artifacts,
@@ -20,7 +20,7 @@ from tasks.observability import (
     step_markdown,
     update_run_progress,
 )
-from workers.state.storage import RunStorage
+from grpo_flow.workers.state.storage import RunStorage
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -137,8 +137,8 @@ def write_metrics(root, run_id: str, steps: int, with_kl: bool) -> RunStorage:
 
 
 def test_report_plots_what_the_run_logged(tmp_path):
-    from flows.evaluate import EVAL_METADATA_KEY, eval_path, write_once
-    from flows.report import write_report
+    from grpo_flow.flows.evaluate import EVAL_METADATA_KEY, eval_path, write_once
+    from grpo_flow.flows.report import write_report
 
     write_metrics(tmp_path, "no-kl", 5, with_kl=False)
     report = write_report(tmp_path, "no-kl")

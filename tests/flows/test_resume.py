@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.grpo import grpo
-from schemas.presets import preset_config
-from workers.backends import local
-from workers.state.lock import this_host
-from workers.state.storage import RunStorage
+from grpo_flow.flows.grpo import grpo
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.backends import local
+from grpo_flow.workers.state.lock import this_host
+from grpo_flow.workers.state.storage import RunStorage
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
 CLI_SMALL = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
@@ -64,7 +64,7 @@ def train_argv(storage_root, run_id, *args):
     return [
         sys.executable,
         "-m",
-        "flows.cli",
+        "grpo_flow.flows.cli",
         "train",
         "--run-id",
         run_id,
@@ -82,7 +82,9 @@ def cli(storage_root, run_id, *args, fail_at=None):
 
 def grpo_command(*argv):
     """Any other `grpo` command, in its own process (none of them starts Prefect)."""
-    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_flow.flows.cli", *argv], capture_output=True, text=True, timeout=120
+    )
 
 
 # -- the equality test: SIGKILL at four places, resume, compare with an uninterrupted run ---------
@@ -160,8 +162,8 @@ def test_damaged_checkpoint_and_truncated_rollouts_are_set_aside_and_redone(six_
 
 def test_replaced_workers_heal_and_the_run_ends_where_it_would_have(six_steps, storage_root, monkeypatch):
     """After step 3 the actor and rollout worker 1 are swapped for fresh, unloaded objects."""
-    from workers.actor.actor import Actor
-    from workers.rollout.transformers_engine import TransformersRolloutEngine
+    from grpo_flow.workers.actor.actor import Actor
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
     original_sync = local.LocalWorkers.sync_weights
 
@@ -182,7 +184,7 @@ def test_a_prefect_retry_of_the_failed_flow_run_resumes_at_the_failed_step(
     six_steps, storage_root, tmp_path, monkeypatch
 ):
     (tmp_path / "flaky_reward.py").write_text(
-        "from workers.rewards.functions import last_digit\n"
+        "from grpo_flow.workers.rewards.functions import last_digit\n"
         "calls = []\n"
         "def flaky(completions, answer, **kwargs):\n"
         "    calls.append(1)\n"
@@ -207,7 +209,7 @@ def test_a_prefect_retry_of_the_failed_flow_run_resumes_at_the_failed_step(
 
 
 def test_changing_a_training_field_on_resume_is_refused_unless_allowed(six_steps, storage_root):
-    from workers.state.resume import ResumeError
+    from grpo_flow.workers.state.resume import ResumeError
 
     storage = RunStorage(storage_root, "six-baseline")
     before = sorted(p.name for p in storage.run_dir.rglob("*"))
@@ -275,7 +277,7 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_killed_writers_lock_i
     import signal
     import time
 
-    from workers.state.lock import LOCK_FILE
+    from grpo_flow.workers.state.lock import LOCK_FILE
 
     run_id = "two-writers"
     argv = train_argv(storage_root, run_id, "--preset", "tiny", "--max-steps", "4", "--save-steps", "3", *CLI_SMALL)
@@ -365,8 +367,8 @@ def test_a_resume_sets_a_damaged_earlier_step_aside_and_cleans_killed_writers_fi
 
 def test_a_resume_to_fewer_steps_than_the_run_has_is_refused_everywhere(uninterrupted, six_steps, storage_root):
     """Reported: `--resume --max-steps 5` on a finished 30-step run rewrote its summary as "5 / 5"."""
-    from deployments.grpo import DeploymentConfigError, resolve_config
-    from workers.state.resume import ResumeError, last_step
+    from grpo_flow.deployments.grpo import DeploymentConfigError, resolve_config
+    from grpo_flow.workers.state.resume import ResumeError, last_step
 
     summary = uninterrupted.summary_path.read_bytes()
     resumes = sorted(p.name for p in (uninterrupted.run_dir / "resumes").glob("*"))

@@ -2,10 +2,10 @@
 
 import pytest
 
-from flows.cli import main
-from flows.simple import grpo_simple
-from schemas.presets import preset_config
-from workers.state.storage import RunStorage
+from grpo_flow.flows.cli import main
+from grpo_flow.flows.simple import grpo_simple
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def test_simple_mode_runs_trls_loop_and_writes_metrics_and_checkpoints(prefect_server, storage_root):
@@ -41,8 +41,8 @@ def test_simple_mode_runs_trls_loop_and_writes_metrics_and_checkpoints(prefect_s
         grpo_simple(config)
     # Nor does grpo-flow's loop go on from TRL's checkpoints: refused before anything starts, and
     # nothing (no resume record) written.
-    from flows.grpo import grpo
-    from workers.state.resume import ResumeError
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.workers.state.resume import ResumeError
 
     with pytest.raises(ResumeError, match=r"run_id: run 'simple-mode' was trained by TRL's loop \(--simple-mode\)"):
         grpo(config.model_copy(update={"max_steps": 4}))
@@ -50,7 +50,7 @@ def test_simple_mode_runs_trls_loop_and_writes_metrics_and_checkpoints(prefect_s
 
 
 def test_resuming_a_simple_mode_run_is_refused_by_the_cli_in_one_line(tmp_path, capsys):
-    from flows.cli import build_config
+    from grpo_flow.flows.cli import build_config
 
     storage = RunStorage(tmp_path, "simple")
     config = build_config("tiny", {"run_id": "simple", "storage_root": str(tmp_path)})
@@ -61,7 +61,7 @@ def test_resuming_a_simple_mode_run_is_refused_by_the_cli_in_one_line(tmp_path, 
 
 
 def test_simple_mode_refuses_an_existing_run_before_starting(tmp_path, capsys):
-    from flows.cli import build_config
+    from grpo_flow.flows.cli import build_config
 
     storage = RunStorage(tmp_path, "taken")
     storage.write_config(

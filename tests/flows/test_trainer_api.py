@@ -6,9 +6,9 @@ import math
 import pytest
 from datasets import Dataset
 
-from flows.trainer import GRPOFlowTrainer
-from workers.rewards.environments import RewardEnvironment
-from workers.state.storage import RunStorage
+from grpo_flow.flows.trainer import GRPOFlowTrainer
+from grpo_flow.workers.rewards.environments import RewardEnvironment
+from grpo_flow.workers.state.storage import RunStorage
 
 SEEN_STATES: list[int] = []
 
@@ -94,7 +94,7 @@ def test_bad_api_input_is_refused_before_anything_loads(tmp_path):
 
 
 def test_a_reward_that_keeps_failing_fails_the_step_naming_it_and_keeps_the_log(prefect_server, storage_root):
-    from workers.rewards.functions import RewardFunctionError
+    from grpo_flow.workers.rewards.functions import RewardFunctionError
 
     def breaks_on_answer_7(completions, answer, trainer_state, **kwargs):
         if trainer_state.global_step == 1 and "7" in answer:
@@ -126,8 +126,8 @@ def test_a_reward_that_keeps_failing_fails_the_step_naming_it_and_keeps_the_log(
 def test_generated_run_ids_are_valid_for_every_kind_of_data_set(dataset):
     import re
 
-    from schemas.config import new_run_id
-    from schemas.config import RUN_ID_PATTERN, GRPOFlowConfig
+    from grpo_flow.schemas.config import new_run_id
+    from grpo_flow.schemas.config import RUN_ID_PATTERN, GRPOFlowConfig
 
     run_id = new_run_id(GRPOFlowConfig(dataset=dataset))
     assert re.match(RUN_ID_PATTERN, run_id), run_id
@@ -215,8 +215,8 @@ def never_applies(completions, **kwargs):
 
 
 def test_a_reward_that_never_applies_warns_at_the_first_step_and_fails_after_n(prefect_server, storage_root, caplog):
-    from tasks.observability import USER_FACING
-    from tasks.rollout import NoRewardError
+    from grpo_flow.tasks.observability import USER_FACING
+    from grpo_flow.tasks.rollout import NoRewardError
 
     trainer = GRPOFlowTrainer(
         reward_funcs=[never_applies],
@@ -242,7 +242,7 @@ def test_a_reward_that_never_applies_warns_at_the_first_step_and_fails_after_n(p
 
 API_SCRIPT = """
 from datasets import Dataset
-from flows.trainer import GRPOFlowTrainer
+from grpo_flow.flows.trainer import GRPOFlowTrainer
 
 def exact(completions, answer, **kwargs):
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]

@@ -21,11 +21,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.cli import main
-from flows.grpo import grpo
-from schemas.presets import preset_config
-from workers.backends import vllm_env
-from workers.state.storage import RunStorage
+from grpo_flow.flows.cli import main
+from grpo_flow.flows.grpo import grpo
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.backends import vllm_env
+from grpo_flow.workers.state.storage import RunStorage
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
 KILL_RUN = [
@@ -56,7 +56,16 @@ def cli(storage_root, run_id, *args, fail_at=None):
     env.pop("GRPO_FLOW_FAIL_AT", None)
     if fail_at:
         env["GRPO_FLOW_FAIL_AT"] = fail_at
-    argv = [sys.executable, "-m", "flows.cli", "train", "--run-id", run_id, "--storage-root", str(storage_root)]
+    argv = [
+        sys.executable,
+        "-m",
+        "grpo_flow.flows.cli",
+        "train",
+        "--run-id",
+        run_id,
+        "--storage-root",
+        str(storage_root),
+    ]
     return subprocess.run([*argv, "--no-progress", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -82,7 +91,7 @@ def orphaned_engines(wait_s: float = 10.0) -> list[int]:
 
 
 def engine_processes(parent: int | None = None) -> list[int]:
-    """PIDs of vLLM engine processes (`-m workers.rollout.vllm_server`), optionally of one parent."""
+    """PIDs of vLLM engine processes (`-m grpo_flow.workers.rollout.vllm_server`), optionally of one parent."""
     found = []
     for proc in os.listdir("/proc"):
         if not proc.isdigit():
@@ -92,7 +101,7 @@ def engine_processes(parent: int | None = None) -> list[int]:
             ppid = int(open(f"/proc/{proc}/stat").read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"workers.rollout.vllm_server" in cmdline and (parent is None or ppid == parent):
+        if b"grpo_flow.workers.rollout.vllm_server" in cmdline and (parent is None or ppid == parent):
             found.append(int(proc))
     return found
 
@@ -162,8 +171,8 @@ def test_the_flow_through_the_modal_wrappers_with_the_real_engine(prefect_server
 def test_the_modal_rollout_workers_reset_shuts_the_old_engine_down(storage_root, tmp_path):
     """reset() used to build a new engine beside the old one (two engine processes alive; on a GPU the old
     one kept its weights and memory reservation)."""
-    from workers.backends.modal_app import build_worker_app, worker_config_json
-    from workers.data.tiny_model import ensure_tiny_model
+    from grpo_flow.workers.backends.modal_app import build_worker_app, worker_config_json
+    from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 
     config = preset_config("tiny", run_id="vllm-reset", storage_root=str(tmp_path), rollout_engine="vllm")
     rollout = build_worker_app(config).rollout_cls(

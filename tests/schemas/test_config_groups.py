@@ -1,10 +1,10 @@
-"""The config's groups (schemas.config.CONFIG_GROUPS): every field in exactly one, and the README's
+"""The config's groups (grpo_flow.schemas.config.CONFIG_GROUPS): every field in exactly one, and the README's
 config table lists the same groups with the same fields in the same order as `grpo train --help`."""
 
 import re
 from pathlib import Path
 
-from schemas.config import CONFIG_GROUPS, GRPOFlowConfig, field_group
+from grpo_flow.schemas.config import CONFIG_GROUPS, GRPOFlowConfig, field_group
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

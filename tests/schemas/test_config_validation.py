@@ -3,8 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from schemas.config import GRPOFlowConfig, describe_validation_error
-from schemas.presets import PRESETS, preset_config
+from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
+from grpo_flow.schemas.presets import PRESETS, preset_config
 
 
 def problems(**fields) -> str:

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from schemas.records import RolloutBatch, metrics_table, rollout_schema
+from grpo_flow.schemas.records import RolloutBatch, metrics_table, rollout_schema
 
 
 def batch(n=4):

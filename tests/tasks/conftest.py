@@ -2,8 +2,8 @@
 
 import pytest
 
-from schemas.records import RunPlan
-from workers.data.loaders import load_task
+from grpo_flow.schemas.records import RunPlan
+from grpo_flow.workers.data.loaders import load_task
 
 
 @pytest.fixture

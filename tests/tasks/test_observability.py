@@ -3,7 +3,7 @@
 import threading
 import time
 
-from tasks.observability import artifact_writes_allowed, artifact_writes_paused, flush_artifacts, publish
+from grpo_flow.tasks.observability import artifact_writes_allowed, artifact_writes_paused, flush_artifacts, publish
 
 
 def test_published_calls_wait_while_paused_and_run_in_order_when_allowed():

@@ -5,10 +5,10 @@ import math
 import pyarrow.parquet as pq
 import pytest
 
-from schemas.presets import preset_config
-from schemas.records import RolloutBatch, RunPlan
-from tasks.rollout import compute_advantages, sample_batch, write_rollouts
-from workers.data.loaders import load_task
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.schemas.records import RolloutBatch, RunPlan
+from grpo_flow.tasks.rollout import compute_advantages, sample_batch, write_rollouts
+from grpo_flow.workers.data.loaders import load_task
 
 
 @pytest.fixture
@@ -81,8 +81,8 @@ def test_advantages_span_every_shard_of_the_step(config):
 
 
 def test_log_metric_values_are_averaged_over_every_call_and_may_not_take_grpo_flows_names(config):
-    from tasks.rollout import check_metric_names
-    from workers.rewards.functions import RewardOutputError
+    from grpo_flow.tasks.rollout import check_metric_names
+    from grpo_flow.workers.rewards.functions import RewardOutputError
 
     config = config.model_copy(update={"num_generations": 4})
     first = scored_batch([1, 0, 0, 0]).replace(logged_metrics={"judge/calls": [1.0, 3.0]})
@@ -103,7 +103,7 @@ def test_write_rollouts_enforces_the_schema_and_never_overwrites(config, plan):
     assert table.num_rows == 4
     assert table.schema.field("completion_token_ids").type.value_type.bit_width == 32
     assert table.column("reward_last_digit").to_pylist() == [1.0, 0.0, 1.0, 0.0]
-    from workers.state.storage import RunStorage
+    from grpo_flow.workers.state.storage import RunStorage
 
     storage = RunStorage(plan.storage_root, plan.run_id)
     committed = storage.commit_rollouts(batch[0].step, num_shards=1) / "shard-00.parquet"
@@ -113,7 +113,7 @@ def test_write_rollouts_enforces_the_schema_and_never_overwrites(config, plan):
 
 
 def test_dynamic_sampling_keeps_only_groups_with_a_reward_spread_up_to_the_quota(config):
-    from tasks.rollout import keep_informative_groups
+    from grpo_flow.tasks.rollout import keep_informative_groups
 
     cfg = config.model_copy(
         update={"num_generations": 2, "prompts_per_step": 4, "num_rollout_workers": 2, "dynamic_sampling": True}

@@ -3,7 +3,7 @@
 import pytest
 from transformers import Qwen2Config
 
-from tasks.run import check_lora_targets
+from grpo_flow.tasks.run import check_lora_targets
 
 
 def test_lora_target_modules_that_name_no_module_are_refused_naming_the_layers(tmp_path):

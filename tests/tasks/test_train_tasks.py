@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 from prefect.states import Failed
 
-from schemas.presets import preset_config
-from tasks import train
-from workers.state.storage import RunStorage, StorageFullError
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.tasks import train
+from grpo_flow.workers.state.storage import RunStorage, StorageFullError
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """The import rules the layout promises (workers/__init__.py, DESIGN.md), checked on the source.
 
+One import package: the top-level folders are `grpo_flow.flows`, `grpo_flow.tasks`, ... through
+the links in grpo_flow/, and nothing imports them under their bare names.
 flows -> tasks -> workers -> schemas, never back; nothing under workers/ imports Prefect;
 worker packages import only the packages below them in workers/__init__.py's list.
 """
@@ -17,17 +19,19 @@ WORKER_PACKAGES = ["backends", "actor", "rollout", "rewards", "data", "state"]
 # The one upward import, lazy and documented in workers/data/__init__.py: building the tiny model
 # records its held-out accuracy with a rollout engine.
 ALLOWED_UPWARD = {("workers/data/tiny_model.py", "workers.rollout")}
+SUBPACKAGES = ["flows", "tasks", "workers", "schemas", "deployments", "benchmarks"]
 
 
 def imports(path: Path) -> list[str]:
-    """Every module a file imports, at any depth (lazy imports inside functions included)."""
+    """Every module a file imports, at any depth (lazy imports inside functions included), with
+    grpo_flow's own named without the `grpo_flow.` prefix (`workers.rollout`)."""
     names = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module)
-    return names
+    return [name.removeprefix("grpo_flow.") for name in names if name.startswith("grpo_flow.")]
 
 
 def files(folder: str) -> list[Path]:
@@ -82,3 +86,28 @@ def test_cli_and_components_do_not_import_each_other():
     assert "flows.cli" not in imports(components)
     # cli registers the component commands; the shared pieces live in flows/cli_common.py
     assert "flows.components" in imports(cli)
+
+
+def test_grpo_flow_is_the_package_init_and_a_link_to_each_top_level_folder():
+    package = ROOT / "grpo_flow"
+    links = {p.name: p for p in package.iterdir() if p.is_symlink()}
+    assert sorted(links) == sorted(SUBPACKAGES)
+    for name, link in links.items():
+        assert link.resolve() == ROOT / name and (ROOT / name / "__init__.py").exists()
+    others = sorted(p.name for p in package.iterdir() if not p.is_symlink() and p.name != "__pycache__")
+    assert others == ["__init__.py", "__main__.py"]
+
+
+@pytest.mark.parametrize("folder", [*SUBPACKAGES, "tests", "grpo_flow"])
+def test_project_code_is_imported_only_as_grpo_flow(folder):
+    for path in (
+        sorted((ROOT / folder).rglob("*.py")) if folder != "grpo_flow" else sorted((ROOT / folder).glob("*.py"))
+    ):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                bare = [alias.name for alias in node.names if alias.name.split(".")[0] in SUBPACKAGES]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                bare = [node.module] if node.module.split(".")[0] in SUBPACKAGES else []
+            else:
+                bare = []
+            assert not bare, f"{rel(path)} imports {bare[0]}: write grpo_flow.{bare[0]}"

@@ -6,6 +6,6 @@
 - `advantages`: group-relative advantages, as TRL computes them (pure functions).
 - `simple_mode`: TRL's own `GRPOTrainer.train()` loop on the same config, data and rewards.
 
-Imports torch, transformers, trl and peft; from grpo-flow, `schemas`, `workers.rollout.base`
-(tokenizer loading) and `workers.state` (run files). Knows nothing of where it runs.
+Imports torch, transformers, trl and peft; from grpo-flow, `schemas`, `grpo_flow.workers.rollout.base`
+(tokenizer loading) and `grpo_flow.workers.state` (run files). Knows nothing of where it runs.
 """

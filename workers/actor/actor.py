@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from schemas.config import GRPOFlowConfig
-from workers.actor import trl_objective
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.actor import trl_objective
 
 
 class StaleActorError(RuntimeError):

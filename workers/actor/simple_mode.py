@@ -13,9 +13,9 @@ import tempfile
 import time
 from typing import Any
 
-from schemas.config import GRPOFlowConfig
-from schemas.records import RunPlan, metrics_table
-from workers.state.storage import RunStorage
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.records import RunPlan, metrics_table
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def storage_callback(storage: RunStorage, config: GRPOFlowConfig, plan: RunPlan) -> Any:
@@ -97,8 +97,8 @@ def train_with_trl(
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
 
-    from workers.rollout.base import load_generation_tokenizer
-    from workers.actor.trl_objective import grpo_args
+    from grpo_flow.workers.rollout.base import load_generation_tokenizer
+    from grpo_flow.workers.actor.trl_objective import grpo_args
 
     storage = RunStorage(plan.storage_root, plan.run_id)
     args = grpo_args(config, tempfile.mkdtemp(prefix="grpo-flow-simple-"))

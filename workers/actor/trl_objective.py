@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.config import GRPOFlowConfig
 
 TRL_VERSION = "1.16.0"
 

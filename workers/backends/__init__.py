@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.config import GRPOFlowConfig
 
 # `local` (torch, TRL) is imported where used: a Modal container built from the vLLM image imports
 # this package for `modal_app` and has neither.
@@ -35,16 +35,16 @@ from schemas.config import GRPOFlowConfig
 
 def run_workers(config: GRPOFlowConfig, model_path: str | Path) -> Any:
     if config.backend == "modal":
-        from workers.backends.modal_backend import modal_workers
+        from grpo_flow.workers.backends.modal_backend import modal_workers
 
         if os.environ.get("GRPO_FLOW_MODAL_MODE") == "local":
             return modal_workers(config, model_path, mode="local", rollout_device="cpu", actor_device="cpu")
         return modal_workers(config, model_path)
     if config.backend == "ray":
-        from workers.backends.ray_backend import ray_workers
+        from grpo_flow.workers.backends.ray_backend import ray_workers
 
         return ray_workers(config, model_path)
-    from workers.backends import local
+    from grpo_flow.workers.backends import local
 
     return local.local_workers(config, model_path)
 
@@ -57,14 +57,14 @@ def engines_in_this_process(config: GRPOFlowConfig) -> bool:
 
 
 def release(config: GRPOFlowConfig, run_id: str) -> None:
-    from workers.backends import local
+    from grpo_flow.workers.backends import local
 
     if config.backend == "modal":
-        from workers.backends.modal_backend import release as release_modal
+        from grpo_flow.workers.backends.modal_backend import release as release_modal
 
         release_modal(run_id)
     if config.backend == "ray":
-        from workers.backends.ray_backend import release as release_ray
+        from grpo_flow.workers.backends.ray_backend import release as release_ray
 
         release_ray(run_id)
     local.release(run_id)
@@ -74,10 +74,10 @@ def check_backend_ready(config: GRPOFlowConfig) -> None:
     """Modal credentials and named secrets present; a Ray cluster that answers and has the resources asked
     for (a clear error before anything starts)."""
     if config.backend == "modal" and os.environ.get("GRPO_FLOW_MODAL_MODE") != "local":
-        from workers.backends.modal_backend import check_modal_ready
+        from grpo_flow.workers.backends.modal_backend import check_modal_ready
 
         check_modal_ready(config)
     if config.backend == "ray":
-        from workers.backends.ray_backend import check_ray_ready
+        from grpo_flow.workers.backends.ray_backend import check_ray_ready
 
         check_ray_ready(config)

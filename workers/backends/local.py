@@ -28,15 +28,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from schemas.config import GRPOFlowConfig
-from workers.backends.registry import RunWorkers
-from workers.actor import trl_objective
-from workers.actor.actor import Actor
-from workers.backends import vllm_env, weight_sync
-from workers.rollout.process_engine import ProcessRolloutEngine
-from workers.state.resume import replay_actor_to
-from workers.rollout.transformers_engine import GENERATION_LOCK, TransformersRolloutEngine
-from workers.state.storage import RunStorage
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.backends.registry import RunWorkers
+from grpo_flow.workers.actor import trl_objective
+from grpo_flow.workers.actor.actor import Actor
+from grpo_flow.workers.backends import vllm_env, weight_sync
+from grpo_flow.workers.rollout.process_engine import ProcessRolloutEngine
+from grpo_flow.workers.state.resume import replay_actor_to
+from grpo_flow.workers.rollout.transformers_engine import GENERATION_LOCK, TransformersRolloutEngine
+from grpo_flow.workers.state.storage import RunStorage
 
 ROLLOUT_WEIGHTS = "rollout_model.safetensors"  # in a checkpoint, when the rollout workers lag the actor
 logger = logging.getLogger("grpo_flow.workers")

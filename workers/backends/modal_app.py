@@ -2,7 +2,7 @@
 
 Built with no network: images, the Volume and Secrets are lazy handles until the app runs.
 
-- `ActorWorker` wraps `workers.actor.actor.Actor`: `load`, `step`, `save_checkpoint`,
+- `ActorWorker` wraps `grpo_flow.workers.actor.actor.Actor`: `load`, `step`, `save_checkpoint`,
   `publish_weights` (the Volume is committed after every write).
 - `RolloutWorker` wraps a rollout engine (`VLLMRolloutEngine` with rollout_engine='vllm', in an
   image of its own: vLLM's pins cannot share one with the actor's, as locally they cannot share
@@ -35,8 +35,9 @@ from typing import Any
 
 import modal
 
-from schemas.config import GRPOFlowConfig
-from workers.backends.vllm_env import CUDA_PACKAGES
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.backends.vllm_env import CUDA_PACKAGES
+from grpo_flow.workers.state.source import package_files
 
 APP_NAME = "grpo-flow"
 VOLUME_PATH = "/grpo-storage"  # the storage root inside every container: the run Volume is mounted here
@@ -60,7 +61,7 @@ GPU_PACKAGES: tuple[str, ...] = (
 # vLLM rollout engines get an image of their own, as locally an environment of their own: the
 # vLLM that `grpo setup-vllm` installs on a CUDA machine, with the torch and transformers it pins.
 VLLM_PACKAGES: tuple[str, ...] = CUDA_PACKAGES
-LOCAL_SOURCES = ("schemas", "workers")  # workers never import Prefect, flows or tasks
+LOCAL_SOURCES = ("schemas", "workers")  # of grpo_flow: workers never import Prefect, flows or tasks
 
 # Per attempt (Modal's timeouts are per attempt; a retry gets a fresh one).
 ACTOR_TIMEOUT_S = 60 * 60
@@ -75,13 +76,20 @@ SANDBOX_TIMEOUT_S = 10 * 60
 
 # -- images, volume, secrets ----------------------------------------------------------------------------
 def _cuda_image(packages: tuple[str, ...], env: dict[str, str]) -> modal.Image:
-    return (
+    image = (
         modal.Image.from_registry(CUDA_BASE_IMAGE, add_python=PYTHON_VERSION)
         .entrypoint([])  # the CUDA image's entrypoint only prints a banner
         .uv_pip_install(*packages)
         .env({"HF_HOME": HF_HOME, "TOKENIZERS_PARALLELISM": "false", **env})
-        .add_local_python_source(*LOCAL_SOURCES)  # last: added at container start, no rebuild on code edits
     )
+    # Last: added at container start, no rebuild on code edits. File by file rather than with
+    # add_local_python_source, which does not follow the source checkout's links (workers/state/source.py).
+    for remote, local in package_files(LOCAL_SOURCES).items():
+        if local.is_dir():
+            image = image.add_local_dir(local, f"/root/{remote}", ignore=["**/__pycache__"])
+        else:
+            image = image.add_local_file(local, f"/root/{remote}")
+    return image
 
 
 def gpu_image() -> modal.Image:
@@ -148,7 +156,7 @@ class VolumeSync:
 
 # -- the wrapped workers (plain classes; build_app decorates them) -----------------------------------------
 class ActorWorker:
-    """The actor in its own GPU container: a few lines around `workers.actor.actor.Actor`."""
+    """The actor in its own GPU container: a few lines around `grpo_flow.workers.actor.actor.Actor`."""
 
     config_json: str = modal.parameter()
     model_path: str = modal.parameter()
@@ -157,8 +165,8 @@ class ActorWorker:
 
     @modal.enter()
     def start(self) -> None:
-        from workers.actor.actor import Actor
-        from workers.state.storage import RunStorage
+        from grpo_flow.workers.actor.actor import Actor
+        from grpo_flow.workers.state.storage import RunStorage
 
         self.config = GRPOFlowConfig.model_validate_json(self.config_json)
         self.volume = VolumeSync(self.config.modal_volume)
@@ -180,7 +188,7 @@ class ActorWorker:
     @modal.method()
     def save_checkpoint(self, relative_folder: str) -> dict[str, Any]:
         """Write a checkpoint under the storage root (the Volume); its state and file manifest."""
-        from workers.state.storage import file_manifest
+        from grpo_flow.workers.state.storage import file_manifest
 
         folder = Path(self.storage_root) / relative_folder
         folder.mkdir(parents=True, exist_ok=True)
@@ -200,8 +208,8 @@ class ActorWorker:
 
     @modal.method()
     def publish_weights(self, method: str) -> Any:
-        """The actor's half of a weight sync (workers.backends.weight_sync.export_weights); commits what it wrote."""
-        from workers.backends.weight_sync import export_weights
+        """The actor's half of a weight sync (grpo_flow.workers.backends.weight_sync.export_weights); commits what it wrote."""
+        from grpo_flow.workers.backends.weight_sync import export_weights
 
         payload = export_weights(method, self.actor, self.run_dir)
         if payload.path is not None:
@@ -218,12 +226,12 @@ def make_rollout_engine(config: GRPOFlowConfig, model_path: str, worker_index: i
     """
     worker_id = f"rollout-{worker_index}"
     if engine == "transformers":
-        from workers.rollout.transformers_engine import TransformersRolloutEngine
+        from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
         return TransformersRolloutEngine(model_path, worker_id=worker_id, device=device)
     if engine != "vllm":
         raise ValueError(f"rollout engine must be 'vllm' or 'transformers', got {engine!r}")
-    from workers.backends import vllm_env
+    from grpo_flow.workers.backends import vllm_env
 
     return vllm_env.worker_engine(config, model_path, worker_index, gpu=device == "cuda")
 
@@ -298,7 +306,7 @@ class RolloutWorker:
         `data` (the `direct` method's safetensors bytes) over 2 MiB travels as a Modal blob
         (modal/_utils/blob_utils.py): fine for small models, a Volume file is cheaper for large ones.
         """
-        from workers.backends.weight_sync import WeightPayload, apply_weights
+        from grpo_flow.workers.backends.weight_sync import WeightPayload, apply_weights
 
         if self.rollout_engine.policy_version == version:
             return {"method": method, "version": version, "bytes": 0, "seconds": 0.0, "skipped": True}
@@ -344,7 +352,7 @@ def build_worker_app(
         # One container per worker (per parameter set): the actor's optimizer and each engine's
         # weights are state, so calls must reach the container that holds them.
         max_containers=1,
-        include_source=False,  # the image carries `schemas` and `workers` (add_local_python_source)
+        include_source=False,  # the image carries grpo_flow's `schemas` and `workers` (_cuda_image)
     )
     actor_options: dict[str, Any] = dict(
         gpu=actor_gpu(config),

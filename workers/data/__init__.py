@@ -7,5 +7,5 @@
   root with a format-only warm start, loaded with `from_pretrained` like a hub model.
 
 Imports `datasets`, transformers and torch; from grpo-flow, `schemas`, and (only to record the
-tiny model's held-out accuracy when it is built) `workers.rollout`.
+tiny model's held-out accuracy when it is built) `grpo_flow.workers.rollout`.
 """

@@ -28,7 +28,7 @@ from typing import Any
 
 from datasets import Dataset, DatasetDict, Value, concatenate_datasets, load_dataset, load_from_disk
 
-from schemas.records import REWARD_CALL_NAMES, ROLLOUT_BASE_NAMES
+from grpo_flow.schemas.records import REWARD_CALL_NAMES, ROLLOUT_BASE_NAMES
 
 LAST_DIGIT_SEED = 20261122  # fixed: the data set is the same for every run, whatever the run's seed
 REVERSE_DIGITS_SEED = 20261124  # likewise for reverse_digits

@@ -124,11 +124,11 @@ def tiny_model_path(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME
 
 def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:
     """The folder of tiny model `name` (a TINY_MODELS key), building it (once, atomically) if it is not there yet."""
-    from workers.data.loaders import load_task
-    from workers.rollout.heldout import heldout_accuracy
-    from workers.rollout.transformers_engine import TransformersRolloutEngine
+    from grpo_flow.workers.data.loaders import load_task
+    from grpo_flow.workers.rollout.heldout import heldout_accuracy
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
-    from workers.state.storage import clean_stale_temps, temp_prefix
+    from grpo_flow.workers.state.storage import clean_stale_temps, temp_prefix
 
     folder, task_name = TINY_MODELS[name]
     final = tiny_model_path(storage_root, name)

@@ -6,5 +6,5 @@
   functions: math answers, code tests, an LLM judge, format rewards.
 - `sandbox`: untrusted code in a separate process with limits (kernel namespaces where they work).
 
-Imports no model library; from grpo-flow, `schemas` and `workers.data` (answer parsing) only.
+Imports no model library; from grpo-flow, `schemas` and `grpo_flow.workers.data` (answer parsing) only.
 """

@@ -5,7 +5,7 @@ A `RewardEnvironment` scores one completion (`score`) or a batch (`score_batch`)
 default; a remote backend only needs the same `run` / `run_batch`). `as_reward_function(env)`
 turns it into a plain function with TRL's reward signature, `f(prompts, completions,
 completion_ids=None, **columns) -> list[float | None]`, so it goes wherever a reward function
-goes (`workers.rewards.functions.score_batch`, `trl.GRPOTrainer(reward_funcs=...)`).
+goes (`grpo_flow.workers.rewards.functions.score_batch`, `trl.GRPOTrainer(reward_funcs=...)`).
 
 Built in:
 - `MathAnswerEnvironment`: the answer in `\\boxed{...}` (or after `####`) checked against the
@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from workers.rewards.sandbox import LocalSandbox, SandboxResult
+from grpo_flow.workers.rewards.sandbox import LocalSandbox, SandboxResult
 
 logger = logging.getLogger("grpo_flow.environments")
 
@@ -234,7 +234,7 @@ _HASHES = re.compile(r"####\s*(.+)")
 
 def extract_math_answer(text: str) -> str | None:
     """The last `\\boxed{...}` content, else what follows the last `####` (its first line), else None."""
-    from workers.data.loaders import last_boxed  # the repo's balanced-brace reader of \boxed / \fbox
+    from grpo_flow.workers.data.loaders import last_boxed  # the repo's balanced-brace reader of \boxed / \fbox
 
     boxed = last_boxed(text)
     if boxed:

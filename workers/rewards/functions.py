@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.records import RolloutBatch
-from workers.data.loaders import extract_final_number
+from grpo_flow.schemas.records import RolloutBatch
+from grpo_flow.workers.data.loaders import extract_final_number
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
@@ -70,7 +70,7 @@ def gsm8k_accuracy(completions: list, answer: list[str], **kwargs: Any) -> list[
 
 
 def _environment_rewards() -> dict[str, RewardFunc]:
-    from workers.rewards.environments import (
+    from grpo_flow.workers.rewards.environments import (
         CodeTestsEnvironment,
         MathAnswerEnvironment,
         answer_tag_format,
@@ -111,7 +111,7 @@ def register_reward_funcs(run_id: str, funcs: dict[str, RewardFunc]) -> list[str
 def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dict[str, RewardFunc]:
     """Built-in names, `module:function` paths (a function or a reward environment object), or names
     registered for the run; resolved before anything loads."""
-    from workers.rewards.environments import as_reward_function, is_reward_environment
+    from grpo_flow.workers.rewards.environments import as_reward_function, is_reward_environment
 
     check_distinct_reward_names(names)
     funcs: dict[str, RewardFunc] = {}
@@ -243,7 +243,7 @@ class RewardTrainerState:
 
 
 def _call(func: RewardFunc, timeout: float | None, /, **kwargs: Any) -> Any:
-    from workers.rewards.environments import run_coroutine
+    from grpo_flow.workers.rewards.environments import run_coroutine
 
     if timeout is not None:
         return _call_with_timeout(func, timeout, kwargs)

@@ -9,6 +9,6 @@
 - `vllm_engine`: vLLM.
 - `heldout`: greedy held-out accuracy of an engine on a task.
 
-Imports torch and transformers (vLLM lazily); from grpo-flow, `workers.data` and
-`workers.rewards` (held-out scoring) only.
+Imports torch and transformers (vLLM lazily); from grpo-flow, `grpo_flow.workers.data` and
+`grpo_flow.workers.rewards` (held-out scoring) only.
 """

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from workers.data.loaders import TaskData
-from workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, check_scores, trl_completions
-from workers.rollout.base import SamplingParams
-from workers.rollout.transformers_engine import TransformersRolloutEngine
+from grpo_flow.workers.data.loaders import TaskData
+from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, check_scores, trl_completions
+from grpo_flow.workers.rollout.base import SamplingParams
+from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
 
 def heldout_accuracy(

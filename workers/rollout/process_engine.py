@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from workers.rollout import channel
-from workers.rollout.channel import EngineProcessError
+from grpo_flow.workers.rollout import channel
+from grpo_flow.workers.rollout.channel import EngineProcessError
 
 __all__ = ["EngineProcessError", "ProcessRolloutEngine"]
 
@@ -28,7 +28,7 @@ __all__ = ["EngineProcessError", "ProcessRolloutEngine"]
 def _serve(conn: Any, model_path: str, worker_id: str, threads: int) -> None:
     import torch
 
-    from workers.rollout.transformers_engine import TransformersRolloutEngine
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
     torch.set_num_threads(threads)
     channel.serve(conn, TransformersRolloutEngine(model_path, worker_id=worker_id))
@@ -76,7 +76,7 @@ class ProcessRolloutEngine:
                 raise
 
     def load(self) -> None:
-        from workers.rollout.base import load_generation_tokenizer
+        from grpo_flow.workers.rollout.base import load_generation_tokenizer
 
         self._call("load")
         self.tokenizer = load_generation_tokenizer(self.model_path)

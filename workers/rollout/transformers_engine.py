@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from workers.rollout.base import GenerationResult, Prompt, SamplingParams, encode_prompt, load_generation_tokenizer
+from grpo_flow.workers.rollout.base import (
+    GenerationResult,
+    Prompt,
+    SamplingParams,
+    encode_prompt,
+    load_generation_tokenizer,
+)
 
 # torch's global RNG seeds `generate` and draws its samples, so one generation at a time keeps each
 # seeded call reproducible. Whatever else seeds, sets or draws from that RNG on another thread while

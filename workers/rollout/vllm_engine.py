@@ -45,7 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.rollout.base import GenerationResult, Prompt, SamplingParams, encode_prompt, load_generation_tokenizer
+from grpo_flow.workers.rollout.base import (
+    GenerationResult,
+    Prompt,
+    SamplingParams,
+    encode_prompt,
+    load_generation_tokenizer,
+)
 
 FINISH_REASONS = ("stop", "length")
 

@@ -3,8 +3,8 @@
 `VLLMProcessEngine` has the vLLM engine's surface (`load`, `generate`, `load_state_dict`,
 `reload_weights_from`, `load_lora_adapter`, `recreate`, `sleep`, `wake_up`, `policy_version`,
 `tokenizer`, `worker_id`, `model`) and forwards each call over a socket pair to a
-`VLLMRolloutEngine` in `<python> -m workers.rollout.vllm_server` (see that module for why a
-separate interpreter). The weight-sync methods of `workers.backends.weight_sync` therefore
+`VLLMRolloutEngine` in `<python> -m grpo_flow.workers.rollout.vllm_server` (see that module for why a
+separate interpreter). The weight-sync methods of `grpo_flow.workers.backends.weight_sync` therefore
 work on it unchanged. Weights in memory travel as safetensors bytes over the socket (a format
 both sides read whatever their torch versions); files stay files (the engine reads the path).
 
@@ -32,25 +32,26 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from workers.rollout import channel
-from workers.rollout.channel import EngineCallError, EngineProcessError
-from workers.rollout.vllm_engine import VLLMOptions, VLLMSetupError, complete_tied_weights
-from workers.state.lock import pid_alive
+from grpo_flow.workers.rollout import channel
+from grpo_flow.workers.rollout.channel import EngineCallError, EngineProcessError
+from grpo_flow.workers.rollout.vllm_engine import VLLMOptions, VLLMSetupError, complete_tied_weights
+from grpo_flow.workers.state.lock import pid_alive
+from grpo_flow.workers.state.source import stage_package
 
-SERVER_MODULE = "workers.rollout.vllm_server"
+SERVER_MODULE = "grpo_flow.workers.rollout.vllm_server"
 SOURCE_PREFIX = "grpo-flow-vllm-src-"  # then the owning process's id: <prefix><pid>-<random>
 _SOURCE_LOCK = threading.Lock()
 _SOURCE_DIR: str | None = None
 
 
 def source_dir() -> str:
-    """A private folder holding only a `workers` symlink to this package: the child's whole sys.path addition."""
+    """A private folder holding `grpo_flow` with only its `workers` (links): the child's whole sys.path addition."""
     global _SOURCE_DIR
     with _SOURCE_LOCK:
         if _SOURCE_DIR is None:
             remove_orphaned_source_dirs()
             folder = tempfile.mkdtemp(prefix=f"{SOURCE_PREFIX}{os.getpid()}-")
-            os.symlink(Path(__file__).resolve().parents[1], Path(folder) / "workers")
+            stage_package(folder, ["workers"])
             atexit.register(shutil.rmtree, folder, ignore_errors=True)
             _SOURCE_DIR = folder
         return _SOURCE_DIR
@@ -67,7 +68,7 @@ def remove_orphaned_source_dirs() -> None:
 def child_environment(threads: int | None, extra: Mapping[str, str] | None, logging_to_file: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = source_dir()
-    # `python -m` puts the working directory first on sys.path: a `workers/` folder there would be
+    # `python -m` puts the working directory first on sys.path: a `grpo_flow/` folder there would be
     # imported instead of ours. Python 3.11+ leaves it out with this set (older ones ignore it).
     env["PYTHONSAFEPATH"] = "1"
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -183,7 +184,7 @@ class VLLMProcessEngine:
     # -- the engine's surface ------------------------------------------------------------------------
     def load(self) -> None:
         """Start the process and engine on the initial model; a running engine goes back to the initial weights."""
-        from workers.rollout.base import load_generation_tokenizer
+        from grpo_flow.workers.rollout.base import load_generation_tokenizer
 
         with self._lock:
             if not self.alive():

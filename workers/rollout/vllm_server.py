@@ -1,6 +1,6 @@
 """A vLLM rollout engine's own process: run by the vLLM environment's Python, not grpo-flow's.
 
-    <vllm_python> -m workers.rollout.vllm_server FD PARENT_PID
+    <vllm_python> -m grpo_flow.workers.rollout.vllm_server FD PARENT_PID
 
 vLLM cannot share an environment with Prefect (their fastapi ranges do not meet), so the
 local backend starts each vLLM engine with the interpreter `vllm_python` names
@@ -23,8 +23,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from workers.rollout import channel
-from workers.rollout.vllm_engine import VLLMOptions, VLLMRolloutEngine
+from grpo_flow.workers.rollout import channel
+from grpo_flow.workers.rollout.vllm_engine import VLLMOptions, VLLMRolloutEngine
 
 PARENT_POLL_S = 0.5
 

@@ -7,6 +7,7 @@
 - `verify`: every step and checkpoint of a run checked byte for byte (`grpo verify`).
 - `faults`: fault injection (`stage@step[:kill]`) for testing recovery.
 - `tracking`: wandb, for runs that report to it.
+- `source`: grpo-flow's own code laid out for other interpreters (vLLM environment, Ray, Modal).
 
 Imports pyarrow (and wandb lazily); from grpo-flow, `schemas` only. No torch, no Prefect.
 """

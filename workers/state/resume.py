@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
-from schemas.config import NON_TRAINING_FIELDS, GRPOFlowConfig
-from workers.state.storage import RunStorage
+from grpo_flow.schemas.config import NON_TRAINING_FIELDS, GRPOFlowConfig
+from grpo_flow.workers.state.storage import RunStorage
 
 
 class ResumeError(ValueError):

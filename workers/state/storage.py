@@ -57,7 +57,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workers.state.lock import live_holder, pid_alive, this_host
+from grpo_flow.workers.state.lock import live_holder, pid_alive, this_host
 
 MANIFEST = "manifest.json"
 STEP_MANIFEST = "_manifest.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.config import GRPOFlowConfig
 
 _RUNS: dict[str, Any] = {}
 

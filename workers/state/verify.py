@@ -20,8 +20,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from workers.state.lock import RunLock, RunLockedError, describe_holder
-from workers.state.storage import DamagedCheckpointError, RunStorage
+from grpo_flow.workers.state.lock import RunLock, RunLockedError, describe_holder
+from grpo_flow.workers.state.storage import DamagedCheckpointError, RunStorage
 
 
 @dataclass

@@ -7,13 +7,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from schemas.presets import preset_config
-from workers.actor import trl_objective
-from workers.actor.actor import Actor, loss_inputs, micro_batches
-from workers.data.loaders import load_task
-from workers.rollout.base import SamplingParams
-from workers.rollout.transformers_engine import TransformersRolloutEngine
-from workers.data.tiny_model import ensure_tiny_model
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.actor import trl_objective
+from grpo_flow.workers.actor.actor import Actor, loss_inputs, micro_batches
+from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.rollout.base import SamplingParams
+from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
+from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")

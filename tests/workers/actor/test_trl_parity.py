@@ -6,7 +6,7 @@ functions that look the fixed rewards up; TRL then runs its own loop (`trainer.t
 old/ref log-probs, IS correction, loss, clipping, optimizer and scheduler. grpo-flow's side is the Actor fed
 the rollouts table its flow would log, with advantages from the flow's own `step_advantages`.
 
-TRL's GRPOConfig is built here from the option values, not with `workers.actor.trl_objective.grpo_args`, so a wrong
+TRL's GRPOConfig is built here from the option values, not with `grpo_flow.workers.actor.trl_objective.grpo_args`, so a wrong
 mapping there fails these tests. The loss, every weight after the step, TRL's advantages and the metrics both
 sides log under the same name must agree. A TRL upgrade that changes behaviour fails here.
 """
@@ -22,10 +22,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from schemas.config import GRPOFlowConfig
-from tasks.rollout import step_advantages
-from workers.actor.actor import Actor
-from workers.data.tiny_model import build_model, build_tokenizer
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.tasks.rollout import step_advantages
+from grpo_flow.workers.actor.actor import Actor
+from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
 
 PROMPTS = ["6900=", "026773=", "468="]  # different lengths: left padding matters
 NUM_GENERATIONS = 4

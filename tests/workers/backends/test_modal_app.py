@@ -16,12 +16,12 @@ from modal._utils.async_utils import synchronizer
 from pydantic import ValidationError
 
 import modal
-from schemas.config import GRPOFlowConfig
-from schemas.presets import preset_config
-from workers.backends import modal_app
-from workers.actor.actor import loss_inputs
-from workers.data.loaders import load_task
-from workers.backends.modal_app import (
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.backends import modal_app
+from grpo_flow.workers.actor.actor import loss_inputs
+from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.backends.modal_app import (
     ACTOR_TIMEOUT_S,
     CUDA_BASE_IMAGE,
     ROLLOUT_TIMEOUT_S,
@@ -34,7 +34,7 @@ from workers.backends.modal_app import (
     build_worker_app,
     worker_config_json,
 )
-from workers.backends.modal_backend import (
+from grpo_flow.workers.backends.modal_backend import (
     BOOTSTRAP,
     GpuMeter,
     ModalNotReadyError,
@@ -44,9 +44,9 @@ from workers.backends.modal_backend import (
     check_modal_ready,
     modal_credentials_found,
 )
-from workers.rollout.base import GenerationResult, SamplingParams
-from workers.data.tiny_model import ensure_tiny_model
-from workers.backends.weight_sync import WeightPayload, WeightSyncError
+from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
+from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+from grpo_flow.workers.backends.weight_sync import WeightPayload, WeightSyncError
 
 # `.local()` warns that no Volume is mounted; these tests mean it.
 pytestmark = pytest.mark.filterwarnings("ignore:.*executing locally.*:UserWarning")
@@ -159,7 +159,7 @@ def test_the_gpu_image_is_cuda_with_pinned_packages_hf_cache_on_the_volume_and_o
 
 
 def test_vllm_engines_get_an_image_of_their_own_pinned_as_grpo_setup_vllm_installs():
-    from workers.backends.vllm_env import CUDA_PACKAGES, VLLM_VERSION
+    from grpo_flow.workers.backends.vllm_env import CUDA_PACKAGES, VLLM_VERSION
 
     worker_app = build_worker_app(modal_config(rollout_engine="vllm"))
     assert service_function(worker_app.rollout_cls)._spec.image is synchronizer._translate_in(worker_app.rollout_image)
@@ -176,7 +176,7 @@ def test_vllm_engines_get_an_image_of_their_own_pinned_as_grpo_setup_vllm_instal
 def test_a_vllm_container_imports_the_wrapped_classes_without_torch_or_trl():
     """The vLLM image has neither TRL nor the actor's stack: importing the app module must not need them."""
     code = (
-        "import sys; import workers.backends.modal_app; "
+        "import sys; import grpo_flow.workers.backends.modal_app; "
         "print(sorted(m for m in ('trl', 'torch', 'prefect', 'peft') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

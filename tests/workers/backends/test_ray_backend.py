@@ -11,13 +11,13 @@ import pyarrow as pa
 import pytest
 import torch
 
-from schemas.presets import preset_config
-from workers.backends.ray_backend import RayNotReadyError, check_resources, cluster_address, plan_bundles
-from workers.data.loaders import load_task
-from workers.data.tiny_model import ensure_tiny_model
-from workers.rollout.base import SamplingParams
-from workers.rollout.transformers_engine import TransformersRolloutEngine
-from workers.state.storage import RunStorage
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.backends.ray_backend import RayNotReadyError, check_resources, cluster_address, plan_bundles
+from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+from grpo_flow.workers.rollout.base import SamplingParams
+from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def config(**fields):
@@ -56,7 +56,7 @@ def test_the_address_comes_from_the_config_then_ray_address_then_a_local_instanc
 def test_a_ray_actors_vllm_engine_keeps_the_gpus_ray_assigned_it(monkeypatch, tmp_path):
     """The local backend pins engine i of server mode to GPU i + 1; on Ray the engine process inherits the
     CUDA_VISIBLE_DEVICES Ray set for its actor, takes the actor's CPUs as threads, logs in the run folder."""
-    from workers.backends import ray_app, vllm_env
+    from grpo_flow.workers.backends import ray_app, vllm_env
 
     python = tmp_path / "vllm-env" / "bin" / "python"
     python.parent.mkdir(parents=True)
@@ -114,8 +114,8 @@ def test_a_vllm_engine_on_a_ray_actor_takes_the_adapter_and_the_merged_weights_b
     """rollout_engine='vllm' with use_lora and lora_publish='adapter': the adapter alone through the object
     store (`direct`) and as a folder on the storage root (`lora`), the merged weights as a saved model the
     engine is re-created from (`checkpoint`). (Before the `run` fixture: the cluster's 2 CPUs hold one run.)"""
-    from workers.backends import vllm_env
-    from workers.backends.ray_backend import RayWorkers
+    from grpo_flow.workers.backends import vllm_env
+    from grpo_flow.workers.backends.ray_backend import RayWorkers
 
     if not os.path.isfile(vllm_env.vllm_python()):
         pytest.fail(f"no vLLM environment at {vllm_env.vllm_python()}: run `grpo setup-vllm` first (.ci/run does)")
@@ -155,7 +155,7 @@ def test_a_vllm_engine_on_a_ray_actor_takes_the_adapter_and_the_merged_weights_b
 @pytest.fixture(scope="module")
 def run(ray_cluster, storage_root):
     """RayWorkers of a scratch run (the tiny model, two engines), its initial samples, and its config."""
-    from workers.backends.ray_backend import RayWorkers
+    from grpo_flow.workers.backends.ray_backend import RayWorkers
 
     model_path = ensure_tiny_model(storage_root)
     run_config = config(storage_root=str(storage_root), ray_address=ray_cluster.address, actor_cpus=1, rollout_cpus=0.5)

@@ -11,13 +11,13 @@ import pyarrow as pa
 import pytest
 import torch
 
-from schemas.presets import preset_config
-from workers.actor.actor import Actor, loss_inputs
-from workers.data.loaders import load_task
-from workers.rollout.base import SamplingParams
-from workers.rollout.transformers_engine import TransformersRolloutEngine
-from workers.data.tiny_model import ensure_tiny_model
-from workers.backends.weight_sync import (
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.actor.actor import Actor, loss_inputs
+from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.rollout.base import SamplingParams
+from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
+from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+from grpo_flow.workers.backends.weight_sync import (
     METHODS,
     WeightSyncError,
     apply_weights,

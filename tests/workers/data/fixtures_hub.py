@@ -1,4 +1,4 @@
-"""Small local stand-ins for the hub data sets `workers.data.loaders` loads, in the hub's exact format.
+"""Small local stand-ins for the hub data sets `grpo_flow.workers.data.loaders` loads, in the hub's exact format.
 
 The Hugging Face hub is not reachable in tests, so these functions build, by code, a
 handful of rows per split with the hub's split names, column names and column types

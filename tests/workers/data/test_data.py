@@ -20,8 +20,8 @@ from fixtures_hub import (
     math_split,
 )
 
-import workers.data.loaders as data
-from workers.data.loaders import (
+import grpo_flow.workers.data.loaders as data
+from grpo_flow.workers.data.loaders import (
     clear_task_cache,
     GSM8K_INSTRUCTION,
     KNOWN_TASKS,

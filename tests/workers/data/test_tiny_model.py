@@ -1,9 +1,9 @@
 """The tiny models' format warm start: it teaches the answer's format, not the answer."""
 
-from workers.data.loaders import load_task
-from workers.data.tiny_model import TINY_MODELS, read_build_info, resolve_model_path, tiny_model_path
-from workers.rollout.base import SamplingParams
-from workers.rollout.transformers_engine import TransformersRolloutEngine
+from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.data.tiny_model import TINY_MODELS, read_build_info, resolve_model_path, tiny_model_path
+from grpo_flow.workers.rollout.base import SamplingParams
+from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
 
 def test_tiny_reverse_learns_the_answer_format_but_answers_at_chance(storage_root):

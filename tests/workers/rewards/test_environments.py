@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from workers.rewards.environments import (
+from grpo_flow.workers.rewards.environments import (
     CodeExecutor,
     CodeTestsEnvironment,
     LLMJudgeEnvironment,
@@ -23,8 +23,8 @@ from workers.rewards.environments import (
     parse_judge_score,
     think_answer_format,
 )
-from workers.rewards.functions import check_scores
-from workers.rewards.sandbox import LocalSandbox, SandboxLimits, SandboxResult
+from grpo_flow.workers.rewards.functions import check_scores
+from grpo_flow.workers.rewards.sandbox import LocalSandbox, SandboxLimits, SandboxResult
 
 
 def conversation(text):

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from workers.rewards.environments import RewardEnvironment, as_reward_function
-from workers.rewards.functions import RewardTimeoutError, score_batch
+from grpo_flow.workers.rewards.environments import RewardEnvironment, as_reward_function
+from grpo_flow.workers.rewards.functions import RewardTimeoutError, score_batch
 
 from test_rewards_scoring import batch
 
@@ -102,7 +102,7 @@ def test_within_the_timeout_scores_are_as_without_one():
 def test_a_timeout_is_not_retried():
     from prefect.states import Failed
 
-    from tasks.rollout import worth_retrying
+    from grpo_flow.tasks.rollout import worth_retrying
 
     assert not worth_retrying(None, None, Failed(data=RewardTimeoutError("slow")))
     assert worth_retrying(None, None, Failed(data=ValueError("transient")))

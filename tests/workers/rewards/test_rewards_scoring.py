@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
-from schemas.records import RolloutBatch
-from workers.data.loaders import clear_task_cache, extract_final_number, gsm8k_answer, gsm8k_rows, load_task
-from workers.rewards.functions import (
+from grpo_flow.schemas.records import RolloutBatch
+from grpo_flow.workers.data.loaders import clear_task_cache, extract_final_number, gsm8k_answer, gsm8k_rows, load_task
+from grpo_flow.workers.rewards.functions import (
     check_scores,
     gsm8k_accuracy,
     last_digit,
@@ -106,8 +106,8 @@ def test_scores_are_taken_in_every_shape_trl_takes():
 def test_wrong_scores_are_not_retried_as_they_are_the_same_every_time():
     from prefect.states import Failed
 
-    from tasks.rollout import worth_retrying
-    from workers.rewards.functions import RewardOutputError
+    from grpo_flow.tasks.rollout import worth_retrying
+    from grpo_flow.workers.rewards.functions import RewardOutputError
 
     with pytest.raises(RewardOutputError) as caught:
         check_scores("mine", [1.0], 2)
@@ -187,7 +187,7 @@ def test_gsm8k_rows_from_hub_format():
 
 
 def test_conversational_prompts_and_completions_reach_rewards_as_messages():
-    from workers.rewards.functions import reward_inputs
+    from grpo_flow.workers.rewards.functions import reward_inputs
 
     seen = {}
 
@@ -197,7 +197,7 @@ def test_conversational_prompts_and_completions_reach_rewards_as_messages():
 
     conversational = [{"role": "user", "content": "2+2?"}]
     b = batch(["4", "5"], ["4", "4"]).replace(raw_prompt=[conversational, conversational])
-    from workers.rewards.functions import RewardTrainerState
+    from grpo_flow.workers.rewards.functions import RewardTrainerState
 
     score_batch(b, {"capture": capture}, None, RewardTrainerState(global_step=3, max_steps=10, epoch=0.5))
     assert seen["prompts"] == [conversational, conversational]
@@ -219,7 +219,7 @@ def test_async_rewards_numpy_scores_log_metric_and_per_function_time():
 
 
 def test_log_extra_values_land_per_row_as_json_and_a_wrong_count_names_the_function():
-    from workers.rewards.functions import RewardFunctionError
+    from grpo_flow.workers.rewards.functions import RewardFunctionError
 
     def judged(completions, log_extra, **kwargs):
         log_extra("verdict", [f"saw {c}" for c in completions])
@@ -247,7 +247,7 @@ def test_log_extra_values_land_per_row_as_json_and_a_wrong_count_names_the_funct
 
 
 def test_a_raising_reward_names_the_function_the_sample_and_the_traceback():
-    from workers.rewards.functions import RewardFunctionError
+    from grpo_flow.workers.rewards.functions import RewardFunctionError
 
     def picky(completions, **kwargs):
         return [1.0 / (c != "boom") for c in completions]
@@ -263,7 +263,7 @@ def test_a_raising_reward_names_the_function_the_sample_and_the_traceback():
 def test_reward_environment_objects_resolve_from_module_paths(tmp_path, monkeypatch):
     (tmp_path / "my_envs.py").write_text(
         textwrap.dedent("""
-        from workers.rewards.environments import RewardEnvironment
+        from grpo_flow.workers.rewards.environments import RewardEnvironment
         class Echo(RewardEnvironment):
             async def score(self, completion, prompt, answer, **columns):
                 return 1.0 if completion == answer else 0.0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.rewards.sandbox import LocalSandbox, SandboxLimits
+from grpo_flow.workers.rewards.sandbox import LocalSandbox, SandboxLimits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
 

@@ -3,8 +3,8 @@
 
 import pytest
 
-from workers.data.tiny_model import build_tokenizer
-from workers.rollout.base import check_chat_prompts
+from grpo_flow.workers.data.tiny_model import build_tokenizer
+from grpo_flow.workers.rollout.base import check_chat_prompts
 
 # A template that refuses roles it does not know, as most chat templates do.
 STRICT_TEMPLATE = (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 CHILD = (
-    "import os, sys, time; from workers.rollout.vllm_server import die_with_parent; "
+    "import os, sys, time; from grpo_flow.workers.rollout.vllm_server import die_with_parent; "
     "die_with_parent(int(sys.argv[1])); print('ready', flush=True); time.sleep(3); print('alive', flush=True)"
 )
 

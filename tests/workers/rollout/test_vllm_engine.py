@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from workers.rollout.base import SamplingParams
-from workers.rollout.vllm_engine import (
+from grpo_flow.workers.rollout.base import SamplingParams
+from grpo_flow.workers.rollout.vllm_engine import (
     CPU_KV_CACHE_BYTES,
     VLLMOptions,
     VLLMRolloutEngine,
@@ -354,7 +354,7 @@ def test_a_killed_process_source_folder_is_removed_by_the_next_one_and_a_live_on
     import tempfile
     from pathlib import Path
 
-    from workers.rollout import vllm_process
+    from grpo_flow.workers.rollout import vllm_process
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(vllm_process, "_SOURCE_DIR", None)
@@ -365,22 +365,23 @@ def test_a_killed_process_source_folder_is_removed_by_the_next_one_and_a_live_on
     alive.mkdir()
     folder = Path(vllm_process.source_dir())
     assert folder.parent == tmp_path and folder.name.startswith(f"{vllm_process.SOURCE_PREFIX}{os.getpid()}-")
-    assert (folder / "workers").resolve() == Path(vllm_process.__file__).resolve().parents[1]
+    assert (folder / "grpo_flow" / "workers").resolve() == Path(vllm_process.__file__).resolve().parents[1]
+    assert sorted(p.name for p in (folder / "grpo_flow").iterdir()) == ["__init__.py", "workers"]
     assert not orphan.exists() and alive.exists()
 
 
-def test_the_engine_child_imports_our_workers_package_even_from_a_folder_holding_another(tmp_path):
+def test_the_engine_child_imports_our_package_even_from_a_folder_holding_another(tmp_path):
     """`python -m` would put the working directory first on the child's sys.path (Python 3.11+)."""
     import subprocess
     from pathlib import Path
 
-    from workers.rollout.vllm_process import child_environment
+    from grpo_flow.workers.rollout.vllm_process import child_environment
 
-    (tmp_path / "workers").mkdir()
-    (tmp_path / "workers" / "__init__.py").write_text("raise ImportError('the wrong workers package')\n")
+    (tmp_path / "grpo_flow").mkdir()
+    (tmp_path / "grpo_flow" / "__init__.py").write_text("raise ImportError('the wrong grpo_flow package')\n")
     env = child_environment(threads=1, extra=None, logging_to_file=False)
     found = subprocess.run(
-        [sys.executable, "-c", "import workers; print(workers.__file__)"],
+        [sys.executable, "-c", "import grpo_flow.workers as w; print(w.__file__)"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

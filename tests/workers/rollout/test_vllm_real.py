@@ -2,7 +2,7 @@
 
 One fp32 engine process serves the whole module (each start costs seconds); a LoRA engine and a
 refused model start once more each. The actor the engine is compared with is grpo-flow's own
-(`workers.actor.actor.Actor`, TRL's log-prob code), on the project's tiny model.
+(`grpo_flow.workers.actor.actor.Actor`, TRL's log-prob code), on the project's tiny model.
 
 Tolerances (README, "vLLM"): an fp32 engine's log-probs agree with the fp32 actor's to 1e-6
 here, asserted at 1e-4; processed log-probs (temperature and top-p) agree with transformers'
@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from schemas.presets import preset_config
-from workers.actor.actor import Actor
-from workers.actor.trl_objective import lora_config
-from workers.backends import vllm_env
-from workers.backends.weight_sync import METHODS, apply_weights, export_weights
-from workers.data.tiny_model import build_model, build_tokenizer, ensure_tiny_model
-from workers.rollout.base import SamplingParams, encode_prompt
-from workers.rollout.vllm_engine import VLLMOptions, VLLMSetupError
-from workers.rollout.vllm_process import VLLMProcessEngine
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.actor.actor import Actor
+from grpo_flow.workers.actor.trl_objective import lora_config
+from grpo_flow.workers.backends import vllm_env
+from grpo_flow.workers.backends.weight_sync import METHODS, apply_weights, export_weights
+from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer, ensure_tiny_model
+from grpo_flow.workers.rollout.base import SamplingParams, encode_prompt
+from grpo_flow.workers.rollout.vllm_engine import VLLMOptions, VLLMSetupError
+from grpo_flow.workers.rollout.vllm_process import VLLMProcessEngine
 
 PROMPTS = ["35060=", "1234=", "98765432=", "7="]
 TOLERANCE = 1e-4  # fp32 engine vs fp32 actor (measured ~1e-6)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from workers.state.lock import (
+from grpo_flow.workers.state.lock import (
     LOCK_FILE,
     RunLock,
     RunLockedError,
@@ -24,7 +24,7 @@ from workers.state.lock import (
 
 HOLD = (
     "import sys, time\n"
-    "from workers.state.lock import RunLock\n"
+    "from grpo_flow.workers.state.lock import RunLock\n"
     "RunLock(sys.argv[1], command='holder').acquire()\n"
     "print('held', flush=True)\n"
     "time.sleep(600)\n"

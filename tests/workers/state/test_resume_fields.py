@@ -1,7 +1,7 @@
 """What counts as a change of training fields when a run is resumed."""
 
-from schemas.presets import preset_config
-from workers.state.resume import changed_training_fields
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.state.resume import changed_training_fields
 
 
 def stored_by_an_older_version(config, *missing):
@@ -42,9 +42,9 @@ def test_changes_to_fields_that_do_not_alter_training_are_not_listed():
 def test_a_resume_to_fewer_steps_than_the_run_has_trained_is_refused(tmp_path):
     import pytest
 
-    from schemas.records import metrics_table
-    from workers.state.resume import ResumeError, check_config_change, check_max_steps
-    from workers.state.storage import RunStorage
+    from grpo_flow.schemas.records import metrics_table
+    from grpo_flow.workers.state.resume import ResumeError, check_config_change, check_max_steps
+    from grpo_flow.workers.state.storage import RunStorage
 
     config = preset_config("tiny", run_id="r", storage_root=str(tmp_path), max_steps=30)
     storage = RunStorage(tmp_path, "r")

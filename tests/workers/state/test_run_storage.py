@@ -5,8 +5,8 @@ import json
 import pyarrow as pa
 import pytest
 
-from schemas.records import metrics_table
-from workers.state.storage import RunStorage, list_runs
+from grpo_flow.schemas.records import metrics_table
+from grpo_flow.workers.state.storage import RunStorage, list_runs
 
 
 def rows(step, groups, values):
@@ -70,7 +70,7 @@ def test_a_full_disk_leaves_no_partial_file_and_says_so(tmp_path, monkeypatch):
 
     import pyarrow.parquet as pq
 
-    from workers.state.storage import StorageFullError
+    from grpo_flow.workers.state.storage import StorageFullError
 
     def full_disk(table, where, **kwargs):
         with open(where, "wb") as handle:
@@ -217,7 +217,7 @@ def test_damage_to_a_logged_step_is_named_file_by_file(tmp_path):
 
 def test_reading_a_damaged_step_fails_naming_the_file_and_reading_the_run_skips_it(tmp_path, caplog):
     """pyarrow alone returned the intact shard's rows of a truncated step without a word."""
-    from workers.state.storage import DamagedStepError
+    from grpo_flow.workers.state.storage import DamagedStepError
 
     storage = committed(tmp_path)
     shard = storage.rollout_dir(2) / "shard-01.parquet"
@@ -268,7 +268,7 @@ def test_a_killed_writers_temporary_file_is_cleaned_and_a_live_ones_kept(tmp_pat
     import subprocess
     import sys
 
-    from workers.state.storage import STALE_TEMP_AGE_S, temp_prefix
+    from grpo_flow.workers.state.storage import STALE_TEMP_AGE_S, temp_prefix
 
     storage = RunStorage(tmp_path, "r")
     storage.write_config({"x": 1})
@@ -276,7 +276,7 @@ def test_a_killed_writers_temporary_file_is_cleaned_and_a_live_ones_kept(tmp_pat
     metrics.mkdir()
     code = (
         "import os, signal, tempfile, sys\n"
-        "from workers.state.storage import temp_prefix\n"
+        "from grpo_flow.workers.state.storage import temp_prefix\n"
         "tempfile.mkstemp(dir=sys.argv[1], prefix=temp_prefix('step-000001.parquet'), suffix='.tmp')\n"
         "os.kill(os.getpid(), signal.SIGKILL)  # killed mid-write\n"
     )
@@ -304,11 +304,15 @@ def test_a_killed_tiny_model_build_is_cleaned_at_the_next_start(tmp_path):
     import sys
     import time
 
-    from workers.data.tiny_model import TINY_DIR, ensure_tiny_model, tiny_model_path
+    from grpo_flow.workers.data.tiny_model import TINY_DIR, ensure_tiny_model, tiny_model_path
 
     models = tmp_path / "models"
     builder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from workers.data.tiny_model import ensure_tiny_model as e; e(sys.argv[1])"]
+        [
+            sys.executable,
+            "-c",
+            "import sys; from grpo_flow.workers.data.tiny_model import ensure_tiny_model as e; e(sys.argv[1])",
+        ]
         + [str(tmp_path)]
     )
     deadline = time.monotonic() + 120

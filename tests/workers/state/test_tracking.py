@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from schemas.presets import preset_config
-from workers.state import tracking
+from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.state import tracking
 
 
 def test_metrics_reach_wandb_under_the_run_id(tmp_path, monkeypatch):

@@ -7,10 +7,10 @@ import sys
 
 import pyarrow as pa
 
-from schemas.records import metrics_table
-from workers.state.resume import find_resume_point
-from workers.state.storage import RunStorage
-from workers.state.verify import consequence, verify_run
+from grpo_flow.schemas.records import metrics_table
+from grpo_flow.workers.state.resume import find_resume_point
+from grpo_flow.workers.state.storage import RunStorage
+from grpo_flow.workers.state.verify import consequence, verify_run
 
 
 def logged_run(tmp_path, steps=6, checkpoints=(2, 4)):
@@ -62,7 +62,7 @@ def test_damage_is_named_moved_aside_and_the_next_check_is_clean(tmp_path):
 def test_nothing_is_moved_while_another_process_writes_the_run(tmp_path):
     storage = logged_run(tmp_path)
     truncate(storage.rollout_dir(5) / "shard-00.parquet")
-    code = "import sys, time\nfrom workers.state.lock import RunLock\nRunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(600)\n"
+    code = "import sys, time\nfrom grpo_flow.workers.state.lock import RunLock\nRunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(600)\n"
     writer = subprocess.Popen([sys.executable, "-c", code, str(storage.run_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().strip() == "held"
