@@ -1,8 +1,8 @@
 """Every Python code block of README.md and docs/ runs (or, marked `compile-only`, compiles).
 
 A page's blocks run in order in one namespace, as a reader would paste them into one session,
-with `__name__ == "__main__"` as in a script, from a temporary folder whose `grpo-storage` is the
-session's storage root (the tiny model is built once). Runs use the tiny model for a few steps.
+with `__name__ == "__main__"` as in a script, from a temporary folder with a `grpo-storage` of its
+own whose `models/` is the session's (the tiny model is built once). Runs use the tiny model for a few steps.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def test_every_python_block_compiles():
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_the_python_examples_of_a_page_run(page, prefect_server, storage_root, tmp_path, monkeypatch):
-    (tmp_path / "grpo-storage").symlink_to(storage_root)
+    (storage_root / "models").mkdir(exist_ok=True)
+    (tmp_path / "grpo-storage").mkdir()
+    (tmp_path / "grpo-storage" / "models").symlink_to(storage_root / "models")  # the session's tiny model
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("GRPO_FLOW_STORAGE", raising=False)
     namespace = {"__name__": "__main__"}
