@@ -143,3 +143,36 @@ def test_clear_cache_deletes_the_cached_model_which_the_next_use_rebuilds(tmp_pa
     assert main(["clear-cache", "--model", "Org/Other", "--storage-root", str(tmp_path)]) == 0
     assert "nothing cached for Org/Other" in capsys.readouterr().out
     shutil.rmtree(tmp_path / "models")
+
+
+def test_a_reward_module_in_the_working_directory_is_found_by_the_grpo_script(tmp_path):
+    """`grpo` is an installed script: unlike `python -m`, it does not put the working directory on
+    sys.path, so `myrewards:score` beside the data failed with `No module named 'myrewards'` (issue 30, item 3)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "grpo_flow_test_myrewards.py").write_text(
+        "def score(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+    )
+    grpo = [str(Path(sys.executable).with_name("grpo"))]
+    found = subprocess.run(
+        [*grpo, "test-reward", "grpo_flow_test_myrewards:score", "--completion", "abc"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.startswith("score: 3.0000")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    missing = subprocess.run(
+        [*grpo, "test-reward", "grpo_flow_test_myrewards:score", "--completion", "abc"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2
+    assert f"the working directory {elsewhere}; a module elsewhere needs PYTHONPATH" in missing.stderr

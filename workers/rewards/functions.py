@@ -22,6 +22,8 @@ import importlib
 import inspect
 import json
 import math
+import os
+import sys
 import threading
 import time
 import traceback
@@ -136,9 +138,15 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
                 f"({', '.join(sorted(BUILTIN_REWARDS))}) nor a 'module:function' path"
             )
         try:
-            func = getattr(importlib.import_module(module_name), attr)
+            func = getattr(import_reward_module(module_name), attr)
         except (ImportError, AttributeError) as error:
-            raise ValueError(f"reward_funcs[{index}]: cannot import {name!r}: {error}") from error
+            where = ""
+            if isinstance(error, ModuleNotFoundError) and error.name == module_name.partition(".")[0]:
+                where = (
+                    f" (looked in the installed packages and the working directory {os.getcwd()}; "
+                    "a module elsewhere needs PYTHONPATH)"
+                )
+            raise ValueError(f"reward_funcs[{index}]: cannot import {name!r}: {error}{where}") from error
         except Exception as error:  # the module itself failed: a syntax error, a missing variable
             raise ValueError(
                 f"reward_funcs[{index}]: importing {module_name!r} for {name!r} raised {type(error).__name__}: "
@@ -150,6 +158,16 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
             raise ValueError(f"reward_funcs[{index}]: {name!r} is neither callable nor a reward environment")
         funcs[attr] = func
     return funcs
+
+
+def import_reward_module(module_name: str) -> Any:
+    """The module of a `module:function` reward. The working directory is searched too, as `python -m`
+    and `python script.py` do (`grpo` is an installed script, so it is not on sys.path otherwise); last,
+    so that a file there never shadows an installed module."""
+    here = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.append(here)
+    return importlib.import_module(module_name)
 
 
 def check_distinct_reward_names(names: Sequence[str]) -> None:
@@ -324,7 +342,7 @@ def _failing_sample(
 ) -> tuple[int, str] | None:
     """Call the function one sample at a time to find the first sample it fails on."""
     for i in range(n):
-        one = {k: [v[i]] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+        one = {k: fresh_copy([v[i]]) if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
         try:
             _call(func, timeout, **one)
         except _CallTimedOut:
@@ -332,6 +350,17 @@ def _failing_sample(
         except Exception:
             return i, traceback.format_exc()
     return None
+
+
+def fresh_copy(value: Any) -> Any:
+    """A copy a reward function may change at will: lists and dicts copied all the way down (strings and
+    numbers cannot change). Each call gets its own, so a function that edits its `completions` neither
+    rewrites the log nor changes what the next function scores."""
+    if isinstance(value, list):
+        return [fresh_copy(item) for item in value]
+    if isinstance(value, dict):
+        return {key: fresh_copy(item) for key, item in value.items()}
+    return value
 
 
 def reward_inputs(batch: RolloutBatch) -> tuple[list[Any], list[Any]]:
@@ -397,7 +426,7 @@ def score_batch(
     for name, func in funcs.items():
         func_started = time.perf_counter()
         try:
-            raw = _call(func, timeout_s, **kwargs)
+            raw = _call(func, timeout_s, **{key: fresh_copy(value) for key, value in kwargs.items()})
         except _CallTimedOut as timed_out:
             raise RewardTimeoutError(
                 f"reward function {name!r} did not return within reward_timeout_s={timeout_s:g} s on step "

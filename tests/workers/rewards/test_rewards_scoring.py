@@ -276,3 +276,30 @@ def test_reward_environment_objects_resolve_from_module_paths(tmp_path, monkeypa
     assert score_batch(batch(["0", "1"], ["0", "0"]), funcs, None).rewards["echo"] == [1.0, 0.0]
     with pytest.raises(ValueError, match=r"reward_funcs\[0\]: 'my_envs:not_a_reward' is neither callable"):
         resolve_reward_funcs(["my_envs:not_a_reward"])
+
+
+def test_a_reward_that_edits_its_inputs_changes_neither_the_log_nor_the_next_reward():
+    """Each call gets its own copies of the completions, prompts and columns (issue 30, item 6)."""
+    conversational = [{"role": "user", "content": "2+2?"}]
+    seen = []
+
+    def vandal(prompts, completions, answer, **kwargs):
+        scores = [1.0] * len(completions)
+        completions[0] = "Z"
+        prompts[0][0]["content"] = "edited"
+        answer.clear()
+        completions.clear()
+        return scores
+
+    def reader(prompts, completions, answer, **kwargs):
+        seen.append((prompts, completions, answer))
+        return [0.5] * len(completions)
+
+    b = batch(["4", "5"], ["4", "4"]).replace(raw_prompt=[conversational, conversational])
+    scored = score_batch(b, {"vandal": vandal, "reader": reader}, None)
+    assert scored.completion == ["4", "5"] and scored.extra_columns["answer"] == ["4", "4"]
+    assert scored.raw_prompt == [[{"role": "user", "content": "2+2?"}]] * 2
+    prompts, completions, answer = seen[0]
+    assert completions == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
+    assert prompts[0][0]["content"] == "2+2?" and answer == ["4", "4"]
+    assert scored.rewards == {"vandal": [1.0, 1.0], "reader": [0.5, 0.5]}
