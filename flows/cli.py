@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from grpo_flow.flows.cli_common import UsageError, quiet_prefect
+from grpo_flow.flows.cli_common import UsageError, named_run, quiet_prefect
 from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
 from grpo_flow.schemas.presets import PRESETS
 
@@ -398,11 +398,7 @@ def command_runs(args: argparse.Namespace) -> int:
 
 
 def command_rollouts(args: argparse.Namespace) -> int:
-    from grpo_flow.workers.state.storage import RunStorage
-
-    storage = RunStorage(args.storage_root, args.run_id)
-    if not storage.exists():
-        raise UsageError(f"RUN_ID: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    storage = named_run(args.storage_root, args.run_id, "RUN_ID")
     steps = storage.logged_steps()
     if not steps:
         raise UsageError(f"RUN_ID: run {args.run_id!r} has no logged steps yet")
@@ -429,12 +425,9 @@ def command_rollouts(args: argparse.Namespace) -> int:
 
 def command_verify(args: argparse.Namespace) -> int:
     """Every step and checkpoint checked byte for byte; damaged ones named and moved aside (exit 1)."""
-    from grpo_flow.workers.state.storage import RunStorage
     from grpo_flow.workers.state.verify import report_lines, verify_run
 
-    storage = RunStorage(args.storage_root, args.run_id)
-    if not storage.exists():
-        raise UsageError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    storage = named_run(args.storage_root, args.run_id)
     check = verify_run(storage, quarantine=not args.check_only)
     print("\n".join(report_lines(storage, check)))
     return 0 if check.clean else 1
@@ -483,15 +476,11 @@ def command_eval(args: argparse.Namespace) -> int:
     model), unless --force evaluates it again (the earlier file is moved to eval/superseded/).
     """
     quiet_prefect(args.verbose)
-    from grpo_flow.workers.state.storage import RunStorage
-
     if args.k < 1:
         raise UsageError(f"--k: must be at least 1, got {args.k}")
     if args.prompts is not None and args.prompts < 1:
         raise UsageError(f"--prompts: must be at least 1, got {args.prompts}")
-    storage = RunStorage(args.storage_root, args.run_id)
-    if not storage.exists():
-        raise UsageError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    storage = named_run(args.storage_root, args.run_id)
     stored = None if args.force else storage.stored_evaluation(args.checkpoint)
     if stored is not None:
         print_eval_summary({**stored, "already_evaluated": True})
@@ -562,6 +551,7 @@ def command_report(args: argparse.Namespace) -> int:
     """A PNG of reward, loss, KL and completion length per step (and evaluations, when there are any)."""
     from grpo_flow.flows.report import ReportError, write_report
 
+    named_run(args.storage_root, args.run_id)
     try:
         report = write_report(args.storage_root, args.run_id, args.out)
     except ReportError as error:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 
 class UsageError(Exception):
@@ -24,3 +25,19 @@ def quiet_prefect(verbose: bool) -> None:
         os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # a retry of each hub request was a warning line
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notices
+
+
+def named_run(storage_root: str, run_id: str, label: str = "RUN") -> Any:
+    """The `RunStorage` of an existing run that a command's RUN argument names: a run id, as `--run-id`
+    takes it, so that no path (`../elsewhere`) reaches a folder outside the storage root."""
+    from grpo_flow.schemas.config import check_run_id
+    from grpo_flow.workers.state.storage import RunStorage
+
+    try:
+        check_run_id(run_id)
+    except ValueError as error:
+        raise UsageError(f"{label}: {error}") from None
+    storage = RunStorage(storage_root, run_id)
+    if not storage.exists():
+        raise UsageError(f"{label}: no run {run_id!r} under {os.path.join(storage_root, 'runs')}")
+    return storage

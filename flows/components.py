@@ -182,11 +182,10 @@ def command_test_reward(args: argparse.Namespace) -> int:
 
 # -- checkpoints -----------------------------------------------------------------------------------------
 def command_checkpoints(args: argparse.Namespace) -> int:
-    from grpo_flow.workers.state.storage import MANIFEST, DamagedCheckpointError, RunStorage
+    from grpo_flow.flows.cli_common import named_run
+    from grpo_flow.workers.state.storage import MANIFEST, DamagedCheckpointError
 
-    storage = RunStorage(args.storage_root, args.run_id)
-    if not storage.exists():
-        raise ComponentError(f"RUN: no run {args.run_id!r} under {os.path.join(args.storage_root, 'runs')}")
+    storage = named_run(args.storage_root, args.run_id)
     steps = storage.checkpoint_steps()
     if not steps:
         print(f"run {args.run_id}: no checkpoints")

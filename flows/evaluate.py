@@ -55,7 +55,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.config import GRPOFlowConfig, check_run_id
 from grpo_flow.schemas.records import REWARD_PREFIX, RolloutBatch
 from grpo_flow.tasks.observability import artifact_key
 from grpo_flow.workers.state.storage import (
@@ -556,6 +556,10 @@ def evaluate(
         if checkpoint is not None:
             raise EvaluationError("checkpoint: needs run_id (the nightly sweep evaluates each run's newest)")
         return evaluate_all(storage_root, k, prompts, temperature, seed, greedy)
+    try:
+        check_run_id(run_id)  # a name under the storage root, never a path out of it
+    except ValueError as error:
+        raise EvaluationError(f"run_id: {error}") from None
     storage = RunStorage(storage_root, run_id)
     step = resolve_checkpoint(storage, checkpoint)
     summary = evaluate_checkpoint(run_id, storage_root, step, k, prompts, temperature, seed, greedy, force)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_flow.schemas.config import check_run_id
 from grpo_flow.workers.state.storage import RunStorage, temp_prefix
 
 # (metrics column, panel title, band column drawn as +/- one value around the line)
@@ -72,6 +73,10 @@ def _eval_series(storage: RunStorage) -> dict[str, tuple[list[int], list[float]]
 
 def write_report(storage_root: str | os.PathLike, run_id: str, out: str | os.PathLike | None = None) -> Report:
     """Plot the run's curves into `out` (default `<run>/report.png`), written atomically; returns what was drawn."""
+    try:
+        check_run_id(run_id)  # a name under the storage root, never a path out of it
+    except ValueError as error:
+        raise ReportError(str(error)) from None
     storage = RunStorage(storage_root, run_id)
     if not storage.exists():
         raise ReportError(f"no run {run_id!r} under {Path(storage_root) / 'runs'}")

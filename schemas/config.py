@@ -39,6 +39,15 @@ TASK_NAMES = ("last_digit", "reverse_digits", "gsm8k", "math", "math500", "mbpp"
 # Old name -> new name, for configs stored by an older grpo-flow (runs resume under the new names).
 RENAMED_FIELDS = {"gpu_memory_utilization": "vllm_gpu_memory_utilization", "max_model_len": "vllm_max_model_length"}
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+RUN_ID_RULE = "1 to 128 letters, digits, '.', '_' or '-', the first a letter or digit"
+
+
+def check_run_id(value: str) -> str:
+    """A run id names a folder under `<storage_root>/runs/`: never a path (`..`, `/`) out of it."""
+    if not re.fullmatch(RUN_ID_PATTERN, value):
+        raise ValueError(f"{value!r} is not a run id ({RUN_ID_RULE})")
+    return value
+
 
 # Fields that do not change what a run computes; everything else is part of the config hash.
 NON_TRAINING_FIELDS = frozenset(
@@ -101,8 +110,8 @@ class GRPOFlowConfig(BaseModel):
     # Where the run lives
     run_id: str | None = Field(
         default=None,
-        pattern=RUN_ID_PATTERN,
         description="Name of the run under `<storage_root>/runs/`. Generated from the data set and time if unset.",
+        json_schema_extra={"pattern": RUN_ID_PATTERN},  # the Prefect UI's form checks it too
     )
     storage_root: str = Field(
         default="grpo-storage",
@@ -439,6 +448,11 @@ class GRPOFlowConfig(BaseModel):
                     data = {**data, new: data[old]}
                     del data[old]
         return data
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, value: str | None) -> str | None:
+        return None if value is None else check_run_id(value)
 
     @field_validator("dataset")
     @classmethod

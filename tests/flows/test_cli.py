@@ -57,6 +57,7 @@ def test_optional_fields_accept_none():
             "grpo train: --epsilon-high/--epsilon: epsilon_high (0.2) must be >= epsilon (0.3)",
         ),
         (["train", "--max-steps", "0"], "grpo train: --max-steps: max_steps (0) must be a positive number"),
+        (["train", "--run-id", "../x"], "grpo train: --run-id: '../x' is not a run id (1 to 128 letters, digits,"),
     ],
 )
 def test_bad_train_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, capsys, argv, expected):
@@ -306,3 +307,19 @@ def test_the_summary_says_what_was_not_measured_and_when_a_run_was_already_compl
     rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in lines[1:])
     assert rows["held-out accuracy, before RL"] == rows["held-out accuracy, after RL"] == "not measured"
     assert rows["mean reward, last 5 steps"] == "0.500" and rows["wall time"] == "3.2 s"
+
+
+@pytest.mark.parametrize("command", ["verify", "eval", "report", "rollouts", "checkpoints"])
+def test_a_run_argument_is_a_run_id_never_a_path_out_of_the_storage_root(tmp_path, capsys, command):
+    """`grpo verify ../../outside --storage-root R1` quarantined files of a folder outside R1 (issue 30, item 11)."""
+    outside = tmp_path / "outside"
+    (outside / "rollouts" / "step-000001").mkdir(parents=True)
+    (outside / "config.json").write_text("{}")
+    (outside / "rollouts" / "step-000001" / "shard-00.parquet").write_text("not parquet")
+    root = tmp_path / "R1"
+    root.mkdir()
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert main([command, "../../outside", "--storage-root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'../../outside' is not a run id (1 to 128 letters" in err, err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before

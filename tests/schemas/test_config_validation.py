@@ -21,7 +21,7 @@ def problems(**fields) -> str:
         ({"num_generations": 1}, "num_generations: Input should be greater than or equal to 2"),
         ({"learning_rate": 0}, "learning_rate: Input should be greater than 0"),
         ({"top_p": 1.5}, "top_p: Input should be less than or equal to 1"),
-        ({"run_id": "../escape"}, "run_id: String should match pattern"),
+        ({"run_id": "../escape"}, "run_id: '../escape' is not a run id (1 to 128 letters, digits"),
         ({"scale_rewards": "std"}, "scale_rewards: Input should be 'group', 'batch' or 'none'"),
         ({"max_steps": "abc"}, "max_steps: Input should be a valid integer"),
         ({"no_such_field": 1}, "no_such_field: not a grpo-flow option (see GRPOFlowConfig)"),
