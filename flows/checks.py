@@ -1,6 +1,6 @@
 """What `grpo train` and `GRPOFlowTrainer` check before anything starts: reward names and
 `module:function` paths, `reward_weights` against the functions, a local data set or model path
-(or the form of a hub id), and a storage root that can be written. In about a second: no model,
+(or the form of a hub id; a built-in model name; a GGUF file), and a storage root that can be written. In about a second: no model,
 data set, torch or Prefect is loaded.
 
     check_before_start(config)          # raises StartCheckError: `error.field`, one-line `error.message`
@@ -41,9 +41,32 @@ def check_before_start(config: GRPOFlowConfig, registered_rewards: Collection[st
     if config.dataset.startswith("hf:"):
         check_local_or_hub("dataset", config.dataset.removeprefix("hf:"), "data set", folder_only=False)
     check_rewards(config, registered_rewards)
-    if config.model != "tiny" and config.backend == "local":
-        if check_local_or_hub("model", config.model, "model", folder_only=True) == "hub":
-            check_hub_model_reachable("model", config.model)
+    if config.backend == "local":
+        check_model(config.model, config.storage_root)
+
+
+def check_model(model: str, storage_root: str | os.PathLike) -> None:
+    """A built-in model (made or fetched at the run's start), a GGUF file transformers can convert, a
+    saved model folder, or a hub id: the network each needs and cannot reach is said now, in one line."""
+    from grpo_flow.workers.data.models import BUILTIN_MODELS, is_cached, is_gguf_path
+
+    builtin = BUILTIN_MODELS.get(model)
+    if builtin is not None:
+        if builtin.source == "package-index" and not is_cached(storage_root, model):
+            check_package_index_reachable("model", model)
+        return
+    if is_gguf_path(model):
+        if not Path(model).expanduser().is_file():
+            raise StartCheckError("model", f"{model!r}: no such GGUF file")
+        from grpo_flow.workers.data.gguf_model import ModelSourceError, check_gguf_file
+
+        try:
+            check_gguf_file(Path(model).expanduser())
+        except ModelSourceError as error:
+            raise StartCheckError("model", error.message) from None
+        return
+    if check_local_or_hub("model", model, "model", folder_only=True) == "hub":
+        check_hub_model_reachable("model", model)
 
 
 def check_storage_root(root: str | os.PathLike) -> None:
@@ -140,4 +163,25 @@ def check_hub_model_reachable(field: str, repo_id: str) -> None:
             field,
             f"{repo_id!r} is not in the Hugging Face cache and {host} cannot be reached ({error.strerror or error}); "
             f"{advice}",
+        ) from None
+
+
+def check_package_index_reachable(field: str, model: str) -> None:
+    """A built-in model fetched from the package index on first use (smollm2-135m): where the index cannot
+    be reached, say so now rather than at the run's start. Behind a proxy nothing is checked here."""
+    from urllib.parse import urlparse
+
+    from grpo_flow.workers.data.gguf_model import package_index
+
+    index = urlparse(package_index())
+    if index.scheme not in ("http", "https") or any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return
+    host, port = index.hostname or "pypi.org", index.port or (80 if index.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as error:
+        raise StartCheckError(
+            field,
+            f"{model!r} is fetched once from the package index, and {host} cannot be reached "
+            f"({error.strerror or error}); run once where it can (then it works offline), or give a local path",
         ) from None

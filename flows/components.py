@@ -3,7 +3,7 @@
     grpo test-rollout   one rollout worker (local, or on Modal with --backend modal) generates
     grpo test-reward    one reward function scores a completion, called exactly as a run calls it
     grpo checkpoints    a run's checkpoints, each verified against its manifest
-    grpo clear-cache    delete a cached model (the tiny model, or a hub model's download)
+    grpo clear-cache    delete a cached model (a built-in model, a converted GGUF file, or a hub model's download)
 
 They are the seeds' `test_rollout_fn`, `test_reward_fn`, `list_checkpoints_fn` and `clear_cache`.
 """
@@ -84,7 +84,7 @@ def command_test_rollout(args: argparse.Namespace) -> int:
 def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, str]:
     """One rollout worker's answer: the local engine (transformers, or vLLM in its own environment), or
     the Modal RolloutWorker (`.local()` on CPU when GRPO_FLOW_MODAL_MODE=local)."""
-    from grpo_flow.workers.data.tiny_model import resolve_model_path
+    from grpo_flow.workers.data.models import resolve_model_path
 
     model_path = resolve_model_path(config.model, config.storage_root)
     if config.backend == "local" and config.rollout_engine == "vllm":
@@ -216,34 +216,35 @@ def hub_cache_dir() -> Path:
 
 
 def cache_entries(storage_root: str, model: str | None) -> list[Path]:
-    """The cached copies of `model` (all models when None): the project's models under the storage root
-    and the hub's download of a hub id."""
-    from grpo_flow.workers.data.tiny_model import TINY_MODELS, tiny_model_path
+    """The cached copies of `model` (all models when None): the built-in models and converted GGUF files
+    under the storage root, and the hub's download of a hub id."""
+    from grpo_flow.workers.data.models import BUILTIN_MODELS, builtin_model_path, gguf_model_path, is_gguf_path
 
     models_dir = Path(storage_root) / "models"
-    entries: list[Path] = []
     if model is None:
-        entries += sorted(models_dir.glob("*")) if models_dir.exists() else []
-    elif model in TINY_MODELS:
-        folder = tiny_model_path(storage_root, model)
-        entries += [folder] if folder.exists() else []
+        return sorted(models_dir.glob("*")) if models_dir.exists() else []
+    if model in BUILTIN_MODELS:
+        entry = builtin_model_path(storage_root, model)
+    elif is_gguf_path(model):
+        if not Path(model).expanduser().is_file():
+            raise ComponentError(f"--model: {model!r}: no such GGUF file (its conversion is found by its content)")
+        entry = gguf_model_path(model, storage_root)
     else:
-        hub_entry = hub_cache_dir() / ("models--" + model.replace("/", "--"))
-        if hub_entry.exists():
-            entries.append(hub_entry)
-    return entries
+        entry = hub_cache_dir() / ("models--" + model.replace("/", "--"))
+    return [entry] if entry.exists() else []
 
 
 def command_clear_cache(args: argparse.Namespace) -> int:
-    from grpo_flow.workers.data.tiny_model import TINY_MODELS
+    from grpo_flow.workers.data.models import BUILTIN_MODELS, is_gguf_path
 
     if args.backend == "modal":
         return clear_modal_cache(args)
     entries = cache_entries(args.storage_root, args.model)
     if not entries:
+        in_hub = args.model is not None and args.model not in BUILTIN_MODELS and not is_gguf_path(args.model)
         print(
             f"nothing cached for {args.model or 'any model'} (looked in {Path(args.storage_root) / 'models'}"
-            + ("" if args.model is None or args.model in TINY_MODELS else f" and {hub_cache_dir()}")
+            + (f" and {hub_cache_dir()}" if in_hub else "")
             + ")"
         )
         return 0
@@ -253,7 +254,7 @@ def command_clear_cache(args: argparse.Namespace) -> int:
             print(f"would delete {entry} ({size:.1f} MB)")
         else:
             shutil.rmtree(entry)
-            print(f"deleted {entry} ({size:.1f} MB); the next run builds or downloads it again")
+            print(f"deleted {entry} ({size:.1f} MB); the next run builds, fetches or downloads it again")
     return 0
 
 
@@ -264,9 +265,9 @@ def clear_modal_cache(args: argparse.Namespace) -> int:
     from grpo_flow.schemas.config import GRPOFlowConfig
     from grpo_flow.workers.backends.modal_app import HF_HOME, VOLUME_PATH
     from grpo_flow.workers.backends.modal_backend import check_modal_ready
-    from grpo_flow.workers.data.tiny_model import TINY_MODELS
+    from grpo_flow.workers.data.models import BUILTIN_MODELS
 
-    if not args.model or args.model in TINY_MODELS:
+    if not args.model or args.model in BUILTIN_MODELS:
         raise ComponentError("--model: name the hub model whose cached download to delete from the Volume")
     config = GRPOFlowConfig(backend="modal", modal_volume=args.modal_volume)
     check_modal_ready(config)
@@ -282,6 +283,7 @@ def clear_modal_cache(args: argparse.Namespace) -> int:
 # -- wiring ---------------------------------------------------------------------------------------------
 def add_component_commands(commands: Any, default_storage_root: str) -> None:
     from grpo_flow.schemas.presets import PRESETS
+    from grpo_flow.workers.data.models import BUILTIN_MODELS
 
     rollout = commands.add_parser("test-rollout", help="one rollout worker generates for a prompt")
     rollout.add_argument("--preset", default="tiny", help=f"one of: {', '.join(sorted(PRESETS))} (default: tiny)")
@@ -319,7 +321,10 @@ def add_component_commands(commands: Any, default_storage_root: str) -> None:
         "clear-cache", help="delete a cached model so the next run builds or downloads it again"
     )
     clear.add_argument(
-        "--model", default=None, help="`tiny`, `tiny-reverse` or a hub id (default: every model under the storage root)"
+        "--model",
+        default=None,
+        help=f"a built-in model ({', '.join(BUILTIN_MODELS)}), a .gguf file or a hub id (default: every model under "
+        "the storage root)",
     )
     clear.add_argument(
         "--backend", default="local", choices=["local", "modal"], help="modal: the hub cache on the run's Modal Volume"

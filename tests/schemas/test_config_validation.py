@@ -82,7 +82,7 @@ def test_every_preset_is_valid_and_overridable():
     for name in PRESETS:
         assert preset_config(name).model == PRESETS[name]["model"]
     assert preset_config("tiny", max_steps=3).max_steps == 3
-    with pytest.raises(KeyError, match="known presets: gsm8k, math, mbpp, reverse, tiny"):
+    with pytest.raises(KeyError, match="known presets: gsm8k, math, mbpp, reverse, smol-math, tiny"):
         preset_config("huge")
 
 

@@ -13,7 +13,8 @@ records held-out accuracy before and after the warm start.
 
 One architecture, one warm start per task: `tiny` is warm-started on `last_digit`'s format,
 `tiny-reverse` on `reverse_digits`' (the prompt's digits in a random order), each in its own
-folder (TINY_MODELS).
+folder (TINY_MODELS). Runs find them by name through workers/data/models.py, where every built-in
+model is listed.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ from typing import Any
 
 import torch
 
+from grpo_flow.workers.data.models import BUILTIN_MODELS
+
 TINY_MODEL_NAME = "tiny"
-TINY_DIR = "tiny-qwen2"
 # Model names the project builds itself -> (folder under <storage_root>/models, the task whose answer
-# format its warm start teaches). Same architecture and initial weights; only the warm start differs.
+# format its warm start teaches), from the list of every built-in model.
 TINY_MODELS = {
-    TINY_MODEL_NAME: (TINY_DIR, "last_digit"),
-    "tiny-reverse": (f"{TINY_DIR}-reverse", "reverse_digits"),
+    model.name: (model.folder, model.warm_start_task or "")
+    for model in BUILTIN_MODELS.values()
+    if model.source == "built"
 }
+TINY_DIR = TINY_MODELS[TINY_MODEL_NAME][0]
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"  # Qwen2's names
 BUILD_SEED = 0
 
@@ -174,11 +178,3 @@ def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NA
 def read_build_info(model_path: str | os.PathLike) -> dict[str, Any]:
     path = Path(model_path) / "build_info.json"
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def resolve_model_path(model: str, storage_root: str | os.PathLike) -> str:
-    """`tiny` (or another TINY_MODELS name) builds or finds the project's model; anything else is a
-    local path or a hub id."""
-    if model in TINY_MODELS:
-        return str(ensure_tiny_model(storage_root, model))
-    return model

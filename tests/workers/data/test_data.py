@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from datasets import Dataset, DatasetDict
@@ -221,8 +222,8 @@ def test_hub_set_in_another_format_is_a_clear_error():
 
 
 def test_load_task_knows_its_names_and_refuses_others():
-    assert KNOWN_TASKS == ("last_digit", "reverse_digits", "gsm8k", "math", "math500", "mbpp")
-    known = "known: last_digit, reverse_digits, gsm8k, math, math500, mbpp"
+    assert KNOWN_TASKS == ("last_digit", "reverse_digits", "smol_math", "gsm8k", "math", "math500", "mbpp")
+    known = "known: last_digit, reverse_digits, smol_math, gsm8k, math, math500, mbpp"
     with pytest.raises(ValueError, match=f"unknown task 'nope'; {known}"):
         load_task("nope")
 
@@ -401,3 +402,42 @@ def test_load_custom_task_from_disk_file_and_hub_id(tmp_path):
     assert (len(task.train), len(task.heldout)) == (5, 3)  # `validation` used as held-out
     with pytest.raises(ValueError, match=r"someone/prompts: no 'heldout' split \(splits: train, validation\)"):
         load_custom_task("someone/prompts", heldout_split="heldout", load=hub)
+
+
+def test_smol_math_is_generated_in_gsm8ks_format_and_read_by_the_gsm8k_loader():
+    from grpo_flow.workers.data.loaders import GSM8K_INSTRUCTION, build_smol_math, smol_math_rows
+    from grpo_flow.workers.rewards.functions import gsm8k_accuracy
+
+    raw = smol_math_rows()
+    assert (len(raw["train"]), len(raw["test"])) == (224, 100)  # 81 sums x 4 phrasings
+    assert raw["train"][0]["answer"].split("\n")[-1].startswith("#### ")  # GSM8K's reference format
+    assert not set(raw["train"]["question"]) & set(raw["test"]["question"])
+    assert smol_math_rows()["test"]["question"] == raw["test"]["question"]  # the same split every run
+    task = build_smol_math()
+    assert task.name == "smol_math" and task.default_rewards == ("gsm8k_accuracy",)
+    assert task.accuracy_reward == "gsm8k_accuracy" and task.heldout[0]["prompt_id"] == "smol_math-test-00000"
+    row = task.train[0]
+    question = raw["train"][0]["question"]
+    assert row["prompt"] == [{"role": "user", "content": f"{question}\n{GSM8K_INSTRUCTION}"}]  # the gsm8k prompt
+    a, b = (int(n) for n in re.findall(r"\d", question))
+    assert row["answer"] == str(a + b)
+    assert gsm8k_accuracy([f"{a} + {b} = {a + b}", "The answer is 0."], [row["answer"]] * 2) == [1.0, 0.0]
+
+
+def test_a_data_file_that_is_empty_malformed_or_missing_is_named_in_one_line(tmp_path, monkeypatch):
+    """`datasets` said `coroutine raised StopIteration` for an empty file, a DatasetGenerationError naming no
+    line for a bad one, and took `missing.jsonl` for a hub id (issue 30, item 12)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n\n{"prompt": "2=", "answer" "2"}\n')
+    (tmp_path / "list.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n["2=", "2"]\n')
+    expected = {
+        "empty.jsonl": "empty.jsonl: the file is empty (no rows)",
+        "bad.jsonl": "bad.jsonl: line 3 is not JSON (Expecting ':' delimiter, column 27)",
+        "list.jsonl": "list.jsonl: line 2 is a JSON list, not an object of columns",
+        "missing.jsonl": "missing.jsonl: no such file",
+    }
+    for name, message in expected.items():
+        with pytest.raises(ValueError) as raised:
+            data.load_custom_task(name, load=lambda *a, **k: pytest.fail(f"{name} reached the loader"))
+        assert str(raised.value) == message

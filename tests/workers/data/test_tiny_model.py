@@ -1,7 +1,8 @@
 """The tiny models' format warm start: it teaches the answer's format, not the answer."""
 
 from grpo_flow.workers.data.loaders import load_task
-from grpo_flow.workers.data.tiny_model import TINY_MODELS, read_build_info, resolve_model_path, tiny_model_path
+from grpo_flow.workers.data.models import resolve_model_path
+from grpo_flow.workers.data.tiny_model import TINY_MODELS, read_build_info, tiny_model_path
 from grpo_flow.workers.rollout.base import SamplingParams
 from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 

