@@ -4,9 +4,9 @@ task runs, serialization and storage.
     with instant_workers():
         grpo(config)        # the real `grpo` flow, its `grpo-step` subflows and their tasks
 
-`instant_workers()` swaps `grpo_flow.workers.backends.run_workers` and `grpo_flow.workers.backends.release` (which
-every task calls through the module, so nothing else changes) for a backend with the same
-surface as `grpo_flow.workers.backends.local.LocalWorkers`:
+`instant_workers()` swaps `grpo_flow.workers.backends.placement` (which `start_workers` calls
+through the module, so nothing else changes) for the local backend's placement with instant
+workers in its servers:
 
 - rollout engines answer `generate` at once with completions of the requested length, drawn
   from the seed (digits, so the `last_digit` reward spreads and advantages are not all zero),
@@ -21,8 +21,8 @@ Reward functions are the real ones: scoring is part of the DAG (and `last_digit`
 No model is loaded: the config's `model` can be any folder, `instant_model_dir()` makes one.
 
 `instant_workers(ray=True)` puts the same instant workers in Ray actors instead: the Ray backend's
-`RayWorkers` with `InstantActorWorker` / `InstantRolloutWorker` (workers/backends/ray_app.py's
-wrappers around the instant classes), so every call crosses Ray as a real run's does, the weights
+placement with `InstantActorServer` / `InstantRolloutServer` (the servers around the instant
+classes), so every call crosses Ray as a real run's does, the weights
 (`checkpoint_bytes` of them) included. What a step costs then, less the local instant step, is
 what Ray adds.
 """
@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from grpo_flow.schemas.config import GRPOFlowConfig
-from grpo_flow.workers.backends.registry import RunWorkers
-from grpo_flow.workers.backends.ray_app import ActorWorker, RolloutWorker
+from grpo_flow.workers.actor.actor import StaleActorError
+from grpo_flow.workers.backends.local import InProcess, LocalPlacement
+from grpo_flow.workers.backends.servers import ActorServer, RolloutServer
+from grpo_flow.workers.backends.workers import Handle
 from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
-from grpo_flow.workers.state.storage import RunStorage
-from grpo_flow.workers.state.resume import replay_actor_to
 
 EOS_ID = 257  # the tiny tokenizer's <|im_end|>: 256 byte tokens, then pad, then eos
 DIGIT_IDS = {str(d): 48 + d for d in range(10)}  # the tiny tokenizer is byte-level
@@ -59,6 +59,15 @@ class InstantRolloutEngine:
         self.policy_version = 0
         self.model: Any = object()  # "loaded"
         self.tokenizer = InstantTokenizer()
+
+    def load(self) -> None:
+        self.policy_version = 0
+
+    def recreate(self, model_path: Any, version: int) -> None:
+        self.policy_version = version
+
+    def close(self) -> None:
+        pass
 
     def load_state_dict(self, weights: Any, version: int, adapter_config: Any = None) -> None:
         self.policy_version = version
@@ -99,11 +108,16 @@ class InstantActor:
         self.loaded = True
         self._last_step: tuple[int, dict[str, float]] | None = None
 
+    def load(self) -> None:
+        pass
+
     def step(self, expected_version: int, rollouts: Any) -> dict[str, float]:
         if self._last_step and self._last_step[0] == expected_version + 1 == self.policy_version:
             return self._last_step[1]
         if expected_version != self.policy_version:
-            raise RuntimeError(f"actor holds policy version {self.policy_version}, caller expects {expected_version}")
+            raise StaleActorError(
+                f"actor holds policy version {self.policy_version}, caller expects {expected_version}"
+            )
         self.policy_version += 1
         metrics = {  # the real actor's keys (dapo, beta 0), so a metrics row is as wide
             "loss": 0.0,
@@ -142,75 +156,44 @@ class InstantActor:
         self._last_step = None
 
 
-class InstantWorkers:
-    """`grpo_flow.workers.backends.local.LocalWorkers`' surface, with nothing behind it."""
-
-    def __init__(self, config: GRPOFlowConfig, checkpoint_bytes: int):
-        self.config = config
-        self.actor = InstantActor(config, checkpoint_bytes)
-        self.rollout = [InstantRolloutEngine(f"rollout-{i}") for i in range(config.num_rollout_workers)]
-        self.last_sync: dict[str, float] = {}
-        self.rollout_version = 0
-
-    def sync_weights(self) -> int:
-        self.rollout_version = self.actor.policy_version
-        for engine in self.rollout:
-            engine.policy_version = self.rollout_version
-        self.last_sync = {"bytes": float(self.actor.checkpoint_bytes)}
-        return self.rollout_version
-
-    def restore(self, storage: RunStorage, checkpoint_step: int | None) -> int:
-        if checkpoint_step is None:
-            self.actor.reset()
-            version = 0
-        else:
-            manifest = storage.verify_checkpoint(checkpoint_step)
-            self.actor.restore(storage.checkpoint_dir(checkpoint_step))
-            version = manifest.get("rollout_policy_version", self.actor.policy_version)
-        self.rollout_version = version
-        for engine in self.rollout:
-            engine.policy_version = version
-        return version
-
-    def save_rollout_weights(self, folder: Path) -> dict[str, int]:
-        return {"rollout_policy_version": self.rollout_version}
-
-    def ensure_actor_version(self, version: int, storage: RunStorage) -> None:
-        if self.actor.policy_version != version:
-            replay_actor_to(self.actor, version, storage)
-
-    def ensure_rollout_version(self, index: int, version: int, storage: RunStorage) -> InstantRolloutEngine:
-        engine = self.rollout[index]
-        engine.policy_version = version
-        return engine
-
-
 CHECKPOINT_BYTES = 16384
 
 
-class InstantActorWorker(ActorWorker):
-    """workers/backends/ray_app.py's actor wrapper around an instant actor."""
+class InstantActorServer(ActorServer):
+    """The actor server around an instant actor (what the Ray backend starts as the actor)."""
 
     def __init__(self, config_json: str, model_path: str, device: str = "cpu") -> None:
-        self.actor = InstantActor(GRPOFlowConfig.model_validate_json(config_json), CHECKPOINT_BYTES)  # type: ignore[assignment]
+        config = GRPOFlowConfig.model_validate_json(config_json)
+        super().__init__(config_json, model_path, device, actor=InstantActor(config, CHECKPOINT_BYTES))
 
 
-class InstantRolloutWorker(RolloutWorker):
-    """workers/backends/ray_app.py's rollout wrapper around an instant engine."""
+class InstantRolloutServer(RolloutServer):
+    """A rollout server around an instant engine."""
 
     def __init__(self, config_json: str, model_path: str, worker_index: int, device: str = "cpu") -> None:
-        self.engine = InstantRolloutEngine(f"rollout-{worker_index}")
-
-    def initial(self) -> int:
-        self.engine.policy_version = 0
-        return 0
+        engine = InstantRolloutEngine(f"rollout-{worker_index}")
+        super().__init__(config_json, model_path, worker_index, device, engine=engine)
 
 
-_WORKERS: RunWorkers[Any] = RunWorkers()
+class InstantPlacement(LocalPlacement):
+    """The local backend with instant workers in this process."""
+
+    def __init__(self, config: GRPOFlowConfig, model_path: Any, checkpoint_bytes: int) -> None:
+        super().__init__(config, model_path)
+        self.checkpoint_bytes = checkpoint_bytes
+
+    def start(self) -> tuple[Handle, list[Handle]]:
+        config_json = self.config.model_dump_json()
+        actor = ActorServer(config_json, self.model_path, actor=InstantActor(self.config, self.checkpoint_bytes))
+        self.servers = [
+            RolloutServer(config_json, self.model_path, i, engine=InstantRolloutEngine(f"rollout-{i}"))
+            for i in range(self.config.num_rollout_workers)
+        ]
+        return InProcess(actor, "actor"), [InProcess(s, f"rollout-{i}") for i, s in enumerate(self.servers)]
 
 
 @contextlib.contextmanager
-def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False) -> Iterator[RunWorkers[Any]]:
+def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False) -> Iterator[None]:
     """Inside the block, every run's workers are instant ones (whatever `config.backend` says); with
     `ray`, in Ray actors of the run's Ray cluster (`config.ray_address`, RAY_ADDRESS or a local instance)."""
     from grpo_flow.workers import backends
@@ -218,28 +201,22 @@ def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False)
     if ray and checkpoint_bytes != CHECKPOINT_BYTES:
         raise ValueError(f"instant Ray workers publish {CHECKPOINT_BYTES} bytes of weights")
 
-    def run_workers(config: GRPOFlowConfig, model_path: Any) -> Any:
-        def build() -> Any:
-            if ray:
-                from grpo_flow.workers.backends.ray_backend import RayWorkers
+    def placement(config: GRPOFlowConfig, model_path: Any) -> Any:
+        if ray:
+            from grpo_flow.workers.backends.ray_backend import RayPlacement
 
-                return RayWorkers(config, model_path, worker_classes=(InstantActorWorker, InstantRolloutWorker))
-            return InstantWorkers(config, checkpoint_bytes)
+            return RayPlacement(config, model_path, worker_classes=(InstantActorServer, InstantRolloutServer))
+        return InstantPlacement(config, model_path, checkpoint_bytes)
 
-        return _WORKERS.get(config.run_id, build)
-
-    def release(config: GRPOFlowConfig, run_id: str) -> None:
-        _WORKERS.release(run_id)
-
-    saved = backends.run_workers, backends.release
-    backends.run_workers, backends.release = run_workers, release
+    saved = backends.placement
+    backends.placement = placement
     try:
-        yield _WORKERS
+        yield
     finally:
-        backends.run_workers, backends.release = saved
+        backends.placement = saved
         # Workers a run left behind (the direct steps are not released by a flow's end): Ray ones hold
         # their placement group's CPUs until closed, and the next run on the cluster would wait for them.
-        _WORKERS.release_all()
+        backends.release_all()
 
 
 def instant_model_dir(folder: Path) -> str:

@@ -268,7 +268,7 @@ def run_grpo_flow(model_path: str, preset: str, steps: int, seed: int, at: list[
         if step in at:
             seconds = clock.elapsed()
             with clock.paused():
-                actor = backends.run_workers(step_config, plan.model_path).actor
+                actor = backends.run_workers(step_config).actor.server.actor  # the local backend's, in this process
                 run.snapshots[step] = (seconds, clone(actor.policy_state_dict()))
 
     clock = PausableClock()

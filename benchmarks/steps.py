@@ -224,16 +224,19 @@ def run_steps_directly(config: Any, plan: Any, first: int, last: int) -> dict[in
     # Prefect 3.8 warns about once per step on the artifact thread (a filter there would not be
     # thread-safe to set from here, so it is set for the process: it is the benchmark's).
     warnings.filterwarnings("ignore", message="Artifact creation outside of a flow or task run", category=FutureWarning)
+    from grpo_flow.workers import backends
+
+    backends.start_workers(config, plan.model_path)  # they heal to the run's state at their first call
     rollout_version = first - 1
     seconds = {}
     for step in range(first, last + 1):
         started = time.perf_counter()
         shards = sample_batch.fn(config, plan, step)
         scored = [score.fn(config, plan, generate.fn(config, plan, shard, rollout_version)) for shard in shards]
-        batches, stats = compute_advantages.fn(config, scored)
+        batches, stats = compute_advantages(config, scored)
         for index, batch in enumerate(batches):
-            write_rollouts.fn(config, plan, batch, index)
-        commit_rollouts.fn(config, plan, step)
+            write_rollouts(config, plan, batch, index)
+        commit_rollouts(config, plan, step)
         metrics = actor_step.fn(config, plan, step, step - 1)
         synced = sync_weights.fn(config, plan) if step % config.sync_weights_every == 0 or step == last else {}
         rollout_version = int(synced.get("synced_version", rollout_version))

@@ -15,7 +15,8 @@ So against the `grpo` flow itself, `--param max_steps=3` is refused and
 - `config`: a JSON object of config fields merged over the preset and the single fields (a
   partial config, or a whole one: `--params '{"config": {...}}'`). It is also the way to set an
   optional field to None (`--param config='{"epsilon_high": null}'`);
-- `allow_config_change`, `fail_at`: as the `grpo` flow's.
+- `allow_config_change`: as the `grpo` flow's; `fail_at`: a testing aid, a fault injected into this
+  flow run alone (workers/state/faults.py).
 
 Precedence: preset < single fields < `config`. The deployment itself sets one single field,
 `storage_root` (deployments/serve.py), and an explicit `config` object must be able to win
@@ -32,6 +33,7 @@ state hooks.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -46,6 +48,7 @@ from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.config import new_run_id
 from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
 from grpo_flow.schemas.presets import PRESETS
+from grpo_flow.workers.state.faults import injected
 from grpo_flow.workers.state.resume import ResumeError, check_config_change, config_for_resume
 from grpo_flow.workers.state.storage import RunStorage
 
@@ -138,7 +141,8 @@ def _grpo_preset(**parameters: Any) -> dict[str, Any]:
         "its own config (resuming)" if RunStorage(config.storage_root, config.run_id).exists() else f"preset {preset}"
     )
     logger.info("run %s from %s; fields given: %s", config.run_id, origin, sorted(overrides) or "none")
-    return grpo.fn(config, show_progress=False, allow_config_change=allow_config_change, fail_at=fail_at)
+    with injected(fail_at) if fail_at else contextlib.nullcontext():
+        return grpo.fn(config, show_progress=False, allow_config_change=allow_config_change)
 
 
 def _optional(annotation: Any, metadata: list[Any]) -> Any:

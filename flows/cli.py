@@ -129,6 +129,17 @@ def cli_spelling(line: str) -> str:
     return line
 
 
+def steps_count(text: str) -> int:
+    """A number of steps, 1 or more (argparse names the option when this refuses)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps (1 or more)")
+    return value
+
+
 def command_train(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args)
     quiet_prefect(args.verbose)  # before Prefect is first imported: its settings are read then
@@ -153,12 +164,13 @@ def command_train(args: argparse.Namespace) -> int:
     except StartCheckError as error:
         raise UsageError(f"--{error.field.replace('_', '-')}: {error.message}") from None
     if args.fail_at:
-        from grpo_flow.workers.state.faults import parse_fail_at
+        from grpo_flow.workers.state.faults import ENV_VAR, parse_fail_at
 
         try:
             parse_fail_at(args.fail_at)
         except ValueError as error:
             raise UsageError(f"--{error}") from error
+        os.environ[ENV_VAR] = args.fail_at  # where every stage (and engine process) reads it
     from grpo_flow.schemas.config import new_run_id
 
     if config.run_id is None:
@@ -208,7 +220,7 @@ def train_run(config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, 
                     config,
                     show_progress=not args.no_progress,
                     allow_config_change=args.allow_config_change,
-                    fail_at=args.fail_at,
+                    progress_every=args.progress_every,
                     return_state=True,
                 ),
                 lambda signum: stop_at_once(config, signum),
@@ -247,7 +259,7 @@ def stop_at_once(config: GRPOFlowConfig, signum: int) -> None:
     survives being killed anywhere (flows/interrupt.py)."""
     from grpo_flow.flows.ephemeral_server import stop_ephemeral_server_now
     from grpo_flow.flows.interrupt import exit_status, interrupted_summary, resume_command
-    from grpo_flow.workers.backends import local
+    from grpo_flow.workers import backends
     from grpo_flow.workers.state.storage import RunStorage
 
     storage = RunStorage(config.storage_root, config.run_id or "")
@@ -258,7 +270,7 @@ def stop_at_once(config: GRPOFlowConfig, signum: int) -> None:
             total = config.max_steps if config.max_steps > 0 else (previous or {}).get("total_steps")
             summary = interrupted_summary(previous, storage.run_id, steps[-1] if steps else 0, total)
             storage.write_summary({**summary, "stopped_at_once": True})
-        local.kill(storage.run_id)
+        backends.kill(storage.run_id)
         stop_ephemeral_server_now()
         print(
             f"grpo train: run {config.run_id} stopped at once ({signal_name(signum)}); resume with: "
@@ -616,9 +628,20 @@ def make_parser() -> argparse.ArgumentParser:
         help="run TRL's own GRPOTrainer loop (same config, data, rewards and storage layout; no resume)",
     )
     train.add_argument(
-        "--fail-at", default=None, metavar="STAGE@STEP[:kill|:hang]", help="testing aid: fail on purpose"
+        "--fail-at",
+        default=None,
+        metavar="STAGE@STEP[:kill|:hang]",
+        help="testing aid: fail on purpose (as $GRPO_FLOW_FAIL_AT)",
     )
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar (or lines)")
+    train.add_argument(
+        "--progress-every",
+        type=steps_count,
+        default=0,
+        metavar="N",
+        help="when the output is not a terminal (a log file, a pipe), a progress line every N steps "
+        "(default: about ten per run); a terminal gets a bar",
+    )
     train.add_argument("--verbose", action="store_true", help="show Prefect's task logs")
     add_config_options(train)
     train.set_defaults(handler=command_train, storage_root=None)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -61,10 +60,10 @@ from grpo_flow.tasks.observability import artifact_key
 from grpo_flow.workers.state.storage import (
     EVAL_METADATA_KEY,
     RunStorage,
+    atomic_write,
     clean_stale_temps,
     list_runs,
     read_eval_summary,
-    temp_prefix,
 )
 from grpo_flow.workers.state.storage import eval_metric_names as metric_names
 from grpo_flow.workers.state.tracking import wandb_dir
@@ -126,24 +125,14 @@ def supersede(storage: RunStorage, step: int) -> Path:
 
 
 def write_once(path: Path, table: pa.Table) -> Path:
-    """Write `table` to `path` unless a file is there: written to a temporary name, then hard-linked
-    into place (atomic, and fails if `path` exists even when two evaluations race), then unlinked."""
+    """Write `table` to `path` unless a file is there (atomic, and refused if `path` exists even when two
+    evaluations race)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps([path.parent])  # what an evaluation killed mid-write left
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
-    os.close(fd)
     try:
-        pq.write_table(table, tmp)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise FileExistsError(f"an evaluation is already stored at {path}; it is never overwritten") from None
-        except OSError:  # a file system without hard links: check, then rename (a narrow race)
-            if path.exists():
-                raise FileExistsError(f"an evaluation is already stored at {path}; it is never overwritten") from None
-            os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+        atomic_write(path, lambda tmp: pq.write_table(table, tmp), exclusive=True)
+    except FileExistsError:
+        raise FileExistsError(f"an evaluation is already stored at {path}; it is never overwritten") from None
     return path
 
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from grpo_flow.schemas.config import check_run_id
-from grpo_flow.workers.state.storage import RunStorage, temp_prefix
+from grpo_flow.workers.state.storage import RunStorage, atomic_write
 
 # (metrics column, panel title, band column drawn as +/- one value around the line)
 PANELS: tuple[tuple[str, str, str | None], ...] = (
@@ -130,14 +129,9 @@ def write_report(storage_root: str | os.PathLike, run_id: str, out: str | os.Pat
     figure.tight_layout()
 
     path = Path(out) if out is not None else storage.run_dir / "report.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
-    os.close(fd)
     try:
-        figure.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, path)  # a reader never sees half a PNG
+        atomic_write(path, lambda tmp: figure.savefig(tmp, dpi=110, format="png"))  # never half a PNG
     finally:
         plt.close(figure)
-        Path(tmp).unlink(missing_ok=True)
     drawn = tuple(column for column, _, _ in panels) + (("eval",) if evaluation else ())
     return Report(path=path, panels=drawn, steps=table.num_rows)

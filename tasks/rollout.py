@@ -13,16 +13,13 @@ import threading
 import time
 
 import numpy as np
-import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
-from grpo_flow.tasks.caching import STEP_STAGE
 from grpo_flow.tasks.observability import USER_FACING
 from grpo_flow.workers import backends
-from grpo_flow.workers.actor.advantages import multi_objective_advantages
 from grpo_flow.workers.state.faults import maybe_fail, maybe_kill_engine
 from grpo_flow.workers.data.loaders import load_task
 from grpo_flow.workers.rewards.functions import (
@@ -89,14 +86,11 @@ def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int, refill_round:
 
 
 @task(name="generate", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def generate(
-    config: GRPOFlowConfig, plan: RunPlan, shard: PromptShard, policy_version: int, fail_at: str | None = None
-) -> RolloutBatch:
-    """num_generations completions per prompt on rollout worker `shard.shard`, which must hold `policy_version`."""
-    maybe_fail("generate", shard.step, fail_at)
-    storage = RunStorage(plan.storage_root, plan.run_id)
-    engine = backends.run_workers(config, plan.model_path).ensure_rollout_version(shard.shard, policy_version, storage)
-    maybe_kill_engine(shard.step, shard.shard, engine, fail_at)
+def generate(config: GRPOFlowConfig, plan: RunPlan, shard: PromptShard, policy_version: int) -> RolloutBatch:
+    """num_generations completions per prompt on rollout worker `shard.shard`, at policy `policy_version`."""
+    maybe_fail("generate", shard.step)
+    workers = backends.run_workers(config)
+    maybe_kill_engine(shard.step, shard.shard, workers.engine_pid(shard.shard))
     params = SamplingParams(
         n=config.num_generations,
         max_tokens=config.max_completion_length,
@@ -104,16 +98,16 @@ def generate(
         top_p=config.top_p,
         seed=step_seed(config.seed, shard.step, shard.shard, shard.refill_round),
     )
-    result = engine.generate([row["prompt"] for row in shard.rows], params, config.max_prompt_length)
+    prompts = [row["prompt"] for row in shard.rows]
+    result = workers.generate(shard.shard, policy_version, prompts, params, config.max_prompt_length)
     g = config.num_generations
     repeat = lambda values: [v for v in values for _ in range(g)]  # noqa: E731 - prompt-major order
-    # Remote engines send the decoded prompts along, so no tokenizer is needed here.
-    prompt_texts = result.extra.get("prompt_texts") or engine.tokenizer.batch_decode(result.prompt_token_ids)
+    prompt_texts = result.extra["prompt_texts"]
     return RolloutBatch(
         run_id=plan.run_id,
         step=shard.step,
-        policy_version=engine.policy_version,
-        worker_id=engine.worker_id,
+        policy_version=result.extra["policy_version"],
+        worker_id=result.extra["worker_id"],
         prompt_id=repeat([row["prompt_id"] for row in shard.rows]),
         group_index=[shard.group_offset + i // g for i in range(len(result.texts))],
         sample_index=[i % g for i in range(len(result.texts))],
@@ -143,9 +137,9 @@ def not_a_missing_reward(task: object, task_run: object, state: object) -> bool:
 
 
 @task(name="score", retries=2, retry_delay_seconds=1, retry_condition_fn=worth_retrying, cache_policy=NO_CACHE)
-def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, fail_at: str | None = None) -> RolloutBatch:
+def score(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch) -> RolloutBatch:
     """Every reward function on every completion of the shard, and the weighted total."""
-    maybe_fail("score", batch.step, fail_at)
+    maybe_fail("score", batch.step)
     funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names), plan.run_id)
     state = RewardTrainerState(
         global_step=batch.step - 1,
@@ -232,23 +226,12 @@ def keep_informative_groups(
     return out, dropped
 
 
-def step_advantages(
-    config: GRPOFlowConfig, per_function: dict[str, list[float | None]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRL's advantages from each reward function's scores (None: not applicable), weighted and
-    aggregated by the run's reward_weights and multi_objective_aggregation."""
-    matrix = torch.tensor(
-        [[math.nan if s is None else s for s in scores] for scores in per_function.values()], dtype=torch.float32
-    ).T
-    weights = torch.tensor(config.reward_weights or [1.0] * matrix.size(1), dtype=torch.float32)
-    return multi_objective_advantages(
-        matrix, weights, config.num_generations, config.scale_rewards, config.multi_objective_aggregation
-    )
-
-
-@task(name="compute-advantages", cache_policy=NO_CACHE)
 def compute_advantages(config: GRPOFlowConfig, batches: list[RolloutBatch]) -> tuple[list[RolloutBatch], dict]:
     """Group-relative advantages over the whole step (batch scaling needs every shard), plus reward stats."""
+    import torch
+
+    from grpo_flow.workers.actor.advantages import reward_stats, step_advantages
+
     rewards = torch.tensor([r for b in batches for r in b.reward], dtype=torch.float32)
     per_function = {name: [s for b in batches for s in b.rewards[name]] for name in batches[0].rewards}
     advantages, std_is_zero = step_advantages(config, per_function)
@@ -291,34 +274,13 @@ def refuse_metric_clashes(logged: Collection[str], taken: Collection[str], whose
         )
 
 
-def reward_stats(
-    rewards: torch.Tensor,
-    std_is_zero: torch.Tensor,
-    reward_columns: dict[str, list[float | None]],
-    lengths: list[int],
-    finish_reasons: list[str],
-) -> dict[str, float]:
-    """A step's reward and completion statistics, under TRL's metric names."""
-    rewarded = rewards[~rewards.isnan()]  # a step where no completion got a reward has none
-    stats = {
-        "reward": float(torch.nanmean(rewards)),
-        "reward_std": float(rewarded.std()) if rewarded.numel() > 1 else 0.0,
-        "frac_reward_zero_std": float(std_is_zero.float().mean()),
-        "completions/mean_length": float(np.mean(lengths)),
-        "completions/max_length": float(np.max(lengths)),
-        "completions/clipped_ratio": float(np.mean([reason == "length" for reason in finish_reasons])),
-    }
-    for name, column in reward_columns.items():
-        scores = torch.tensor([np.nan if s is None else s for s in column], dtype=torch.float64)
-        applied = scores[~scores.isnan()]
-        stats[f"rewards/{name}/mean"] = float(torch.nanmean(scores))
-        stats[f"rewards/{name}/std"] = float(applied.std()) if applied.numel() > 1 else 0.0
-    return stats
-
-
 @task(name="read-logged-rollouts", cache_policy=NO_CACHE)
 def logged_reward_stats(config: GRPOFlowConfig, plan: RunPlan, step: int) -> tuple[int, dict[str, float]]:
     """A replayed step's completion count and reward statistics, from its logged rollouts."""
+    import torch
+
+    from grpo_flow.workers.actor.advantages import reward_stats, step_advantages
+
     table = RunStorage(plan.storage_root, plan.run_id).read_rollouts(step)
     rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
     columns = {name: table.column("reward_" + name).to_pylist() for name in plan.reward_names}
@@ -329,7 +291,6 @@ def logged_reward_stats(config: GRPOFlowConfig, plan: RunPlan, step: int) -> tup
     )
 
 
-@task(name="write-rollouts", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def write_rollouts(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, shard: int) -> str:
     """One Parquet file per shard, staged atomically; the Arrow schema is enforced."""
     # Types from the data set, not the values: a shard that dynamic sampling emptied has none.
@@ -341,10 +302,8 @@ def write_rollouts(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, s
     return str(RunStorage(plan.storage_root, plan.run_id).write_rollouts(batch.step, shard, table))
 
 
-@task(name="commit-rollouts", retries=2, retry_delay_seconds=1, cache_policy=STEP_STAGE, persist_result=True)
 def commit_rollouts(config: GRPOFlowConfig, plan: RunPlan, step: int) -> str:
-    """Publish the step's staged shards as one logged step. Cached per (run, step, stage, config hash):
-    a retried flow run that reaches a committed step gets its path back without touching the files."""
+    """Publish the step's staged shards as one logged step (a step already committed is left as it is)."""
     return str(RunStorage(plan.storage_root, plan.run_id).commit_rollouts(step, config.num_rollout_workers))
 
 
@@ -371,15 +330,15 @@ def log_rollouts(
     from grpo_flow.tasks.observability import pick_samples, rollout_rows
 
     started = time.perf_counter()
-    scored, stats = compute_advantages.fn(config, batches)
+    scored, stats = compute_advantages(config, batches)
     check_rewards_given(config, plan, step, stats)  # before the step is logged: a fixed function re-scores it
     advantages_done = time.perf_counter()
     storage = RunStorage(plan.storage_root, plan.run_id)
     if not storage.rollout_dir(step).exists():
         for shard, batch in enumerate(scored):
-            write_rollouts.fn(config, plan, batch, shard)
+            write_rollouts(config, plan, batch, shard)
         written = time.perf_counter()
-        commit_rollouts.fn(config, plan, step)
+        commit_rollouts(config, plan, step)
         note = ""
     else:
         written, note = advantages_done, " (already committed: left as logged)"

@@ -19,30 +19,27 @@ from grpo_flow.workers.state.faults import maybe_fail
 from grpo_flow.workers.state.storage import RunStorage, StorageFullError, is_disk_full
 
 
-@task(name="restore-workers", cache_policy=NO_CACHE)
-def restore_workers(config: GRPOFlowConfig, plan: RunPlan) -> int:
-    """Actor and rollout workers at the resume checkpoint (or the initial model); returns the rollout version."""
-    storage = RunStorage(plan.storage_root, plan.run_id)
-    return backends.run_workers(config, plan.model_path).restore(storage, plan.resume_checkpoint)
+@task(name="start-workers", cache_policy=NO_CACHE)
+def start_workers(config: GRPOFlowConfig, plan: RunPlan) -> int:
+    """Every worker started (where the backend runs it) and, when resuming, at the resume checkpoint;
+    returns the version the rollout engines hold."""
+    workers = backends.start_workers(config, plan.model_path)
+    if not plan.resumes:
+        return 0
+    return workers.restore(RunStorage(plan.storage_root, plan.run_id), plan.resume_checkpoint)
 
 
 @task(name="actor-step", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def actor_step(
-    config: GRPOFlowConfig, plan: RunPlan, step: int, expected_version: int, fail_at: str | None = None
-) -> dict[str, float]:
+def actor_step(config: GRPOFlowConfig, plan: RunPlan, step: int, expected_version: int) -> dict[str, float]:
     """TRL's GRPO objective on the step's rollouts as logged (the Parquet files are the truth).
 
     Safe to retry: an actor behind `expected_version` restores and replays first, and a retry
     of a step that already applied returns that step's metrics without a second update.
     """
-    maybe_fail("actor", step, fail_at)
-    storage = RunStorage(plan.storage_root, plan.run_id)
-    workers = backends.run_workers(config, plan.model_path)
-    if workers.actor.policy_version not in (expected_version, expected_version + 1):
-        workers.ensure_actor_version(expected_version, storage)
-    rollouts = storage.read_rollouts(step)
+    maybe_fail("actor", step)
+    rollouts = RunStorage(plan.storage_root, plan.run_id).read_rollouts(step)
     started = time.perf_counter()
-    metrics = workers.actor.step(expected_version, rollouts)
+    metrics = backends.run_workers(config).actor_step(expected_version, rollouts)
     return {**metrics, "time/actor_s": time.perf_counter() - started}
 
 
@@ -50,11 +47,13 @@ def actor_step(
 def sync_weights(config: GRPOFlowConfig, plan: RunPlan) -> dict[str, float]:
     """Publish the actor's weights to every rollout worker; returns the version they now hold."""
     started = time.perf_counter()
-    workers = backends.run_workers(config, plan.model_path)
+    workers = backends.run_workers(config)
     version = workers.sync_weights()
-    report = getattr(workers, "last_sync", {})  # the Modal backend says what it moved, and how
-    moved = {"sync/bytes": float(report["bytes"])} if "bytes" in report else {}
-    return {"synced_version": version, "time/sync_s": time.perf_counter() - started, **moved}
+    return {
+        "synced_version": version,
+        "time/sync_s": time.perf_counter() - started,
+        "sync/bytes": float(workers.last_sync["bytes"]),
+    }
 
 
 def not_a_full_disk(task: object, task_run: object, state: object) -> bool:
@@ -70,7 +69,7 @@ def not_a_full_disk(task: object, task_run: object, state: object) -> bool:
     cache_policy=STEP_STAGE,
     persist_result=True,
 )
-def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int, fail_at: str | None = None) -> dict[str, float]:
+def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int) -> dict[str, float]:
     """Weights, optimizer, scheduler and RNG states (and the rollout workers' weights when they lag);
     the manifest is written last, then the folder is renamed; old checkpoints are pruned."""
     started = time.perf_counter()
@@ -78,11 +77,9 @@ def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int, fail_at: s
     if storage.checkpoint_dir(step).exists():  # a retry after the commit: the checkpoint is done
         storage.verify_checkpoint(step)
         return {"time/checkpoint_s": time.perf_counter() - started}
-    workers = backends.run_workers(config, plan.model_path)
     staging = storage.staging_checkpoint_dir(step)
     try:
-        state = workers.actor.save_checkpoint(staging)
-        rollout_state = workers.save_rollout_weights(staging)
+        state = backends.run_workers(config).save_checkpoint(step, staging)
     except Exception as error:  # nothing half-written stays behind, and a full disk says so
         shutil.rmtree(staging, ignore_errors=True)
         if is_disk_full(error):
@@ -94,12 +91,10 @@ def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int, fail_at: s
         raise
     if state["policy_version"] != step:
         raise RuntimeError(f"checkpoint of step {step}: the actor holds policy version {state['policy_version']}")
-    maybe_fail("checkpoint", step, fail_at)
+    maybe_fail("checkpoint", step)
     seconds = time.perf_counter() - started
-    storage.commit_checkpoint(
-        step, staging, {**state, **rollout_state, "config_hash": config.training_hash(), "write_seconds": seconds}
-    )
-    maybe_fail("checkpointed", step, fail_at)
+    storage.commit_checkpoint(step, staging, {**state, "config_hash": config.training_hash(), "write_seconds": seconds})
+    maybe_fail("checkpointed", step)
     pruned = storage.prune_checkpoints(config.save_total_limit, config.keep_checkpoint_every)
     return {"time/checkpoint_s": time.perf_counter() - started, "checkpoints_pruned": len(pruned)}
 
@@ -119,13 +114,12 @@ def log_metrics(
     plan: RunPlan,
     step: int,
     row: dict[str, Any],
-    fail_at: str | None = None,
     samples: list[dict[str, Any]] | None = None,
 ) -> str:
     """One Parquet row per step, wandb when configured, then the step's artifact (metrics and
     three completions: `samples`, or read back from the logged rollouts when None). A replayed
     step's row stays as first logged."""
-    maybe_fail("metrics", step, fail_at)
+    maybe_fail("metrics", step)
     storage = RunStorage(plan.storage_root, plan.run_id)
     path = storage.metrics_path(step)
     if not path.exists():

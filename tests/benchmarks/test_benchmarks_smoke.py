@@ -48,6 +48,7 @@ def test_instant_workers_run_the_real_flow_and_direct_steps_continue_it(prefect_
     assert storage.read_metrics().column("step").to_pylist() == [1, 2, 3, 4]
 
 
+@pytest.mark.ray
 def test_orchestration_ray_side_runs_flow_and_direct_steps_on_ray_actors(
     prefect_server, tmp_path, ray_cluster, monkeypatch
 ):

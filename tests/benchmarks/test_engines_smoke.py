@@ -5,18 +5,14 @@ engine (its start is most of this test's time). No timings are asserted."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from grpo_flow.benchmarks.engines import SYNC_METHODS, main
-from grpo_flow.workers.backends import vllm_env
 
 
+@pytest.mark.vllm
 def test_engines_benchmark_measures_both_engines_and_prints_ratios(tmp_path, capsys):
-    python = vllm_env.vllm_python()
-    if not os.path.isfile(python):
-        pytest.fail(f"no vLLM environment at {python}: run `grpo setup-vllm` first (.ci/run does)")
     out = tmp_path / "engines.json"
     argv = ["--hidden-size", "64", "--layers", "1", "--prompts", "2", "--n", "2", "--max-tokens", "4"]
     main([*argv, "--repeats", "1", "--dtypes", "float32", "--json", str(out)])

@@ -8,8 +8,9 @@ from safetensors.torch import load_file
 
 from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.presets import preset_config
-from grpo_flow.workers.backends import local
+from grpo_flow.workers import backends
 from grpo_flow.workers.state.storage import RunStorage
+from grpo_flow.workers.state.faults import injected
 
 FIELDS = dict(max_steps=4, save_steps=2, prompts_per_step=4, num_generations=4, eval_prompts=0, max_staleness=1)
 
@@ -47,8 +48,9 @@ def test_rows_are_one_step_stale_and_corrected(unbroken, storage_root):
 def test_a_failed_async_run_resumes_to_the_unbroken_runs_weights(unbroken, storage_root):
     broken = preset_config("tiny", run_id="async-resumed", storage_root=str(storage_root), **FIELDS)
     with pytest.raises(Exception, match="injected failure at stage 'actor' of step 3"):
-        grpo(broken, fail_at="actor@3")
-    local.release(broken.run_id)  # as a new process would: fresh actor and engine processes
+        with injected("actor@3"):
+            grpo(broken)
+    backends.release(broken, broken.run_id)  # as a new process would: fresh actor and engine processes
     summary = grpo(broken)
     assert summary["status"] == "completed"
     storage = RunStorage(storage_root, broken.run_id)

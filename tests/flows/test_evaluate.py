@@ -25,6 +25,7 @@ from grpo_flow.flows.evaluate import (
 from grpo_flow.schemas.presets import preset_config
 from grpo_flow.tasks.observability import artifact_key
 from grpo_flow.workers.state.storage import RunStorage
+from grpo_flow.workers.state.faults import injected
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
 
@@ -109,7 +110,7 @@ def eval_root(prefect_server, storage_root, tmp_path_factory, monkeypatch_module
             **SMALL,
         )
     )
-    with pytest.raises(Exception, match="injected failure"):
+    with pytest.raises(Exception, match="injected failure"), injected("generate@1"):
         grpo(
             preset_config(
                 "tiny",
@@ -119,8 +120,7 @@ def eval_root(prefect_server, storage_root, tmp_path_factory, monkeypatch_module
                 max_steps=2,
                 generate_retries=0,
                 **SMALL,
-            ),
-            fail_at="generate@1",
+            )
         )
     return root, wandb_dir
 

@@ -6,8 +6,10 @@ import warnings
 import pytest
 
 from grpo_flow.flows.grpo import grpo
+from grpo_flow.workers import backends
 from grpo_flow.schemas.presets import preset_config
 from grpo_flow.workers.state.storage import RunStorage
+from grpo_flow.workers.state.faults import injected
 
 
 @pytest.mark.parametrize("method", ["direct", "volume"])
@@ -59,8 +61,6 @@ def test_a_failed_modal_run_resumes_from_its_checkpoint_and_ends_where_an_unbrok
     import torch
     from safetensors.torch import load_file
 
-    from grpo_flow.workers.backends import modal_backend
-
     monkeypatch.setenv("GRPO_FLOW_MODAL_MODE", "local")
     warnings.filterwarnings("ignore", message=".*executing locally and will not have access to the mounted Volume")
     fields = dict(
@@ -78,8 +78,9 @@ def test_a_failed_modal_run_resumes_from_its_checkpoint_and_ends_where_an_unbrok
 
     broken = preset_config("tiny", run_id="modal-resumed", **fields)
     with pytest.raises(Exception, match="injected failure at stage 'actor' of step 4"):
-        grpo(broken, fail_at="actor@4")
-    modal_backend.release(broken.run_id)  # as a new process would: fresh Modal containers
+        with injected("actor@4"):
+            grpo(broken)
+    backends.release(broken, broken.run_id)  # as a new process would: fresh Modal containers
     summary = grpo(broken)
     assert summary["status"] == "completed" and summary["steps_completed"] == 4
 

@@ -23,6 +23,8 @@ from test_real_server import (
 
 from grpo_flow.deployments.local_server import local_postgres, postgres_bindir, prefect_server
 
+pytestmark = pytest.mark.postgres
+
 
 @pytest.fixture(scope="module")
 def postgres_server(tmp_path_factory):

@@ -49,6 +49,8 @@ def unbroken(prefect_server, storage_root, ray_cluster):
     return summary, RunStorage(storage_root, "ray-unbroken")
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_the_tiny_preset_learns_on_ray_actors(unbroken, ray_cluster):
     summary, storage = unbroken
     assert summary["status"] == "completed" and summary["steps_completed"] == 50
@@ -64,6 +66,8 @@ def test_the_tiny_preset_learns_on_ray_actors(unbroken, ray_cluster):
     assert not (storage.run_dir / "weights").exists()  # reload: weights went through the object store, no files
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_an_engine_and_then_the_actor_killed_mid_run_heal_and_the_run_ends_with_the_unbroken_weights(
     unbroken, ray_cluster, storage_root, monkeypatch
 ):
@@ -147,6 +151,9 @@ def gone(pid: int, wait_s: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.ray
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_engines_on_ray_actors_generate_and_heal_when_the_engine_or_its_actor_is_killed(
     prefect_server, ray_cluster, storage_root, monkeypatch
 ):
@@ -157,10 +164,8 @@ def test_vllm_engines_on_ray_actors_generate_and_heal_when_the_engine_or_its_act
     with the same final weights as an unbroken run of the same seed, and no engine process outlives it.
     The unbroken run syncs through Ray's object store (`reload`), the killed one through versioned files on
     the storage root (`volume`): both reach the vLLM engine, with the same weights."""
-    from grpo_flow.workers.backends import ray_backend, vllm_env
+    from grpo_flow.workers.backends import ray_backend
 
-    if not os.path.isfile(vllm_env.vllm_python()):
-        pytest.fail(f"no vLLM environment at {vllm_env.vllm_python()}: run `grpo setup-vllm` first (.ci/run does)")
     unbroken = grpo(ray_config(ray_cluster, storage_root, "ray-vllm-unbroken", **VLLM_RUN))
     assert unbroken["status"] == "completed"
 
@@ -222,6 +227,8 @@ def cli(storage_root, run_id, *args, fail_at=None):
     return subprocess.run([*argv, "--no-progress", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_run_killed_whole_resumes_on_the_cluster_to_the_unbroken_weights(unbroken, ray_cluster, storage_root):
     """The `grpo train` process (the Ray driver) SIGKILLs itself before the actor takes step 30; Ray ends
     the actors it owned; `grpo train --resume` starts new ones, restores checkpoint 20, replays the logged
@@ -272,6 +279,7 @@ def test_no_cluster_at_the_address_is_refused_naming_it(tmp_path, monkeypatch, c
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.ray
 def test_more_gpus_than_the_cluster_has_are_refused_naming_the_resource(ray_cluster, tmp_path, capsys):
     from grpo_flow.flows.cli import main
 
@@ -284,6 +292,7 @@ def test_more_gpus_than_the_cluster_has_are_refused_naming_the_resource(ray_clus
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.ray
 def test_vllm_engines_without_vllm_on_the_nodes_are_refused_naming_the_field(ray_cluster, tmp_path, capsys):
     """Each node that can hold a rollout engine is asked (a task on it) before anything starts; sleep mode
     is refused when the engines get no GPU."""

@@ -17,9 +17,10 @@ from safetensors.torch import load_file
 
 from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.presets import preset_config
-from grpo_flow.workers.backends import local
+from grpo_flow.workers.backends.workers import Workers
 from grpo_flow.workers.state.lock import this_host
 from grpo_flow.workers.state.storage import RunStorage
+from grpo_flow.workers.state.faults import injected
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
 CLI_SMALL = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
@@ -143,7 +144,8 @@ def six_steps(prefect_server, storage_root):
 def test_damaged_checkpoint_and_truncated_rollouts_are_set_aside_and_redone(six_steps, storage_root, caplog):
     config = small_config(storage_root, "damaged")
     with pytest.raises(Exception, match="injected failure"):
-        grpo(config, fail_at="actor@5")
+        with injected("actor@5"):
+            grpo(config)
     storage = RunStorage(storage_root, "damaged")
     assert storage.complete_checkpoints() == [2, 4] and storage.rollout_steps() == [1, 2, 3, 4, 5]
     weights = next((storage.checkpoint_dir(4) / "model").glob("*.safetensors"))
@@ -165,17 +167,17 @@ def test_replaced_workers_heal_and_the_run_ends_where_it_would_have(six_steps, s
     from grpo_flow.workers.actor.actor import Actor
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
-    original_sync = local.LocalWorkers.sync_weights
+    original_sync = Workers.sync_weights
 
     def sync_then_replace(self):
         version = original_sync(self)
-        if version == 3:
-            self.actor = Actor(self.config, self.model_path)
-            self.rollout[1] = TransformersRolloutEngine(self.model_path, worker_id="rollout-1")
+        if version == 3:  # as a restarted worker process would hold them (the local backend's servers)
+            self.actor.server.actor = Actor(self.config, self.model_path)
+            self.rollout[1].server.engine = TransformersRolloutEngine(self.model_path, worker_id="rollout-1")
             self.published = None  # nothing in memory to take the weights from: replay from disk
         return version
 
-    monkeypatch.setattr(local.LocalWorkers, "sync_weights", sync_then_replace)
+    monkeypatch.setattr(Workers, "sync_weights", sync_then_replace)
     grpo(small_config(storage_root, "healed"))
     assert_same_weights(final_weights(RunStorage(storage_root, "healed"), 6), final_weights(six_steps, 6))
 

@@ -41,13 +41,6 @@ KILL_RUN = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_environment():
-    python = vllm_env.vllm_python()
-    if not os.path.isfile(python):
-        pytest.fail(f"no vLLM environment at {python}: run `grpo setup-vllm` first (.ci/run does)")
-
-
 def cli(storage_root, run_id, *args, fail_at=None):
     """`grpo train` in a process of its own, on the session's Prefect server (as tests/flows/test_resume.py)."""
     from prefect.settings import PREFECT_API_URL
@@ -106,6 +99,8 @@ def engine_processes(parent: int | None = None) -> list[int]:
     return found
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_the_tiny_preset_learns_with_vllm(prefect_server, storage_root):
     config = preset_config("tiny", run_id="vllm-tiny", storage_root=str(storage_root), rollout_engine="vllm")
     summary = grpo(config)
@@ -124,6 +119,8 @@ def unbroken(prefect_server, storage_root):
     return RunStorage(storage_root, "vllm-unbroken")
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_a_killed_engine_process_heals_within_the_run(unbroken, storage_root):
     """Rollout worker 0's engine is SIGKILLed as step 3 starts generating; the shard's retry starts a new one."""
     healed = cli(storage_root, "vllm-engine-killed", *KILL_RUN, fail_at="engine@3")
@@ -133,6 +130,8 @@ def test_a_killed_engine_process_heals_within_the_run(unbroken, storage_root):
     assert storage.read_rollouts(columns=["completion"]).equals(unbroken.read_rollouts(columns=["completion"]))
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_same_weights(unbroken, storage_root):
     killed = cli(storage_root, "vllm-run-killed", *KILL_RUN, fail_at="generate@4:kill")
     assert killed.returncode == -9, killed.stderr[-3000:]
@@ -144,6 +143,7 @@ def test_a_killed_run_resumes_to_the_same_weights(unbroken, storage_root):
     assert orphaned_engines() == []  # the killed run's engines died with it (their parent-watch thread)
 
 
+@pytest.mark.vllm
 def test_the_flow_through_the_modal_wrappers_with_the_real_engine(prefect_server, storage_root, monkeypatch):
     monkeypatch.setenv("GRPO_FLOW_MODAL_MODE", "local")
     warnings.filterwarnings("ignore", message=".*executing locally and will not have access to the mounted Volume")
@@ -168,6 +168,7 @@ def test_the_flow_through_the_modal_wrappers_with_the_real_engine(prefect_server
     assert engine_processes(os.getpid()) == []
 
 
+@pytest.mark.vllm
 def test_the_modal_rollout_workers_reset_shuts_the_old_engine_down(storage_root, tmp_path):
     """reset() used to build a new engine beside the old one (two engine processes alive; on a GPU the old
     one kept its weights and memory reservation)."""

@@ -70,7 +70,7 @@ def scored_batch(rewards, offset=0, group_size=4):
 
 def test_advantages_span_every_shard_of_the_step(config):
     config = config.model_copy(update={"num_generations": 4})
-    batches, stats = compute_advantages.fn(config, [scored_batch([1, 0, 0, 0]), scored_batch([1, 1, 1, 1], offset=1)])
+    batches, stats = compute_advantages(config, [scored_batch([1, 0, 0, 0]), scored_batch([1, 1, 1, 1], offset=1)])
     first, second = batches
     assert first.advantage[0] > 0 and all(a < 0 for a in first.advantage[1:])
     assert math.isclose(sum(first.advantage), 0.0, abs_tol=1e-5)
@@ -87,18 +87,18 @@ def test_log_metric_values_are_averaged_over_every_call_and_may_not_take_grpo_fl
     config = config.model_copy(update={"num_generations": 4})
     first = scored_batch([1, 0, 0, 0]).replace(logged_metrics={"judge/calls": [1.0, 3.0]})
     second = scored_batch([1, 1, 1, 1], offset=1).replace(logged_metrics={"judge/calls": [5.0]})
-    _, stats = compute_advantages.fn(config, [first, second])
+    _, stats = compute_advantages(config, [first, second])
     assert stats["judge/calls"] == pytest.approx(3.0)  # every value of both shards, as TRL averages them, not the last
     with pytest.raises(RewardOutputError, match=r"logged \['frac_reward_zero_std', 'reward'\] with log_metric"):
         clash = first.replace(logged_metrics={"reward": [123.0], "frac_reward_zero_std": [-1.0]})
-        compute_advantages.fn(config, [clash, second])
+        compute_advantages(config, [clash, second])
     with pytest.raises(RewardOutputError, match=r"logged \['loss'\] with log_metric, which the actor's own"):
         check_metric_names({"reward": 1.0, "loss": 2.0}, {"loss": 0.1, "grad_norm": 1.0})
 
 
 def test_write_rollouts_enforces_the_schema_and_never_overwrites(config, plan):
-    batch, _ = compute_advantages.fn(config.model_copy(update={"num_generations": 4}), [scored_batch([1, 0, 1, 0])])
-    path = write_rollouts.fn(config, plan, batch[0], 0)
+    batch, _ = compute_advantages(config.model_copy(update={"num_generations": 4}), [scored_batch([1, 0, 1, 0])])
+    path = write_rollouts(config, plan, batch[0], 0)
     table = pq.read_table(path)
     assert table.num_rows == 4
     assert table.schema.field("completion_token_ids").type.value_type.bit_width == 32
@@ -108,7 +108,7 @@ def test_write_rollouts_enforces_the_schema_and_never_overwrites(config, plan):
     storage = RunStorage(plan.storage_root, plan.run_id)
     committed = storage.commit_rollouts(batch[0].step, num_shards=1) / "shard-00.parquet"
     with pytest.raises(FileExistsError):
-        write_rollouts.fn(config, plan, batch[0], 0)
+        write_rollouts(config, plan, batch[0], 0)
     assert pq.read_table(committed).equals(table)
 
 

@@ -17,11 +17,11 @@ def config(tmp_path):
 
 
 def workers_failing_with(error):
-    def save_checkpoint(folder):
+    def save_checkpoint(version, folder):
         (folder / "model.safetensors").write_bytes(b"half a file")
         raise error
 
-    return SimpleNamespace(actor=SimpleNamespace(save_checkpoint=save_checkpoint))
+    return SimpleNamespace(save_checkpoint=save_checkpoint)
 
 
 @pytest.mark.parametrize(

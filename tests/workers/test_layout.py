@@ -111,3 +111,32 @@ def test_project_code_is_imported_only_as_grpo_flow(folder):
             else:
                 bare = []
             assert not bare, f"{rel(path)} imports {bare[0]}: write grpo_flow.{bare[0]}"
+
+
+def test_every_rollout_engine_offers_the_protocols_methods():
+    """workers/rollout/base.py's RolloutEngine: what the servers and weight sync call on any engine."""
+    from grpo_flow.workers.rollout.base import RolloutEngine
+    from grpo_flow.workers.rollout.process_engine import ProcessRolloutEngine
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
+    from grpo_flow.workers.rollout.vllm_engine import VLLMRolloutEngine
+    from grpo_flow.workers.rollout.vllm_process import VLLMProcessEngine
+
+    methods = ["load", "generate", "load_state_dict", "recreate", "close"]
+    assert all(hasattr(RolloutEngine, name) for name in [*methods, "model"])  # `model`: an attribute or property
+    for engine in (TransformersRolloutEngine, ProcessRolloutEngine, VLLMRolloutEngine, VLLMProcessEngine):
+        missing = [name for name in methods if not hasattr(engine, name)]
+        assert not missing, f"{engine.__name__} lacks {missing}"
+
+
+def test_each_backend_is_a_placement_of_the_one_workers_implementation():
+    """Backends supply where workers run and how they are called; heal, resume and sync live in Workers alone."""
+    from grpo_flow.workers.backends.local import LocalPlacement
+    from grpo_flow.workers.backends.modal_backend import ModalPlacement
+    from grpo_flow.workers.backends.ray_backend import RayPlacement
+    from grpo_flow.workers.backends.workers import Placement, Workers
+
+    shared = {"restore", "sync_weights", "save_checkpoint", "generate", "actor_step", "_heal_actor", "_heal_engine"}
+    for placement in (LocalPlacement, ModalPlacement, RayPlacement):
+        assert issubclass(placement, Placement)
+        assert not shared & set(vars(placement)), f"{placement.__name__} redefines what Workers does"
+    assert shared <= set(vars(Workers))

@@ -3,6 +3,8 @@
     rewards: (B*G,) in group-major order, G = num_generations; NaN = unscorable
     returns: (B*G,) advantages and (B*G,) "reward std is zero" flags
 
+`step_advantages` applies it to a step's per-function scores with a run's options, and
+`reward_stats` gives the step's reward statistics under TRL's metric names.
 `multi_objective_advantages` handles several reward functions with TRL's two aggregations:
 `sum_then_normalize` (weighted sum, then group-relative) and `normalize_then_sum` (each
 function normalised within its group, weighted sum, then normalised over the batch).
@@ -10,6 +12,10 @@ function normalised within its group, weighted sum, then normalised over the bat
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
+import numpy as np
 import torch
 from trl.trainer.utils import nanstd
 
@@ -55,3 +61,40 @@ def multi_objective_advantages(
     std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
     advantages = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std + 1e-4), nan=0.0)
     return advantages, torch.isclose(std, torch.zeros_like(std))
+
+
+def step_advantages(config: Any, per_function: dict[str, list[float | None]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's advantages from each reward function's scores (None: not applicable), weighted and
+    aggregated by the run's reward_weights and multi_objective_aggregation."""
+    matrix = torch.tensor(
+        [[math.nan if s is None else s for s in scores] for scores in per_function.values()], dtype=torch.float32
+    ).T
+    weights = torch.tensor(config.reward_weights or [1.0] * matrix.size(1), dtype=torch.float32)
+    return multi_objective_advantages(
+        matrix, weights, config.num_generations, config.scale_rewards, config.multi_objective_aggregation
+    )
+
+
+def reward_stats(
+    rewards: torch.Tensor,
+    std_is_zero: torch.Tensor,
+    reward_columns: dict[str, list[float | None]],
+    lengths: list[int],
+    finish_reasons: list[str],
+) -> dict[str, float]:
+    """A step's reward and completion statistics, under TRL's metric names."""
+    rewarded = rewards[~rewards.isnan()]  # a step where no completion got a reward has none
+    stats = {
+        "reward": float(torch.nanmean(rewards)),
+        "reward_std": float(rewarded.std()) if rewarded.numel() > 1 else 0.0,
+        "frac_reward_zero_std": float(std_is_zero.float().mean()),
+        "completions/mean_length": float(np.mean(lengths)),
+        "completions/max_length": float(np.max(lengths)),
+        "completions/clipped_ratio": float(np.mean([reason == "length" for reason in finish_reasons])),
+    }
+    for name, column in reward_columns.items():
+        scores = torch.tensor([np.nan if s is None else s for s in column], dtype=torch.float64)
+        applied = scores[~scores.isnan()]
+        stats[f"rewards/{name}/mean"] = float(torch.nanmean(scores))
+        stats[f"rewards/{name}/std"] = float(applied.std()) if applied.numel() > 1 else 0.0
+    return stats

@@ -2,12 +2,12 @@
 
 Built with no network: images, the Volume and Secrets are lazy handles until the app runs.
 
-- `ActorWorker` wraps `grpo_flow.workers.actor.actor.Actor`: `load`, `step`, `save_checkpoint`,
-  `publish_weights` (the Volume is committed after every write).
-- `RolloutWorker` wraps a rollout engine (`VLLMRolloutEngine` with rollout_engine='vllm', in an
-  image of its own: vLLM's pins cannot share one with the actor's, as locally they cannot share
-  an environment; or the transformers engine): `generate`, `sync_weights` (the Volume is
-  reloaded before every read), `policy_version`, `reset`. `worker_index` is a
+- `ActorWorker` decorates `servers.ActorServer`: `ready`, `step`, `save_checkpoint`, `restore`,
+  `publish` (the Volume is committed after every write).
+- `RolloutWorker` decorates `servers.RolloutServer` (a `VLLMRolloutEngine` with rollout_engine='vllm',
+  in an image of its own: vLLM's pins cannot share one with the actor's, as locally they cannot
+  share an environment; or the transformers engine): `ready`, `initial`, `generate`,
+  `load_weights` (the Volume is reloaded before every read), `shutdown`. `worker_index` is a
   `modal.parameter()`, so rollout worker i has its own container pool and keeps its engine warm
   between steps.
 
@@ -30,13 +30,13 @@ running the classes remotely, Volume commit/reload, and vLLM in a container of i
 
 # No `from __future__ import annotations`: Modal reads the classes' parameter annotations as types.
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import modal
 
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.backends.vllm_env import CUDA_PACKAGES
+from grpo_flow.workers.rewards.modal_sandbox import sandbox_image
 from grpo_flow.workers.state.source import package_files
 
 APP_NAME = "grpo-flow"
@@ -71,7 +71,6 @@ STARTUP_TIMEOUT_S = 20 * 60  # image pull + model download + vLLM start
 # a kept-warm GPU would go on billing after a detached run ends.
 SCALEDOWN_WINDOW_S = 20 * 60
 MIN_CONTAINERS = 0
-SANDBOX_TIMEOUT_S = 10 * 60
 
 
 # -- images, volume, secrets ----------------------------------------------------------------------------
@@ -101,11 +100,6 @@ def vllm_image() -> modal.Image:
     """CUDA base + the pinned vLLM (with the torch and transformers it pins) + `schemas` and `workers`."""
     # Weight sync sends our own module-level function to vLLM's worker process.
     return _cuda_image(VLLM_PACKAGES, {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
-
-
-def sandbox_image() -> modal.Image:
-    """A bare Python for reward code in `modal.Sandbox` (no project code, no network)."""
-    return modal.Image.debian_slim(python_version=PYTHON_VERSION)
 
 
 def storage_volume(config: GRPOFlowConfig) -> modal.Volume:
@@ -156,7 +150,7 @@ class VolumeSync:
 
 # -- the wrapped workers (plain classes; build_app decorates them) -----------------------------------------
 class ActorWorker:
-    """The actor in its own GPU container: a few lines around `grpo_flow.workers.actor.actor.Actor`."""
+    """The actor in its own GPU container: `servers.ActorServer`'s verbs, the Volume committed after writes."""
 
     config_json: str = modal.parameter()
     model_path: str = modal.parameter()
@@ -165,154 +159,75 @@ class ActorWorker:
 
     @modal.enter()
     def start(self) -> None:
-        from grpo_flow.workers.actor.actor import Actor
-        from grpo_flow.workers.state.storage import RunStorage
+        from grpo_flow.workers.backends.servers import ActorServer
 
-        self.config = GRPOFlowConfig.model_validate_json(self.config_json)
-        self.volume = VolumeSync(self.config.modal_volume)
-        self.volume.reload()  # the model may have been uploaded or downloaded by another container
-        self.run_dir = RunStorage(self.storage_root, self.config.run_id or "unnamed").run_dir
-        self.actor = Actor(self.config, self.model_path, device=self.device)
-        self.actor.load()
+        volume = VolumeSync(GRPOFlowConfig.model_validate_json(self.config_json).modal_volume)
+        self.server = ActorServer(self.config_json, self.model_path, self.device, self.storage_root, volume)
 
     @modal.method()
-    def load(self) -> dict[str, int]:
-        """Start (or find) the container; the policy version it holds."""
-        return {"policy_version": self.actor.policy_version}
+    def ready(self, marker: Any = None) -> Any:
+        return self.server.ready(marker)
 
     @modal.method()
-    def step(self, expected_version: int, rollouts: Any) -> dict[str, float]:
-        """One optimizer step on a step's rollouts (a pyarrow Table); a retry of a finished step is answered, not re-run."""
-        return self.actor.step(expected_version, rollouts)
+    def step(self, expected_version: int, rollouts: Any) -> Any:
+        return self.server.step(expected_version, rollouts)
 
     @modal.method()
-    def save_checkpoint(self, relative_folder: str) -> dict[str, Any]:
-        """Write a checkpoint under the storage root (the Volume); its state and file manifest."""
-        from grpo_flow.workers.state.storage import file_manifest
-
-        folder = Path(self.storage_root) / relative_folder
-        folder.mkdir(parents=True, exist_ok=True)
-        state = self.actor.save_checkpoint(folder)
-        self.volume.commit()
-        return {"state": state, "files": file_manifest(folder), "folder": str(folder)}
+    def save_checkpoint(self, expected_version: int, folder: str, with_files: bool = False) -> Any:
+        return self.server.save_checkpoint(expected_version, folder, with_files)
 
     @modal.method()
-    def restore(self, relative_folder: str | None) -> dict[str, int]:
-        """Back to a checkpoint under the storage root (the Volume), or to the initial model (None)."""
-        if relative_folder is None:
-            self.actor.reset()
-        else:
-            self.volume.reload()  # the checkpoint may have been written by an earlier container
-            self.actor.restore(Path(self.storage_root) / relative_folder)
-        return {"policy_version": self.actor.policy_version}
+    def restore(self, folder: Any = None) -> Any:
+        return self.server.restore(folder)
 
     @modal.method()
-    def publish_weights(self, method: str) -> Any:
-        """The actor's half of a weight sync (grpo_flow.workers.backends.weight_sync.export_weights); commits what it wrote."""
-        from grpo_flow.workers.backends.weight_sync import export_weights
-
-        payload = export_weights(method, self.actor, self.run_dir)
-        if payload.path is not None:
-            self.volume.commit()
-        return payload
-
-
-def make_rollout_engine(config: GRPOFlowConfig, model_path: str, worker_index: int, engine: str, device: str) -> Any:
-    """Rollout worker `worker_index`'s engine: transformers on `device`, or vLLM.
-
-    vLLM runs in this process where it is importable (a container of the vLLM image); elsewhere
-    (GRPO_FLOW_MODAL_MODE=local, in the project's own environment) in a process of the local
-    vLLM environment (`vllm_env.worker_engine`, which the Ray backend's workers use too).
-    """
-    worker_id = f"rollout-{worker_index}"
-    if engine == "transformers":
-        from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
-
-        return TransformersRolloutEngine(model_path, worker_id=worker_id, device=device)
-    if engine != "vllm":
-        raise ValueError(f"rollout engine must be 'vllm' or 'transformers', got {engine!r}")
-    from grpo_flow.workers.backends import vllm_env
-
-    return vllm_env.worker_engine(config, model_path, worker_index, gpu=device == "cuda")
+    def publish(self, expected_version: int, method: str) -> Any:
+        return self.server.publish(expected_version, method)
 
 
 class RolloutWorker:
-    """Rollout worker `worker_index` in its own GPU container: a few lines around a rollout engine."""
+    """Rollout worker `worker_index` in its own GPU container: `servers.RolloutServer`'s verbs, the Volume
+    reloaded before reads. `worker_index` is a parameter, so each worker has its own container pool."""
 
     config_json: str = modal.parameter()
     model_path: str = modal.parameter()
-    worker_index: int = modal.parameter(default=0)  # each index gets its own container pool
-    engine: str = modal.parameter(default="vllm")  # or "transformers"
+    worker_index: int = modal.parameter(default=0)
     device: str = modal.parameter(default="cuda")  # "cpu" for `.local()` tests
     storage_root: str = modal.parameter(default=VOLUME_PATH)
 
     @modal.enter()
     def start(self) -> None:
-        self.config = GRPOFlowConfig.model_validate_json(self.config_json)
-        self.volume = VolumeSync(self.config.modal_volume)
-        self.volume.reload()
-        self.rollout_engine = make_rollout_engine(
-            self.config, self.model_path, self.worker_index, self.engine, self.device
-        )
-        self.rollout_engine.load()
+        from grpo_flow.workers.backends.servers import RolloutServer
 
-    def _close_engine(self) -> None:
-        close = getattr(self.rollout_engine, "close", None)  # the transformers engine holds no process
-        if close is not None:
-            close()
+        volume = VolumeSync(GRPOFlowConfig.model_validate_json(self.config_json).modal_volume)
+        self.server = RolloutServer(
+            self.config_json, self.model_path, self.worker_index, self.device, self.storage_root, volume
+        )
 
     @modal.exit()
     def stop(self) -> None:
-        """Shut the engine down with the container (a vLLM engine ends its own processes)."""
-        self._close_engine()
+        self.server.shutdown()  # a vLLM engine ends its own processes with the container
+
+    @modal.method()
+    def ready(self, marker: Any = None) -> Any:
+        return self.server.ready(marker)
+
+    @modal.method()
+    def initial(self) -> int:
+        return self.server.initial()
+
+    @modal.method()
+    def generate(self, expected_version: int, prompts: Any, params: Any, max_prompt_length: Any = None) -> Any:
+        return self.server.generate(expected_version, prompts, params, max_prompt_length)
+
+    @modal.method()
+    def load_weights(self, weights: Any, version: int, adapter_config: Any = None) -> Any:
+        return self.server.load_weights(weights, version, adapter_config)
 
     @modal.method()
     def shutdown(self) -> None:
-        """End the engine now: `.local()` instances get no container exit, so the run ends them so."""
-        self._close_engine()
-
-    @modal.method()
-    def policy_version(self) -> int:
-        return self.rollout_engine.policy_version
-
-    @modal.method()
-    def reset(self) -> int:
-        """A fresh engine on the initial model (a resumed run that has no checkpoint yet); the old one is
-        shut down first (on a GPU its weights and memory reservation would stay otherwise)."""
-        self._close_engine()
-        self.rollout_engine = make_rollout_engine(
-            self.config, self.model_path, self.worker_index, self.engine, self.device
-        )
-        self.rollout_engine.load()
-        return self.rollout_engine.policy_version
-
-    @modal.method()
-    def generate(self, prompts: list[Any], params: Any, max_prompt_length: int | None = None) -> Any:
-        """A GenerationResult; `extra` carries the worker id, the policy version and the decoded prompts."""
-        result = self.rollout_engine.generate(prompts, params, max_prompt_length)
-        result.extra.update(
-            worker_id=self.rollout_engine.worker_id,
-            policy_version=self.rollout_engine.policy_version,
-            prompt_texts=self.rollout_engine.tokenizer.batch_decode(result.prompt_token_ids),
-        )
-        return result
-
-    @modal.method()
-    def sync_weights(
-        self, method: str, version: int, path: str | None = None, data: bytes | None = None, nbytes: int = 0
-    ) -> dict[str, Any]:
-        """The engine's half of a weight sync; a version it already holds is not loaded again (retries).
-
-        `data` (the `direct` method's safetensors bytes) over 2 MiB travels as a Modal blob
-        (modal/_utils/blob_utils.py): fine for small models, a Volume file is cheaper for large ones.
-        """
-        from grpo_flow.workers.backends.weight_sync import WeightPayload, apply_weights
-
-        if self.rollout_engine.policy_version == version:
-            return {"method": method, "version": version, "bytes": 0, "seconds": 0.0, "skipped": True}
-        if path is not None:
-            self.volume.reload()  # see the actor's commit
-        return apply_weights(self.rollout_engine, WeightPayload(method, version, path=path, data=data, nbytes=nbytes))
+        """`.local()` instances get no container exit, so the run ends their engines with this."""
+        self.server.shutdown()
 
 
 # -- the app ------------------------------------------------------------------------------------------

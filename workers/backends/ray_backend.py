@@ -3,10 +3,9 @@
 - `check_ray_ready(config)`: before anything starts, one clear error (`RayNotReadyError`) when
   Ray is not installed, no cluster answers at the address, or the cluster lacks the CPUs or GPUs
   the config asks for. It connects this process to the cluster (`ray.init`), once.
-- `RayWorkers(config, model_path)`: `grpo_flow.workers.backends.local.LocalWorkers`' surface and its sync,
-  resume and self-healing logic (it subclasses it), over Ray actor handles. The actor and the
-  `num_rollout_workers` engines are `ray.remote` versions of the plain classes in
-  workers/backends/ray_app.py, each in one bundle of the run's placement group
+- `RayPlacement(config, model_path)`: where `Workers` (workers/backends/workers.py) finds the run's
+  workers on Ray. The actor and the `num_rollout_workers` engines are the servers as Ray actors
+  (workers/backends/ray_app.py), each in one bundle of the run's placement group
   (`actor_cpus`/`actor_gpus`, `rollout_cpus`/`rollout_gpus`), with `max_restarts=-1`.
 - Weight sync: `reload` (the default) and `direct` put the actor's state dict in Ray's object
   store once (it is the return value of the actor's `publish`) and every engine gets the
@@ -20,11 +19,10 @@
   before anything starts. Its log goes to `logs/rollout-<i>.log` in the run folder.
 - Self-healing: Ray restarts a lost actor process (killed, or its node gone, once the placement
   group's bundle is placed again); a restarted worker holds the initial model. Every call carries
-  the policy version it expects. A call that fails because its worker died, or that a worker
-  holding another version refuses, marks that worker lost; the backend then brings it to the
-  version the call needs with `LocalWorkers.ensure_actor_version` / `ensure_rollout_version`
+  the policy version it expects. A call that fails because its worker died (`RayActorError`), or
+  that a worker holding another version refuses, is made again after `Workers` healed the worker
   (restore the checkpoint and replay the logged steps; engines load the published weights from
-  the object store) and makes the call again, up to MAX_HEALS times. The step goes on. A vLLM
+  the object store), up to MAX_HEALS times. The step goes on. A vLLM
   engine's child process that dies reads as a stale engine and heals the same way; one whose Ray
   actor process dies ends itself (it watches its parent), and the restarted actor starts another.
 
@@ -50,20 +48,18 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from grpo_flow.schemas.config import GRPOFlowConfig
-from grpo_flow.workers.backends.registry import RunWorkers
-from grpo_flow.workers.actor import trl_objective
-from grpo_flow.workers.actor.actor import StaleActorError
-from grpo_flow.workers.backends.local import ROLLOUT_WEIGHTS, LocalWorkers
-from grpo_flow.workers.backends.ray_app import OBJECT_STORE_METHODS, ActorWorker, RolloutWorker, StaleEngineError
-from grpo_flow.workers.backends.weight_sync import WeightPayload, check_weight_sync_config
+from grpo_flow.workers.backends.ray_app import OBJECT_STORE_METHODS, WORKER_CLASSES, start_actor
+from grpo_flow.workers.backends.servers import STATE_DICT
+from grpo_flow.workers.backends.weight_sync import check_weight_sync_config
+from grpo_flow.workers.backends.workers import Handle, Placement, PublishedWeightsLost
 from grpo_flow.workers.state.source import stage_package
-from grpo_flow.workers.state.storage import RunStorage
 
 INSTALL_HINT = 'pip install -e ".[ray]"'
-MAX_HEALS = 5  # heals per call before the error reaches the task (whose Prefect retries come next)
 STARTUP_TIMEOUT_S = 600.0  # a worker's process start and model load (a restart too)
 PLACEMENT_TIMEOUT_S = 120.0  # the placement group's bundles reserved on the cluster
 CONNECT_TIMEOUT_S = 5.0  # the TCP probe of the address before ray.init
@@ -263,372 +259,134 @@ def check_vllm_on_nodes(ray: Any, config: GRPOFlowConfig) -> None:
         raise RayNotReadyError(vllm_env.no_vllm_message(config, missing))
 
 
-# -- the facades over the Ray actors --------------------------------------------------------------------
-LOST_ERRORS: tuple[type[BaseException], ...] = (StaleActorError, StaleEngineError)
-
-
+# -- the placement -------------------------------------------------------------------------------------
 def lost_errors() -> tuple[type[BaseException], ...]:
-    """What says a worker is gone or holds other weights than the call needs: heal it and call again."""
+    """What says a Ray worker is gone (its process died; Ray restarts it with the initial model)."""
     import ray.exceptions
 
-    return (ray.exceptions.RayActorError, *LOST_ERRORS)
+    return (ray.exceptions.RayActorError,)
 
 
 class RayHandle:
-    """One Ray actor: blocking calls; a failure that says the worker was lost marks it lost."""
+    """One Ray actor (a server passed to `ray.remote`): a verb is `.remote()` then `ray.get`."""
 
-    def __init__(self, workers: RayWorkers, handle: Any, name: str) -> None:
-        self.workers, self.handle, self.name = workers, handle, name
-        self.lost = False
+    def __init__(self, ray: Any, handle: Any, name: str) -> None:
+        self.ray, self.handle, self.name = ray, handle, name
 
-    def get(self, ref: Any, timeout: float | None = None) -> Any:
-        try:
-            return self.workers.ray.get(ref, timeout=timeout)
-        except lost_errors():
-            self.lost = True
-            raise
-
-    def call(self, method: str, *args: Any) -> Any:
-        return self.get(getattr(self.handle, method).remote(*args))
-
-    def ready(self, marker: str | None = None) -> dict[str, Any]:
-        return self.get(self.handle.ready.remote(marker), timeout=STARTUP_TIMEOUT_S)
-
-
-class RayActor(RayHandle):
-    """`Actor`'s surface as the tasks and `replay_actor_to` use it: step, save_checkpoint, restore, reset."""
-
-    def __init__(self, workers: RayWorkers, handle: Any, name: str) -> None:
-        super().__init__(workers, handle, name)
-        self.version = 0  # what it holds, or, when lost, what it must hold again
-
-    @property
-    def policy_version(self) -> int | None:
-        return None if self.lost else self.version
-
-    @property
-    def loaded(self) -> bool:
-        return not self.lost
-
-    def step(self, expected_version: int, rollouts: Any) -> dict[str, float]:
-        metrics = self.workers.with_actor_at(expected_version, lambda: self.call("step", expected_version, rollouts))
-        self.version = expected_version + 1
-        return metrics
-
-    def save_checkpoint(self, folder: Path) -> dict[str, Any]:
-        version = self.version
-        folder = Path(folder).resolve()
-        return self.workers.with_actor_at(version, lambda: self.call("save_checkpoint", version, str(folder)))
-
-    def publish(self, method: str) -> tuple[Any, dict[str, Any]]:
-        """(reference to the published weights in the object store, what was published)."""
-        version = self.version
-
-        def call() -> tuple[Any, dict[str, Any]]:
-            run_dir = str(self.workers.storage.run_dir.resolve())
-            weights, info = self.handle.publish.options(num_returns=2).remote(version, method, run_dir)
-            return weights, self.get(info)
-
-        return self.workers.with_actor_at(version, call)
-
-    # The calls healing itself makes (replay_actor_to): failures go to the caller's retry loop.
-    def restore(self, folder: Path) -> None:
-        self.version = self.call("restore", str(Path(folder).resolve()))
-        self.lost = False
-
-    def reset(self) -> None:
-        self.version = self.call("reset")
-        self.lost = False
+    def call(self, verb: str, *args: Any) -> Any:
+        """The verb's answer. A worker Ray is restarting is waited for (up to STARTUP_TIMEOUT_S: its process
+        start and model load), then asked again: every verb is safe to repeat (they carry versions)."""
+        exceptions = self.ray.exceptions
+        # A worker's start and model load (a restart too) may take minutes; other calls as long as they take.
+        timeout = STARTUP_TIMEOUT_S if verb in ("ready", "initial") else None
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            try:
+                return self.ray.get(getattr(self.handle, verb).remote(*args), timeout=timeout)
+            except exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+            except exceptions.ObjectLostError as error:
+                raise PublishedWeightsLost(str(error)) from error
 
 
-class RayRollout(RayHandle):
-    """A rollout engine's surface (generate, load, load_state_dict, policy_version, worker_id, model)."""
+class RayPlacement(Placement):
+    """The run's workers as Ray actors in a placement group of the run's cluster."""
 
-    def __init__(self, workers: RayWorkers, handle: Any, name: str, index: int) -> None:
-        super().__init__(workers, handle, name)
-        self.index = index
-        self.worker_id = f"rollout-{index}"
-        self.version = 0
-        self._tokenizer: Any = None
-
-    @property
-    def policy_version(self) -> int | None:
-        return None if self.lost else self.version
-
-    @property
-    def model(self) -> Any:
-        """Truthy while the engine is known to hold `version` (LocalWorkers checks `engine.model is None`)."""
-        return None if self.lost else True
-
-    @property
-    def tokenizer(self) -> Any:
-        """A local copy, loaded on first use (results carry `extra['prompt_texts']`, so tasks rarely need it)."""
-        if self._tokenizer is None:
-            from grpo_flow.workers.rollout.base import load_generation_tokenizer
-
-            self._tokenizer = load_generation_tokenizer(self.workers.model_path)
-        return self._tokenizer
-
-    def generate(self, prompts: list[Any], params: Any, max_prompt_length: int | None = None) -> Any:
-        version = self.version
-        return self.workers.with_engine_at(
-            self.index, version, lambda: self.call("generate", version, list(prompts), params, max_prompt_length)
-        )
-
-    # The calls healing itself makes (LocalWorkers.ensure_rollout_version and restore).
-    def load(self) -> None:
-        self.version = self.get(self.handle.initial.remote(), timeout=STARTUP_TIMEOUT_S)
-        self.lost = False
-
-    def load_state_dict(self, weights: Any, version: int, adapter_config: Any = None) -> None:
-        self.call("load_weights", weights, version, adapter_config)
-        self.version, self.lost = version, False
-
-
-# -- the workers ---------------------------------------------------------------------------------------
-class RayWorkers(LocalWorkers):
-    """The run's workers as Ray actors, with `LocalWorkers`' sync, resume and healing logic."""
-
-    actor: RayActor  # type: ignore[assignment]  # Actor's surface, over a Ray actor
+    check_storage = True  # workers on other nodes must see the storage root
 
     def __init__(
         self, config: GRPOFlowConfig, model_path: str | Path, worker_classes: tuple[type, type] | None = None
     ) -> None:
-        """`worker_classes`: the (actor, rollout) classes to run as Ray actors, ray_app's by default
-        (benchmarks/instant_workers.py passes ones with the same methods that answer at once)."""
-        actor_cls, rollout_cls = worker_classes or (ActorWorker, RolloutWorker)
+        """`worker_classes`: the (actor, rollout) classes to run as Ray actors, the servers by default
+        (benchmarks/instant_workers.py passes ones with the same verbs that answer at once)."""
+        resolved = str(Path(model_path).resolve()) if Path(model_path).exists() else str(model_path)
+        super().__init__(config, resolved)
+        self.worker_classes = worker_classes or WORKER_CLASSES
         self.ray = connect(config)
+        self.lost_errors = lost_errors()
+        self.handles: list[RayHandle] = []
+        self.placement_group: Any = None
+        self.root = Path(config.storage_root).resolve()
+
+    def start(self) -> tuple[Handle, list[Handle]]:
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        config = self.config
         assert config.run_id is not None
-        self.config = config
-        self.model_path = str(Path(model_path).resolve()) if Path(model_path).exists() else str(model_path)
-        self.storage = RunStorage(Path(config.storage_root).resolve(), config.run_id)
-        self.published: tuple[int, Any] | None = None
-        # As LocalWorkers says it; its two readers there (__init__, sync_weights) are overridden here.
-        self.uses_vllm = config.rollout_engine == "vllm"
-        self._heal_lock = threading.RLock()
-        self._depth = threading.local()  # retry loops nest: only the outermost one heals and retries
-        self.adapter_config = (
-            trl_objective.lora_config(config) if config.use_lora and config.lora_publish == "adapter" else None
-        )
-        self.last_sync: dict[str, Any] = {}
-        self._last_publish: dict[str, Any] = {}
-
         nodes = cluster_nodes(self.ray)
         address = cluster_address(config)[0]
         check_resources(config, nodes, address)
         bundles = plan_bundles(config, sum(node.get("GPU", 0.0) for node in nodes))
         self.placement_group = placement_group(bundles, strategy="PACK", name=f"grpo-flow/{config.run_id}")
+        self._remove_placement_group = remove_placement_group
         if not self.placement_group.wait(PLACEMENT_TIMEOUT_S):
-            remove_placement_group(self.placement_group)
             raise RayNotReadyError(
                 f"the Ray cluster at {address} did not reserve the run's resources ({bundles}) within "
                 f"{PLACEMENT_TIMEOUT_S:.0f} s: other jobs hold them"
             )
-        self._remove_placement_group = remove_placement_group
-        self.uid = uuid.uuid4().hex[:6]
+        uid = uuid.uuid4().hex[:6]
         # The workers' processes start elsewhere (the node's Ray working folder): a relative root would move.
-        config_json = config.model_copy(update={"storage_root": str(self.storage.root)}).model_dump_json()
+        config_json = config.model_copy(update={"storage_root": str(self.root)}).model_dump_json()
 
-        def spawn(cls: type, index: int, name: str, *args: Any) -> Any:
+        def spawn(cls: type, index: int, name: str, *args: Any) -> RayHandle:
             cpus, gpus = bundles[index]["CPU"], bundles[index].get("GPU", 0.0)
-            # Restarted by Ray whenever its process dies; its calls are not retried by Ray (max_task_retries=0):
-            # a restarted worker holds the initial model, so the backend heals it first (see the module doc).
-            remote = self.ray.remote(cls).options(
-                name=f"grpo-flow/{config.run_id}/{self.uid}/{name}",
-                num_cpus=cpus,
-                num_gpus=gpus,
-                max_restarts=-1,
-                max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, index),
+            label = f"grpo-flow/{config.run_id}/{uid}/{name}"
+            handle = RayHandle(
+                self.ray, start_actor(self.ray, cls, label, cpus, gpus, self.placement_group, index, *args), name
             )
-            return remote.remote(*args, "cuda" if gpus else "cpu")
+            self.handles.append(handle)
+            return handle
 
-        try:
-            self.actor = RayActor(self, spawn(actor_cls, 0, "actor", config_json, self.model_path), "actor")
-            self.rollout: list[Any] = [
-                RayRollout(
-                    self, spawn(rollout_cls, i + 1, f"rollout-{i}", config_json, self.model_path, i), f"rollout-{i}", i
-                )
-                for i in range(config.num_rollout_workers)
-            ]
-            self._check_started()
-        except BaseException:
-            self.close()
-            raise
-
-    def _check_started(self) -> None:
-        """Every worker up, and seeing the storage root (it must be on a filesystem every node shares)."""
-        marker = self.storage.root / ".ray-storage-check" / f"{self.uid}"
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text("grpo-flow\n")
-        try:
-            for worker in (self.actor, *self.rollout):
-                answer = worker.ready(str(marker))
-                if not answer["storage_visible"]:
-                    raise RayNotReadyError(
-                        f"storage_root: {self.storage.root} is not visible from the Ray worker {worker.name} on "
-                        f"{answer['host']}: put the storage root on a filesystem every node mounts at the same path"
-                    )
-        finally:
-            marker.unlink(missing_ok=True)
-
-    # -- healing: the outermost call retries; nested ones let failures through -----------------------
-    @contextlib.contextmanager
-    def _outermost(self) -> Iterator[bool]:
-        depth = getattr(self._depth, "value", 0)
-        self._depth.value = depth + 1
-        try:
-            yield depth == 0
-        finally:
-            self._depth.value = depth
-
-    def _retrying(self, what: str, call: Callable[[], Any], heal: Callable[[], None]) -> Any:
-        with self._outermost() as outermost:
-            if not outermost:
-                return call()
-            for attempt in range(MAX_HEALS + 1):
-                try:
-                    if attempt:
-                        time.sleep(min(0.2 * attempt, 2.0))  # Ray notices the death and restarts the process
-                        heal()
-                    return call()
-                except lost_errors() as error:
-                    if attempt == MAX_HEALS:
-                        raise
-                    logger.warning("%s: worker lost or stale (%s); healing it (attempt %d)", what, error, attempt + 1)
-        raise AssertionError("unreachable")
-
-    def with_actor_at(self, version: int, call: Callable[[], Any]) -> Any:
-        """`call()`, which needs the actor at `version`; a lost or stale actor is brought back to it first."""
-        return self._retrying(f"actor at version {version}", call, lambda: self._heal_actor(version))
-
-    def with_engine_at(self, index: int, version: int, call: Callable[[], Any]) -> Any:
-        return self._retrying(f"rollout-{index} at version {version}", call, lambda: self._heal_engine(index, version))
-
-    def _heal_actor(self, version: int) -> None:
-        self.actor.lost = True  # whatever it holds now, restore and replay to `version`
-        LocalWorkers.ensure_actor_version(self, version, self.storage)
-
-    def _heal_engine(self, index: int, version: int) -> None:
-        self.rollout[index].lost = True
-        LocalWorkers.ensure_rollout_version(self, index, version, self.storage)
-
-    def restore(self, storage: RunStorage, checkpoint_step: int | None) -> int:
-        return self._retrying(
-            f"restore of checkpoint {checkpoint_step}",
-            lambda: LocalWorkers.restore(self, storage, checkpoint_step),
-            lambda: None,  # the whole restore again, the lost worker with it
-        )
-
-    def ensure_actor_version(self, version: int, storage: RunStorage) -> None:
-        self._retrying(
-            f"actor at version {version}",
-            lambda: LocalWorkers.ensure_actor_version(self, version, storage),
-            lambda: self._heal_actor(version),
-        )
-
-    def ensure_rollout_version(self, index: int, version: int, storage: RunStorage) -> Any:
-        return self._retrying(
-            f"rollout-{index} at version {version}",
-            lambda: LocalWorkers.ensure_rollout_version(self, index, version, storage),
-            lambda: None,  # the failing call marked its worker lost: the next try heals it
-        )
-
-    # -- LocalWorkers' hooks: weights live in Ray's object store (or in files on the storage root) ---------
-    def sync_weights(self) -> int:
-        """Every engine (transformers or vLLM) takes what `_publish` made by the run's weight_sync_method:
-        the object store's copy, or a `WeightPayload` naming files (the actor exported them in its own
-        process, so LocalWorkers' in-process vLLM path, `weight_sync.sync_weights`, does not apply)."""
-        weights = self._publish()
-        version = self.actor.version
-        self.published = (version, weights)
-        self._load_all(weights, version)
-        self.last_sync = {"bytes": self._moved_bytes(weights)}
-        return version
-
-    def _publish(self) -> Any:
-        weights, info = self.actor.publish(self.config.weight_sync_method)
-        self._last_publish = info
-        return weights
-
-    def _moved_bytes(self, weights: Any) -> float:
-        return float(self._last_publish.get("bytes", 0))
-
-    def _load(self, engine: Any, weights: Any, version: int) -> None:
-        try:
-            engine.load_state_dict(weights, version, self.adapter_config)
-        except self.ray.exceptions.ObjectLostError:
-            # The published copy is gone (its node died): publish it again from the actor at that version.
-            logger.warning("published weights of version %d lost; publishing them again", version)
-            LocalWorkers.ensure_actor_version(self, version, self.storage)
-            weights = self._publish()
-            self.published = (version, weights)
-            engine.load_state_dict(weights, version, self.adapter_config)
-
-    def _load_all(self, weights: Any, version: int) -> None:
-        """Every engine at once, from the one stored copy; an engine lost meanwhile heals at its next use."""
-        refs = [
-            (engine, engine.handle.load_weights.remote(weights, version, self.adapter_config))
-            for engine in self.rollout
+        actor_cls, rollout_cls = self.worker_classes
+        actor = spawn(actor_cls, 0, "actor", config_json, self.model_path)
+        rollout: list[Handle] = [
+            spawn(rollout_cls, i + 1, f"rollout-{i}", config_json, self.model_path, i)
+            for i in range(config.num_rollout_workers)
         ]
-        for engine, ref in refs:
-            try:
-                engine.get(ref)
-                engine.version, engine.lost = version, False
-            except lost_errors() as error:
-                logger.warning(
-                    "%s lost during the weight sync (%s); it loads version %d at its next use",
-                    engine.name,
-                    error,
-                    version,
-                )
-                engine.version = version
+        return actor, rollout
 
-    def _keep_rollout_weights(self, weights: Any, folder: Path) -> dict[str, Any]:
-        if self.config.weight_sync_method in OBJECT_STORE_METHODS:
-            return LocalWorkers._keep_rollout_weights(self, self.ray.get(weights), folder)
-        payload: WeightPayload = self.ray.get(weights)  # versioned files on the storage root, never rewritten
-        return {"rollout_weights": payload.path, "rollout_weights_method": payload.method}
+    def parallel(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+        if len(calls) <= 1:
+            return [call() for call in calls]
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            return list(pool.map(lambda call: call(), calls))
 
-    def _rollout_weights_from(self, folder: Path, manifest: dict[str, Any]) -> Any:
-        version = manifest["rollout_policy_version"]
-        if "rollout_weights" in manifest:
-            return self.ray.put(WeightPayload(manifest["rollout_weights_method"], version, manifest["rollout_weights"]))
-        return self.ray.put(LocalWorkers._rollout_weights_from(self, folder, manifest))
+    def weights_method(self) -> str:
+        """`reload` and `direct` move a state dict through the object store; the rest files on the storage root."""
+        method = self.config.weight_sync_method
+        return STATE_DICT if method in OBJECT_STORE_METHODS else method
 
-    # -- the end --------------------------------------------------------------------------------------
+    def publish(self, actor: Any, version: int, method: str) -> tuple[Any, dict[str, Any]]:
+        """The weights stay in the object store of the actor's node (owned by this process, so they outlive
+        the actor's process); every engine takes that one stored copy."""
+        weights, info = actor.handle.publish.options(num_returns=2).remote(version, method)
+        return weights, self.ray.get(info)
+
+    def fetch(self, held: Any) -> Any:
+        return self.ray.get(held)
+
+    def hold(self, weights: Any) -> Any:
+        return self.ray.put(weights)
+
+    def worker_folder(self, folder: Path) -> str:
+        return str(Path(folder).resolve().relative_to(self.root))
+
     def close(self) -> None:
         """Stop the run's Ray actors and free its placement group (the cluster keeps running). The rollout
         workers first end their engines (a vLLM engine's process gives its GPU memory back); one that does
         not answer within SHUTDOWN_TIMEOUT_S is killed with its actor (its engine process then ends itself)."""
-        rollout = getattr(self, "rollout", [])
         with contextlib.suppress(Exception):
-            refs = [worker.handle.shutdown.remote() for worker in rollout if hasattr(worker.handle, "shutdown")]
+            refs = [h.handle.shutdown.remote() for h in self.handles[1:]]
             if refs:
                 self.ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_TIMEOUT_S)
-        for worker in [getattr(self, "actor", None), *rollout]:
-            if worker is not None:
-                with contextlib.suppress(Exception):
-                    self.ray.kill(worker.handle, no_restart=True)
-        if getattr(self, "placement_group", None) is not None:
+        for handle in self.handles:
+            with contextlib.suppress(Exception):
+                self.ray.kill(handle.handle, no_restart=True)
+        if self.placement_group is not None:
             with contextlib.suppress(Exception):
                 self._remove_placement_group(self.placement_group)
 
 
-_WORKERS: RunWorkers[RayWorkers] = RunWorkers()
-
-
-def ray_workers(config: GRPOFlowConfig, model_path: str | Path) -> RayWorkers:
-    """The run's Ray workers, started on first use (as `grpo_flow.workers.backends.local.local_workers`)."""
-    assert config.run_id is not None
-    return _WORKERS.get(config.run_id, lambda: RayWorkers(config, model_path))
-
-
-def release(run_id: str) -> None:
-    _WORKERS.release(run_id)
-
-
-__all__ = ["ROLLOUT_WEIGHTS", "RayNotReadyError", "RayWorkers", "check_ray_ready", "ray_workers", "release"]
+__all__ = ["RayNotReadyError", "RayPlacement", "check_ray_ready"]

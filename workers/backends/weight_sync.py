@@ -5,8 +5,7 @@ Each method is two halves, so that on Modal they can run in different containers
 (a path on the storage root, or the serialized bytes themselves), and
 `apply_weights(engine, payload)` on the engine's side loads it. `sync_weights(method, actor,
 engines, run_dir)` does both in one process and returns a small report
-`{"method", "version", "bytes", "seconds", ...}`; `sync_reload`, `sync_volume`,
-`sync_direct`, `sync_checkpoint` and `sync_lora` are the same for one method and one engine.
+`{"method", "version", "bytes", "seconds", ...}`.
 
 | method       | the actor writes / sends                                   | the engine                                    |
 |--------------|------------------------------------------------------------|-----------------------------------------------|
@@ -23,7 +22,7 @@ Paths are under the run folder (`<storage_root>/runs/<run_id>/`), which on Modal
 the writer commits it, the reader reloads it (see workers/backends/modal_app.py).
 
 The engines: `grpo_flow.workers.rollout.transformers_engine.TransformersRolloutEngine` (CPU; it has no sleep mode, so
-sleep/wake are no-ops, and it is re-created in place by loading from the new folder) and
+sleep/wake are no-ops) and
 `grpo_flow.workers.rollout.vllm_engine.VLLMRolloutEngine` (or `VLLMProcessEngine`, the same in a process of the
 vLLM environment). tests/workers/backends/test_weight_sync.py runs every method on CPU between the
 real actor and the transformers engine; tests/workers/rollout/test_vllm_real.py runs each against
@@ -34,15 +33,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from grpo_flow.schemas.config import WeightSyncMethod
-from grpo_flow.workers.state.storage import temp_prefix
+from grpo_flow.workers.state.storage import atomic_folder, atomic_write
 
 METHODS: tuple[str, ...] = ("reload", "volume", "direct", "checkpoint", "lora")
 WEIGHTS_FILE = "model.safetensors"
@@ -116,39 +113,6 @@ def check_weight_sync_config(config: Any) -> None:
         )
 
 
-# -- atomic writes -----------------------------------------------------------------------------------
-def _atomic_folder(final: Path, write: Callable[[Path], None]) -> bool:
-    """Write a folder under a hidden name and rename it into place; False if it already existed."""
-    if final.exists():
-        return False
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(final.name), suffix=".tmp"))
-    try:
-        write(staging)
-        os.replace(staging, final)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if final.exists():  # another writer (a retried call) got there first; theirs is the same version
-            return False
-        raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return True
-
-
-def _atomic_file(final: Path, write: Callable[[Path], None]) -> None:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=temp_prefix(final.name), suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _save_state_dict(actor: Any, path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -160,7 +124,7 @@ def _save_state_dict(actor: Any, path: Path) -> None:
 # -- actor side --------------------------------------------------------------------------------------
 def _export_reload(actor: Any, run_dir: Path) -> WeightPayload:
     path = weights_root(run_dir) / "reload" / WEIGHTS_FILE
-    _atomic_file(path, lambda tmp: _save_state_dict(actor, tmp))
+    atomic_write(path, lambda tmp: _save_state_dict(actor, tmp))
     return WeightPayload("reload", actor.policy_version, path=str(path), nbytes=path.stat().st_size)
 
 
@@ -173,7 +137,7 @@ def _export_volume(actor: Any, run_dir: Path) -> WeightPayload:
         actor.model.config.to_json_file(str(folder / "config.json"))
         (folder / "version.json").write_text(json.dumps({"policy_version": version}))
 
-    _atomic_folder(final, write)
+    atomic_folder(final, write)
     path = final / WEIGHTS_FILE
     return WeightPayload("volume", version, path=str(path), nbytes=path.stat().st_size)
 
@@ -196,14 +160,14 @@ def _export_checkpoint(actor: Any, run_dir: Path) -> WeightPayload:
             actor.model.save_pretrained(folder)
         actor.tokenizer.save_pretrained(folder)
 
-    _atomic_folder(final, write)
+    atomic_folder(final, write)
     return WeightPayload("checkpoint", actor.policy_version, path=str(final), nbytes=folder_bytes(final))
 
 
 def _export_lora(actor: Any, run_dir: Path) -> WeightPayload:
     require_lora_actor(actor)
     final = version_dir(run_dir, actor.policy_version, "lora")
-    _atomic_folder(final, lambda folder: actor.model.save_pretrained(folder))  # a PeftModel saves the adapter only
+    atomic_folder(final, lambda folder: actor.model.save_pretrained(folder))  # a PeftModel saves the adapter only
     return WeightPayload("lora", actor.policy_version, path=str(final), nbytes=folder_bytes(final))
 
 
@@ -266,12 +230,7 @@ def _apply_direct(engine: Any, payload: WeightPayload) -> None:
 
 
 def _apply_checkpoint(engine: Any, payload: WeightPayload) -> None:
-    if hasattr(engine, "recreate"):
-        engine.recreate(payload.file(), payload.version)
-    else:  # the transformers engine: point it at the new folder and load model and tokenizer anew
-        engine.model_path = payload.file()
-        engine.load()
-        engine.policy_version = payload.version
+    engine.recreate(payload.file(), payload.version)
 
 
 def _apply_lora(engine: Any, payload: WeightPayload) -> None:
@@ -329,23 +288,3 @@ def sync_weights(
         "export_s": payload.export_s,
         "apply_s": sum(r["seconds"] for r in reports),
     }
-
-
-def sync_reload(actor: Any, engine: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
-    return sync_weights("reload", actor, [engine], run_dir)
-
-
-def sync_volume(actor: Any, engine: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
-    return sync_weights("volume", actor, [engine], run_dir)
-
-
-def sync_direct(actor: Any, engine: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
-    return sync_weights("direct", actor, [engine], run_dir)
-
-
-def sync_checkpoint(actor: Any, engine: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
-    return sync_weights("checkpoint", actor, [engine], run_dir)
-
-
-def sync_lora(actor: Any, engine: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
-    return sync_weights("lora", actor, [engine], run_dir)

@@ -1000,16 +1000,28 @@ class LocalSandbox:
         files: Mapping[str, str] | None = None,
     ) -> list[SandboxResult]:
         """Run each program (at most `max_workers` at a time); results in the order of `codes`."""
-        if stdins is not None and len(stdins) != len(codes):
-            raise ValueError(f"{len(stdins)} stdins for {len(codes)} programs")
-        if not codes:
-            return []
         _ = self.plan  # probe before the threads start, so they do not queue on the probe lock
-        inputs = stdins if stdins is not None else [""] * len(codes)
-        workers = min(self.max_workers, len(codes))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox") as pool:
-            futures = [
-                pool.submit(self.run, code, stdin=text, timeout_s=timeout_s, files=files)
-                for code, text in zip(codes, inputs, strict=True)
-            ]
-            return [future.result() for future in futures]
+        return run_each(self.run, codes, stdins, timeout_s, files, self.max_workers)
+
+
+def run_each(
+    run: Callable[..., SandboxResult],
+    codes: Sequence[str],
+    stdins: Sequence[str] | None,
+    timeout_s: float | None,
+    files: Mapping[str, str] | None,
+    max_workers: int,
+) -> list[SandboxResult]:
+    """`run(code, stdin=, timeout_s=, files=)` for each program, at most `max_workers` at a time; results in
+    the order of `codes` (every sandbox's `run_batch`)."""
+    if stdins is not None and len(stdins) != len(codes):
+        raise ValueError(f"{len(stdins)} stdins for {len(codes)} programs")
+    if not codes:
+        return []
+    inputs = stdins if stdins is not None else [""] * len(codes)
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(codes)), thread_name_prefix="sandbox") as pool:
+        futures = [
+            pool.submit(run, code, stdin=text, timeout_s=timeout_s, files=files)
+            for code, text in zip(codes, inputs, strict=True)
+        ]
+        return [future.result() for future in futures]

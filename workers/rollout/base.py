@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 Prompt = str | list[dict[str, str]]
 
@@ -36,6 +36,44 @@ class GenerationResult:
     texts: list[str]
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """What every rollout engine offers (transformers in this process, transformers in a child process,
+    vLLM in this process or in a process of the vLLM environment). Engines are plain classes: the backends
+    decide where they run (workers/backends/servers.py).
+
+    `model` is None until `load()` and after the engine's process died; `policy_version` names the
+    weights it holds (0: the initial model). Weight sync's file methods (workers/backends/weight_sync.py)
+    use `recreate` and, on vLLM engines, `reload_weights_from`, `load_lora_adapter`, `sleep`, `wake_up`.
+    """
+
+    worker_id: str
+    policy_version: int
+    tokenizer: Any
+
+    @property
+    def model(self) -> Any: ...
+
+    def load(self) -> None:
+        """The initial model (version 0), whatever the engine held before; a dead engine process starts again."""
+        ...
+
+    def generate(
+        self, prompts: list[Prompt], params: SamplingParams, max_prompt_length: int | None = None
+    ) -> GenerationResult: ...
+
+    def load_state_dict(self, weights: Any, version: int, adapter_config: Any = None) -> None:
+        """The actor's weights (or, with a peft `adapter_config`, its LoRA adapter) in memory, as `version`."""
+        ...
+
+    def recreate(self, model_path: str | Path, version: int) -> None:
+        """A fresh engine on a saved model folder (the `checkpoint` weight sync)."""
+        ...
+
+    def close(self) -> None:
+        """End what the engine runs (its process, its memory); `load()` starts it again."""
+        ...
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, max_prompt_length: int | None) -> list[int]:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from grpo_flow.workers.data.loaders import TaskData
 from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, check_scores, trl_completions
 from grpo_flow.workers.rollout.base import SamplingParams
-from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
 
 def heldout_accuracy(
-    engine: TransformersRolloutEngine,
+    engine: Any,
     task: TaskData,
     limit: int,
     max_tokens: int,
@@ -17,7 +18,8 @@ def heldout_accuracy(
     batch_size: int = 64,
     state: RewardTrainerState | None = None,
 ) -> float:
-    """Fraction of the first `limit` held-out prompts whose greedy completion scores 1.0. The accuracy
+    """Fraction of the first `limit` held-out prompts whose greedy completion scores 1.0 (`engine`: anything
+    with a rollout engine's `generate`). The accuracy
     reward is called as TRL calls reward functions (prompts, completions, completion_ids, the data
     set's columns, trainer_state, log_extra, log_metric), so a user's training reward can serve."""
     if task.accuracy_reward is None:  # a custom data set given no 0/1 reward: nothing to measure

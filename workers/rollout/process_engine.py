@@ -87,6 +87,10 @@ class ProcessRolloutEngine:
         self._call("load_state_dict", state_dict, version, adapter_config)
         self.policy_version = version
 
+    def recreate(self, model_path: str | Path, version: int) -> None:
+        self._call("recreate", str(model_path), version)
+        self.policy_version = version
+
     def generate(self, prompts: list[Any], params: Any, max_prompt_length: int | None = None) -> Any:
         return self._call("generate", prompts, params, max_prompt_length)
 

@@ -34,7 +34,7 @@ class TransformersRolloutEngine:
     """One rollout worker's copy of the policy, generating with transformers."""
 
     def __init__(self, model_path: str | Path, worker_id: str = "rollout-0", device: str = "cpu"):
-        self.model_path = str(model_path)
+        self.initial_model_path = self.model_path = str(model_path)
         self.worker_id = worker_id
         self.device = device
         self.policy_version = 0
@@ -42,13 +42,22 @@ class TransformersRolloutEngine:
         self.tokenizer: Any = None
 
     def load(self) -> None:
+        """The initial model, whatever this engine held before (weights, an adapter, another folder)."""
+        self.recreate(self.initial_model_path, 0)
+
+    def recreate(self, model_path: str | Path, version: int) -> None:
+        """Model and tokenizer from a saved folder (the `checkpoint` weight sync), as `version`."""
         from transformers import AutoModelForCausalLM
 
+        self.model_path = str(model_path)
         self.tokenizer = load_generation_tokenizer(self.model_path)
         model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.model = model.to(self.device)
         self.model.eval()
-        self.policy_version = 0  # the initial model, whatever this engine held before
+        self.policy_version = version
+
+    def close(self) -> None:
+        """Nothing runs beside this process; the model goes with the engine."""
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int, adapter_config: Any = None) -> None:
         """Take the actor's weights in memory (the local backend's weight sync): full weights, or with

@@ -2,8 +2,9 @@
 
 A spec is `stage@step` (raise), `stage@step:kill` (SIGKILL this process, as a preempted
 machine would), for example `generate@5:kill`, or `stage@step:hang` (stop there, holding
-everything, until killed: a second process can then meet a live writer). It comes from the `grpo` flow's `fail_at`
-parameter or from the GRPO_FLOW_FAIL_AT environment variable. Stages, in step order:
+everything, until killed: a second process can then meet a live writer). It comes from one place:
+the GRPO_FLOW_FAIL_AT environment variable (`grpo train --fail-at`, a deployment's worker), or
+`with injected(spec):` around a run in this process. Stages, in step order:
 generate, score, actor (rollouts are logged, the actor has not stepped), checkpoint (files
 staged, not committed), checkpointed (just committed), metrics. One more, `engine@step`, kills
 not this process but rollout worker 0's engine process (an engine with a `pid`: the vLLM
@@ -13,9 +14,11 @@ shard's retry restarts the engine).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 STAGES = ("generate", "score", "actor", "checkpoint", "checkpointed", "metrics", "engine")
 ENV_VAR = "GRPO_FLOW_FAIL_AT"
@@ -40,8 +43,31 @@ def parse_fail_at(spec: str) -> tuple[str, int, str]:
     return stage, int(step), mode
 
 
-def maybe_fail(stage: str, step: int, spec: str | None = None) -> None:
-    spec = spec or os.environ.get(ENV_VAR)
+def fail_at() -> str | None:
+    """The spec in force, checked (a bad one is a ValueError naming fail_at)."""
+    spec = os.environ.get(ENV_VAR) or None
+    if spec:
+        parse_fail_at(spec)
+    return spec
+
+
+@contextlib.contextmanager
+def injected(spec: str) -> Iterator[None]:
+    """`spec` in force inside the block (for this process and the engine processes it starts)."""
+    parse_fail_at(spec)
+    saved = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = spec
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = saved
+
+
+def maybe_fail(stage: str, step: int) -> None:
+    spec = fail_at()
     if not spec:
         return
     wanted_stage, wanted_step, mode = parse_fail_at(spec)
@@ -54,14 +80,13 @@ def maybe_fail(stage: str, step: int, spec: str | None = None) -> None:
     raise InjectedFault(f"injected failure at stage {stage!r} of step {step} (fail_at={spec!r})")
 
 
-def maybe_kill_engine(step: int, shard: int, engine: object, spec: str | None = None) -> None:
-    """SIGKILL rollout worker 0's engine process at `engine@step` (once): a crashed engine mid-step."""
-    spec = spec or os.environ.get(ENV_VAR)
-    if not spec or shard != 0:
+def maybe_kill_engine(step: int, shard: int, pid: int | None) -> None:
+    """SIGKILL rollout worker 0's engine process (`pid`) at `engine@step` (once): a crashed engine mid-step."""
+    spec = fail_at()
+    if not spec or shard != 0 or pid is None:
         return
     wanted_stage, wanted_step, _ = parse_fail_at(spec)
-    pid = getattr(engine, "pid", None)
-    if (wanted_stage, wanted_step) != ("engine", step) or step in _ENGINES_KILLED or pid is None:
+    if (wanted_stage, wanted_step) != ("engine", step) or step in _ENGINES_KILLED:
         return
     _ENGINES_KILLED.add(step)
     os.kill(pid, signal.SIGKILL)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import functools
 import json
 import math
 import logging
@@ -52,7 +53,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -138,21 +140,91 @@ def clean_stale_temps(folders: Iterable[Path]) -> list[Path]:
     return removed
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
+@functools.cache
+def default_modes() -> tuple[int, int]:
+    """(file mode, folder mode) that `open()` and `mkdir()` give under this process's umask. Temporary
+    files and folders are made private (0600, 0700); what is renamed into place gets these instead, so a
+    run on shared storage is readable by whoever the umask lets read it."""
+    mask = None
     try:
-        with os.fdopen(fd, "wb") as handle:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                mask = int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    if mask is None:  # no /proc: read it by setting it (not thread-safe, so once per process)
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask, 0o777 & ~mask
+
+
+def atomic_write(path: Path, write: Callable[[Path], None], exclusive: bool = False) -> Path:
+    """`write(temporary path)`, then the file renamed into place: a reader sees the whole file or none.
+    `exclusive`: never replace a file already there (FileExistsError), even when two writers race. Every
+    atomic file of a run goes through here."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        os.chmod(tmp, default_modes()[0])
+        if not exclusive:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails if `path` exists, atomically
+            except FileExistsError:
+                raise
+            except OSError:  # a file system without hard links: check, then rename (a narrow race)
+                if path.exists():
+                    raise FileExistsError(path) from None
+                os.replace(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as error:
+        raise _explain_write_error(path, error) from error
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def atomic_folder(final: Path, write: Callable[[Path], None]) -> bool:
+    """`write(staging folder)`, then the folder renamed into place; False (nothing written) if it is there
+    already, or another writer put it there meanwhile (a retried call: the same content)."""
+    if final.exists():
+        return False
+    staging = staging_folder(final.parent, final.name)
+    try:
+        write(staging)
+        os.replace(staging, final)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if final.exists():
+            return False
+        raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return True
+
+
+def staging_folder(parent: Path, name: str) -> Path:
+    """An empty hidden folder in `parent` to write `name` into before renaming it (with the umask's mode)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=parent, prefix=temp_prefix(name), suffix=".tmp"))
+    os.chmod(staging, default_modes()[1])
+    return staging
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError as error:
-        Path(tmp).unlink(missing_ok=True)
-        raise _explain_write_error(path, error) from error
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    atomic_write(path, write)
 
 
 def finite_or_none(value: Any) -> Any:
@@ -164,18 +236,7 @@ def atomic_write_json(path: Path, payload: Any) -> None:
 
 
 def atomic_write_parquet(path: Path, table: pa.Table) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except OSError as error:
-        Path(tmp).unlink(missing_ok=True)
-        raise _explain_write_error(path, error) from error
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def file_sha256(path: Path) -> str:
@@ -547,9 +608,7 @@ class RunStorage:
     # -- checkpoints ----------------------------------------------------------------------------
     def staging_checkpoint_dir(self, step: int) -> Path:
         """An empty hidden folder to write a checkpoint into before `commit_checkpoint`."""
-        parent = self.run_dir / "checkpoints"
-        parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(dir=parent, prefix=temp_prefix(f"step-{step:06d}"), suffix=".tmp"))
+        return staging_folder(self.run_dir / "checkpoints", f"step-{step:06d}")
 
     def commit_checkpoint(self, step: int, staging: Path, extra: dict[str, Any]) -> Path:
         """Write the manifest (file list with sizes and checksums) last, then rename into place."""

@@ -5,6 +5,7 @@ modal 1.6.4's; nothing talks to Modal.
 """
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ import modal
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.presets import preset_config
 from grpo_flow.workers.backends import modal_app
-from grpo_flow.workers.actor.actor import loss_inputs
+from grpo_flow.workers.actor.actor import StaleActorError, loss_inputs
 from grpo_flow.workers.data.loaders import load_task
 from grpo_flow.workers.backends.modal_app import (
     ACTOR_TIMEOUT_S,
@@ -35,18 +36,22 @@ from grpo_flow.workers.backends.modal_app import (
     worker_config_json,
 )
 from grpo_flow.workers.backends.modal_backend import (
-    BOOTSTRAP,
     GpuMeter,
     ModalNotReadyError,
-    ModalSandboxExecutor,
-    ModalWorkers,
-    SandboxLimits,
+    ModalPlacement,
     check_modal_ready,
     modal_credentials_found,
 )
+from grpo_flow.workers.backends.workers import Workers
+from grpo_flow.workers.rewards.modal_sandbox import BOOTSTRAP, ModalSandboxExecutor
+from grpo_flow.workers.rewards.sandbox import SandboxLimits
+from grpo_flow.workers.state.storage import RunStorage
 from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
 from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+from grpo_flow.workers.backends.servers import StaleEngineError
 from grpo_flow.workers.backends.weight_sync import WeightPayload, WeightSyncError
+
+ROOT = Path(__file__).resolve().parents[3]
 
 # `.local()` warns that no Volume is mounted; these tests mean it.
 pytestmark = pytest.mark.filterwarnings("ignore:.*executing locally.*:UserWarning")
@@ -75,6 +80,19 @@ def image_layers(image):
     return layers
 
 
+def assert_carries_grpo_flow(image):
+    """The image's last layers add grpo_flow's __init__, schemas and workers, from their real folders."""
+    mounts, layer = [], synchronizer._translate_in(image)
+    while layer is not None:
+        deps = layer._deps() if layer._deps else []
+        mounts += [repr(dep) for dep in deps if not isinstance(dep, _Image)]
+        layer = next((dep for dep in deps if isinstance(dep, _Image)), None)
+    text = " ".join(mounts)
+    for part in ("schemas", "workers"):
+        assert f"local_dir=PosixPath('{ROOT / part}')" in text and f"'/root/grpo_flow/{part}'" in text
+    assert "/root/grpo_flow/__init__.py" in text
+
+
 # -- the app as declared ------------------------------------------------------------------------------
 def modal_config(**overrides):
     fields = dict(
@@ -95,8 +113,9 @@ def test_app_builds_offline_with_both_worker_classes():
     assert service_function(worker_app.rollout_cls)._tag == "RolloutWorker.*"
     actor_methods = set(synchronizer._translate_in(worker_app.actor_cls)._get_partial_functions())
     rollout_methods = set(synchronizer._translate_in(worker_app.rollout_cls)._get_partial_functions())
-    assert {"start", "load", "step", "save_checkpoint", "publish_weights"} <= actor_methods
-    assert {"start", "generate", "sync_weights", "policy_version"} <= rollout_methods
+    # The servers' verbs (workers/backends/servers.py), one set for every backend.
+    assert {"start", "ready", "step", "save_checkpoint", "restore", "publish"} <= actor_methods
+    assert {"start", "ready", "initial", "generate", "load_weights", "shutdown"} <= rollout_methods
     assert isinstance(build_app(modal_config()), modal.App)
     assert isinstance(modal_app.app, modal.App)  # the module's own app, for `modal deploy`
 
@@ -154,8 +173,7 @@ def test_the_gpu_image_is_cuda_with_pinned_packages_hf_cache_on_the_volume_and_o
         assert pin in install
     assert "vllm" not in install  # vLLM's pins cannot share an environment with the actor's (fastapi, transformers)
     assert f"ENV HF_HOME={VOLUME_PATH}/hf-cache" in commands
-    mounts = repr(synchronizer._translate_in(worker_app.gpu_image)._deps())
-    assert "module_name='schemas'" in mounts and "module_name='workers'" in mounts
+    assert_carries_grpo_flow(worker_app.gpu_image)
 
 
 def test_vllm_engines_get_an_image_of_their_own_pinned_as_grpo_setup_vllm_installs():
@@ -169,8 +187,7 @@ def test_vllm_engines_get_an_image_of_their_own_pinned_as_grpo_setup_vllm_instal
     assert "trl" not in install and "torch==" not in install  # vLLM brings the torch it pins
     commands = [c for _, cmds in image_layers(worker_app.rollout_image) for c in cmds]
     assert "ENV VLLM_ALLOW_INSECURE_SERIALIZATION=1" in commands
-    mounts = repr(synchronizer._translate_in(worker_app.rollout_image)._deps())
-    assert "module_name='schemas'" in mounts and "module_name='workers'" in mounts
+    assert_carries_grpo_flow(worker_app.rollout_image)
 
 
 def test_a_vllm_container_imports_the_wrapped_classes_without_torch_or_trl():
@@ -224,19 +241,16 @@ def test_wrapped_methods_run_locally_on_cpu(model_path, tmp_path):
         config_json=config_json, model_path=model_path, device="cpu", storage_root=str(tmp_path)
     )
     rollout = worker_app.rollout_cls(
-        config_json=config_json,
-        model_path=model_path,
-        worker_index=1,
-        engine="transformers",
-        device="cpu",
-        storage_root=str(tmp_path),
+        config_json=config_json, model_path=model_path, worker_index=1, device="cpu", storage_root=str(tmp_path)
     )
-    assert actor.load.local() == {"policy_version": 0}
-    assert rollout.policy_version.local() == 0
+    assert actor.ready.local()["policy_version"] == 0
+    assert rollout.ready.local()["policy_version"] == 0
 
     prompts = load_task("last_digit").train.select(range(4))["prompt"]
     params = SamplingParams(n=4, max_tokens=2, seed=3)
-    result = rollout.generate.local(prompts, params, 32)
+    with pytest.raises(StaleEngineError, match=r"holds policy version 0 \(.*\), caller expects 1"):
+        rollout.generate.local(1, prompts, params, 32)  # every call that depends on the weights names them
+    result = rollout.generate.local(0, prompts, params, 32)
     assert isinstance(result, GenerationResult) and len(result.completion_token_ids) == 16
     assert result.extra["worker_id"] == "rollout-1" and result.extra["policy_version"] == 0
     assert result.extra["prompt_texts"] == prompts
@@ -245,15 +259,17 @@ def test_wrapped_methods_run_locally_on_cpu(model_path, tmp_path):
     assert "loss" in metrics
     assert actor.step.local(0, rollouts_table(result, 4)) == metrics  # a retried step is answered, not re-run
 
-    payload = actor.publish_weights.local("volume")
-    assert isinstance(payload, WeightPayload) and payload.version == 1
+    with pytest.raises(StaleActorError):
+        actor.publish.local(0, "volume")
+    payload, info = actor.publish.local(1, "volume")
+    assert isinstance(payload, WeightPayload) and payload.version == 1 and info["bytes"] == payload.nbytes
     assert payload.path.startswith(str(tmp_path / "runs" / "modal-local" / "weights" / "v000001"))
-    report = rollout.sync_weights.local(payload.method, payload.version, payload.path, payload.data, payload.nbytes)
+    report = rollout.load_weights.local(payload, 1)
     assert report["version"] == 1 and report["bytes"] == payload.nbytes
-    assert rollout.policy_version.local() == 1
-    assert rollout.sync_weights.local("volume", 1, payload.path)["skipped"]  # a retried sync does nothing
+    assert rollout.ready.local()["policy_version"] == 1
+    assert rollout.load_weights.local(payload, 1)["skipped"]  # a retried sync does nothing
 
-    saved = actor.save_checkpoint.local("runs/modal-local/checkpoints/.staging")
+    saved = actor.save_checkpoint.local(1, "runs/modal-local/checkpoints/.staging", True)
     assert saved["state"]["policy_version"] == 1
     assert {"optimizer.pt", "actor_state.json", "model/model.safetensors"} <= set(saved["files"])
     assert all(len(entry["sha256"]) == 64 for entry in saved["files"].values())
@@ -267,21 +283,17 @@ def test_rollout_worker_samples_what_the_actor_would_after_a_direct_sync(model_p
         config_json=config_json, model_path=model_path, device="cpu", storage_root=str(tmp_path)
     )
     rollout = worker_app.rollout_cls(
-        config_json=config_json,
-        model_path=model_path,
-        engine="transformers",
-        device="cpu",
-        storage_root=str(tmp_path),
+        config_json=config_json, model_path=model_path, device="cpu", storage_root=str(tmp_path)
     )
     prompts = load_task("last_digit").train.select(range(6))["prompt"]
-    result = rollout.generate.local(prompts, SamplingParams(n=4, max_tokens=3, seed=1), 32)
+    result = rollout.generate.local(0, prompts, SamplingParams(n=4, max_tokens=3, seed=1), 32)
     actor.step.local(0, rollouts_table(result, 4))
-    payload = actor.publish_weights.local("direct")
-    rollout.sync_weights.local(payload.method, payload.version, payload.path, payload.data, payload.nbytes)
+    payload, _ = actor.publish.local(1, "direct")
+    rollout.load_weights.local(payload, 1)
 
-    after = rollout.generate.local(prompts, SamplingParams(n=4, max_tokens=3, seed=5), 32)
+    after = rollout.generate.local(1, prompts, SamplingParams(n=4, max_tokens=3, seed=5), 32)
     # The actor itself: Modal forwards attribute access to the instance it built for `.local()` calls.
-    local_actor = actor.actor
+    local_actor = actor.server.actor
     inputs = loss_inputs(rollouts_table(after, 4), local_actor.tokenizer.pad_token_id)
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -296,16 +308,6 @@ def test_rollout_worker_samples_what_the_actor_would_after_a_direct_sync(model_p
     torch.testing.assert_close(logps[completion_mask], sampled[completion_mask], atol=1e-4, rtol=1e-4)
 
 
-def test_unknown_rollout_engine_is_refused(model_path, tmp_path):
-    config = local_config(tmp_path)
-    worker_app = build_worker_app(config)
-    rollout = worker_app.rollout_cls(
-        config_json=worker_config_json(config), model_path=model_path, engine="tpu", storage_root=str(tmp_path)
-    )
-    with pytest.raises(ValueError, match="rollout engine must be 'vllm' or 'transformers'"):
-        rollout.policy_version.local()
-
-
 def test_volume_sync_is_a_no_op_outside_a_container():
     sync = VolumeSync("grpo-test")
     sync.commit()
@@ -313,7 +315,7 @@ def test_volume_sync_is_a_no_op_outside_a_container():
     assert sync._volume is None
 
 
-# -- ModalWorkers: the LocalWorkers surface ------------------------------------------------------------------
+# -- Workers through ModalPlacement --------------------------------------------------------------------------
 class TickingClock:
     """Each reading is one second after the last: every call lasts exactly one second."""
 
@@ -325,42 +327,45 @@ class TickingClock:
         return self.now
 
 
-def test_modal_workers_have_the_local_workers_surface(model_path, tmp_path):
+def test_workers_run_through_the_modal_placement(model_path, tmp_path):
     config = local_config(tmp_path, weight_sync_method="checkpoint", actor_gpu_count=2)
-    workers = ModalWorkers(
+    placement = ModalPlacement(
         config, model_path, mode="local", rollout_device="cpu", actor_device="cpu", clock=TickingClock()
     )
+    workers = Workers(config, model_path, placement).start()
     assert len(workers.rollout) == config.num_rollout_workers == 2
-    # Starting: one load call per worker, 1 s each, times the GPUs of each container.
-    assert workers.gpu_seconds() == {"gpu_seconds/actor": 2.0, "gpu_seconds/rollout": 2.0}
+    # Starting: the placement's ready call per worker, then Workers' own, 1 s each, times each container's GPUs.
+    assert placement.step_metrics() == {"gpu_seconds/actor": 4.0, "gpu_seconds/rollout": 4.0}
 
     prompts = load_task("last_digit").train.select(range(4))["prompt"]
-    result = workers.rollout[0].generate(prompts, SamplingParams(n=4, max_tokens=2, seed=1), 32)
-    assert workers.rollout[0].worker_id == "rollout-0" and workers.rollout[0].policy_version == 0
-    assert workers.rollout[0].tokenizer.batch_decode(result.prompt_token_ids) == prompts
+    result = workers.generate(0, 0, prompts, SamplingParams(n=4, max_tokens=2, seed=1), 32)
+    assert result.extra["worker_id"] == "rollout-0" and result.extra["policy_version"] == 0
+    assert result.extra["prompt_texts"] == prompts
 
-    metrics = workers.actor.step(0, rollouts_table(result, 4))
-    assert metrics["gpu_seconds/actor"] == 4.0 and metrics["gpu_seconds/rollout"] == 3.0
-    assert workers.actor.policy_version == 1
+    metrics = workers.actor_step(0, rollouts_table(result, 4))
+    assert metrics["gpu_seconds/actor"] == 6.0 and metrics["gpu_seconds/rollout"] == 5.0
+    assert workers.actor_version == 1
 
-    # LocalWorkers' healing surface, as far as Modal has it: a lagging worker is synced on demand.
-    assert workers.save_rollout_weights(tmp_path) == {"rollout_policy_version": 0}
-    assert workers.ensure_rollout_version(1, 1, storage=None) is workers.rollout[1]
-    assert [engine.policy_version for engine in workers.rollout] == [0, 1]
+    # An engine asked for a version it does not hold is brought to it: the actor publishes it, the engine loads it.
+    storage = RunStorage(tmp_path, "modal-local")
+    assert workers.generate(1, 1, prompts, SamplingParams(n=1, max_tokens=2), 32).extra["policy_version"] == 1
+    assert workers.rollout_versions == [0, 1]
 
     assert workers.sync_weights() == 1
-    assert [engine.policy_version for engine in workers.rollout] == [1, 1]
+    assert workers.rollout_versions == [1, 1]
     assert workers.last_sync["method"] == "checkpoint" and workers.last_sync["bytes"] > 0
 
     staging = tmp_path / "runs" / "modal-local" / "checkpoints" / ".step-000001.tmp"
-    state = workers.actor.save_checkpoint(staging)
-    assert state["policy_version"] == 1 and (staging / "optimizer.pt").exists()
+    state = workers.save_checkpoint(1, staging)
+    assert state["policy_version"] == 1 and state["rollout_policy_version"] == 1
+    assert (staging / "optimizer.pt").exists()
     with pytest.raises(ValueError, match="is not under the run's storage_root"):
-        workers.actor.save_checkpoint(tmp_path.parent / "elsewhere")
+        workers.save_checkpoint(1, tmp_path.parent / "elsewhere")
 
     # Back to the start (a resumed run without a checkpoint): the actor and every engine hold version 0.
-    assert workers.restore(None, None) == 0
-    assert workers.actor.policy_version == 0 and [engine.policy_version for engine in workers.rollout] == [0, 0]
+    assert workers.restore(storage, None) == 0
+    assert workers.actor_version == 0 and workers.rollout_versions == [0, 0]
+    assert [handle.call("ready", None)["policy_version"] for handle in (workers.actor, *workers.rollout)] == [0, 0, 0]
     workers.close()
 
 

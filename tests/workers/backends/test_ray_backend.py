@@ -56,7 +56,10 @@ def test_the_address_comes_from_the_config_then_ray_address_then_a_local_instanc
 def test_a_ray_actors_vllm_engine_keeps_the_gpus_ray_assigned_it(monkeypatch, tmp_path):
     """The local backend pins engine i of server mode to GPU i + 1; on Ray the engine process inherits the
     CUDA_VISIBLE_DEVICES Ray set for its actor, takes the actor's CPUs as threads, logs in the run folder."""
-    from grpo_flow.workers.backends import ray_app, vllm_env
+    from pathlib import Path
+
+    from grpo_flow.workers.backends import vllm_env
+    from grpo_flow.workers.backends.servers import default_engine
 
     python = tmp_path / "vllm-env" / "bin" / "python"
     python.parent.mkdir(parents=True)
@@ -71,22 +74,41 @@ def test_a_ray_actors_vllm_engine_keeps_the_gpus_ray_assigned_it(monkeypatch, tm
         run_config.model_copy(update={"backend": "local", "vllm_mode": "server"}), "m", 1, 2, None
     )
     assert local.env == {"CUDA_VISIBLE_DEVICES": "2"}
-    engine = ray_app.make_engine(run_config, "m", 1, "cuda")
+    root = Path(run_config.storage_root)
+    engine = default_engine(run_config, "m", 1, "cuda", root)
     assert type(engine).__name__ == "VLLMProcessEngine" and engine.env == {} and engine.threads == 3
     assert engine.options.enable_sleep_mode is False and engine.options.gpu_memory_utilization == 0.9  # server mode
     assert engine.log_path == tmp_path / "store" / "runs" / "ray-unit" / "logs" / "rollout-1.log"
     monkeypatch.setattr(vllm_env, "vllm_importable", lambda: True)  # a Ray worker image with vLLM: in the actor
-    assert type(ray_app.make_engine(run_config, "m", 1, "cuda")).__name__ == "VLLMRolloutEngine"
+    assert type(default_engine(run_config, "m", 1, "cuda", root)).__name__ == "VLLMRolloutEngine"
 
 
 # -- against the cluster ----------------------------------------------------------------------------------
 PARAMS = SamplingParams(n=2, max_tokens=2, seed=7)
 
 
-def sample(engine):
-    """(completion token ids, sampling log-probs) of a seeded generation on six fixed prompts."""
-    result = engine.generate(load_task("last_digit").train.select(range(6))["prompt"], PARAMS, 32)
+def sample(workers, index, version):
+    """(completion token ids, sampling log-probs) of engine `index`'s seeded generation on six fixed prompts,
+    at policy `version`."""
+    result = workers.generate(index, version, load_task("last_digit").train.select(range(6))["prompt"], PARAMS, 32)
     return result.completion_token_ids, result.sampling_logprobs, result
+
+
+def to_initial(workers, index):
+    """Engine `index` back on the initial model (after `checkpoint`: an engine on it again)."""
+    workers.rollout[index].call("initial")
+    workers.rollout_versions[index] = 0
+
+
+def ray_workers(run_config, model_path):
+    from grpo_flow.workers.backends.ray_backend import RayPlacement
+    from grpo_flow.workers.backends.workers import Workers
+
+    return Workers(run_config, model_path, RayPlacement(run_config, model_path)).start()
+
+
+def use_method(workers, run_config, method):
+    workers.placement.config = run_config.model_copy(update={"weight_sync_method": method})
 
 
 def rollouts_table(result, seed):
@@ -103,22 +125,20 @@ def rollouts_table(result, seed):
 
 
 def kill(worker):
-    pid = worker.ready()["pid"]  # the worker's own answer (the dashboard's state API is off in tests)
+    pid = worker.call("ready", None)["pid"]  # the worker's own answer (the dashboard's state API is off in tests)
     os.kill(pid, signal.SIGKILL)
     return pid
 
 
+@pytest.mark.ray
+@pytest.mark.vllm
 def test_a_vllm_engine_on_a_ray_actor_takes_the_adapter_and_the_merged_weights_by_each_method(
     ray_cluster, storage_root
 ):
     """rollout_engine='vllm' with use_lora and lora_publish='adapter': the adapter alone through the object
     store (`direct`) and as a folder on the storage root (`lora`), the merged weights as a saved model the
     engine is re-created from (`checkpoint`). (Before the `run` fixture: the cluster's 2 CPUs hold one run.)"""
-    from grpo_flow.workers.backends import vllm_env
-    from grpo_flow.workers.backends.ray_backend import RayWorkers
 
-    if not os.path.isfile(vllm_env.vllm_python()):
-        pytest.fail(f"no vLLM environment at {vllm_env.vllm_python()}: run `grpo setup-vllm` first (.ci/run does)")
     run_config = config(
         run_id="ray-vllm-unit",
         storage_root=str(storage_root),
@@ -130,19 +150,18 @@ def test_a_vllm_engine_on_a_ray_actor_takes_the_adapter_and_the_merged_weights_b
         use_lora=True,
         lora_publish="adapter",
     )
-    workers = RayWorkers(run_config, ensure_tiny_model(storage_root))
+    workers = ray_workers(run_config, ensure_tiny_model(storage_root))
     try:
-        engine = workers.rollout[0]
-        assert engine.ready()["engine"] == "VLLMProcessEngine"
-        ids0, logprobs0, result0 = sample(engine)
-        workers.actor.step(0, rollouts_table(result0, seed=0))
+        assert workers.rollout[0].call("ready", None)["engine"] == "VLLMProcessEngine"
+        ids0, logprobs0, result0 = sample(workers, 0, 0)
+        workers.actor_step(0, rollouts_table(result0, seed=0))
         synced = {}
         for method in ("direct", "checkpoint", "lora"):
-            workers.config = run_config.model_copy(update={"weight_sync_method": method})
-            engine.load()  # back to the initial model (after `checkpoint`: an engine on it again)
-            assert sample(engine)[:2] == (ids0, logprobs0)
+            use_method(workers, run_config, method)
+            to_initial(workers, 0)
+            assert sample(workers, 0, 0)[:2] == (ids0, logprobs0)
             assert workers.sync_weights() == 1 and workers.last_sync["bytes"] > 0
-            synced[method] = sample(engine)[:2]
+            synced[method] = sample(workers, 0, 1)[:2]
     finally:
         workers.close()
     assert synced["direct"][1] != logprobs0  # the new policy samples otherwise
@@ -154,32 +173,31 @@ def test_a_vllm_engine_on_a_ray_actor_takes_the_adapter_and_the_merged_weights_b
 
 @pytest.fixture(scope="module")
 def run(ray_cluster, storage_root):
-    """RayWorkers of a scratch run (the tiny model, two engines), its initial samples, and its config."""
-    from grpo_flow.workers.backends.ray_backend import RayWorkers
-
+    """Ray workers of a scratch run (the tiny model, two engines), its initial samples, and its config."""
     model_path = ensure_tiny_model(storage_root)
     run_config = config(storage_root=str(storage_root), ray_address=ray_cluster.address, actor_cpus=1, rollout_cpus=0.5)
-    workers = RayWorkers(run_config, model_path)
+    workers = ray_workers(run_config, model_path)
     try:
-        yield workers, sample(workers.rollout[0]), run_config
+        yield workers, sample(workers, 0, 0), run_config
     finally:
         workers.close()
 
 
+@pytest.mark.ray
 def test_every_weight_sync_method_gives_both_engines_the_actors_new_weights(run, storage_root):
     workers, (ids0, logprobs0, result0), run_config = run
-    workers.actor.step(0, rollouts_table(result0, seed=0))
-    assert workers.actor.policy_version == 1
+    workers.actor_step(0, rollouts_table(result0, seed=0))
+    assert workers.actor_version == 1
     weights_dir = RunStorage(storage_root, "ray-unit").run_dir / "weights"
     synced = {}
     for method in ("reload", "direct", "volume", "checkpoint"):
-        workers.config = run_config.model_copy(update={"weight_sync_method": method})
-        for engine in workers.rollout:
-            engine.load()  # back to the initial model
-        assert sample(workers.rollout[1])[:2] == (ids0, logprobs0)
+        use_method(workers, run_config, method)
+        for index in range(len(workers.rollout)):
+            to_initial(workers, index)
+        assert sample(workers, 1, 0)[:2] == (ids0, logprobs0)
         files_before = sorted(weights_dir.rglob("*")) if weights_dir.exists() else []
         assert workers.sync_weights() == 1 and workers.last_sync["bytes"] > 0
-        synced[method] = [sample(engine)[:2] for engine in workers.rollout]
+        synced[method] = [sample(workers, index, 1)[:2] for index in range(len(workers.rollout))]
         assert synced[method][0] == synced[method][1]
         files_after = sorted(weights_dir.rglob("*")) if weights_dir.exists() else []
         # reload and direct go through Ray's object store; volume and checkpoint write versioned folders.
@@ -191,21 +209,23 @@ def test_every_weight_sync_method_gives_both_engines_the_actors_new_weights(run,
 
     local = TransformersRolloutEngine(workers.model_path)
     local.load()
-    workers.config = run_config
+    use_method(workers, run_config, run_config.weight_sync_method)
     workers.sync_weights()
     local.load_state_dict(ray.get(workers.published[1]), 1)
-    ids, logprobs, _ = sample(local)
+    generated = local.generate(load_task("last_digit").train.select(range(6))["prompt"], PARAMS, 32)
+    ids, logprobs = generated.completion_token_ids, generated.sampling_logprobs
     assert ids == synced["reload"][0][0]
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(synced["reload"][0][1]), atol=1e-5, rtol=0)
 
 
+@pytest.mark.ray
 def test_an_engine_whose_published_weights_are_gone_gets_them_published_again(run, ray_cluster):
     """The published copy's owner died (as when its node goes): the restarted engine's load fails with
     Ray's ObjectLostError, and the backend publishes the actor's weights at that version again."""
     import ray
 
     workers, _, _ = run
-    expected = sample(workers.rollout[0])[:2]
+    expected = sample(workers, 0, 1)[:2]
 
     @ray.remote(num_cpus=0)  # the run's placement group holds every CPU of the test cluster
     class Owner:
@@ -217,10 +237,11 @@ def test_an_engine_whose_published_weights_are_gone_gets_them_published_again(ru
     ray.kill(owner)
     workers.published = (1, orphan)
     kill(workers.rollout[1])
-    assert sample(workers.rollout[1])[:2] == expected
+    assert sample(workers, 1, 1)[:2] == expected
     assert workers.published[1] is not orphan
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("method", ["reload", "volume"])
 def test_a_checkpoint_taken_while_the_engines_lag_restores_them_after_every_worker_was_killed(
     run, ray_cluster, storage_root, method
@@ -228,22 +249,21 @@ def test_a_checkpoint_taken_while_the_engines_lag_restores_them_after_every_work
     """sync_weights_every > 1: the checkpoint keeps the engines' older weights (a file from the object
     store's copy, or the path of the versioned folder on the storage root)."""
     workers, (_, _, result0), run_config = run
-    workers.config = run_config.model_copy(update={"weight_sync_method": method})
+    use_method(workers, run_config, method)
     storage = RunStorage(storage_root, f"ray-unit-lag-{method}")
-    version = workers.actor.policy_version
+    version = workers.actor_version
     workers.sync_weights()  # the engines hold `version`
-    lagging = sample(workers.rollout[0])[:2]
-    workers.actor.step(version, rollouts_table(result0, seed=version))  # the actor moves on, no sync
+    lagging = sample(workers, 0, version)[:2]
+    workers.actor_step(version, rollouts_table(result0, seed=version))  # the actor moves on, no sync
     staging = storage.staging_checkpoint_dir(version + 1)
-    state = workers.actor.save_checkpoint(staging)
-    kept = workers.save_rollout_weights(staging)
-    assert kept["rollout_policy_version"] == version and ("rollout_weights" in kept) == (method == "volume")
-    storage.commit_checkpoint(version + 1, staging, {**state, **kept})
+    state = workers.save_checkpoint(version + 1, staging)
+    assert state["rollout_policy_version"] == version and ("rollout_weights" in state) == (method == "volume")
+    storage.commit_checkpoint(version + 1, staging, state)
 
     killed = [kill(worker) for worker in (workers.actor, *workers.rollout)]
     assert workers.restore(storage, version + 1) == version
-    assert workers.actor.policy_version == version + 1
-    assert [sample(engine)[:2] for engine in workers.rollout] == [lagging, lagging]
+    assert workers.actor_version == version + 1
+    assert [sample(workers, index, version)[:2] for index in range(2)] == [lagging, lagging]
     for pid in killed:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -23,8 +23,6 @@ from grpo_flow.workers.backends.weight_sync import (
     apply_weights,
     check_weight_sync_config,
     export_weights,
-    sync_direct,
-    sync_lora,
     sync_weights,
     version_dir,
 )
@@ -121,7 +119,7 @@ def test_the_halves_run_apart_as_on_modal(trained_actor, model_path, tmp_path):
     report = apply_weights(engine, payload)
     assert report["version"] == 1 and report["bytes"] == payload.nbytes
     assert max_logprob_gap(trained_actor, engine) < MATCH
-    assert sync_direct(trained_actor, new_engine(model_path), tmp_path)["version"] == 1
+    assert sync_weights("direct", trained_actor, [new_engine(model_path)], tmp_path)["version"] == 1
 
 
 def test_volume_writes_a_versioned_folder_atomically_and_once(trained_actor, tmp_path):
@@ -148,7 +146,7 @@ def test_checkpoint_is_a_loadable_model_folder(trained_actor, tmp_path):
 
 def test_lora_without_an_adapter_is_a_clear_error(trained_actor, model_path, tmp_path):
     with pytest.raises(WeightSyncError, match="weight_sync_method='lora'.*use_lora"):
-        sync_lora(trained_actor, new_engine(model_path), tmp_path)
+        sync_weights("lora", trained_actor, [new_engine(model_path)], tmp_path)
     with pytest.raises(WeightSyncError, match="weight_sync_method='lora' needs use_lora=True"):
         check_weight_sync_config(preset_config("tiny", weight_sync_method="lora"))
     check_weight_sync_config(preset_config("tiny", weight_sync_method="volume"))  # fine
@@ -185,7 +183,7 @@ def test_lora_sends_only_the_adapter_and_the_engine_follows(model_path, tmp_path
     engine = new_engine(model_path)
     assert max_logprob_gap(actor, engine) > MATCH
 
-    report = sync_lora(actor, engine, tmp_path)
+    report = sync_weights("lora", actor, [engine], tmp_path)
     assert max_logprob_gap(actor, engine) < MATCH
     folder = version_dir(tmp_path, 1, "lora")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in folder.iterdir()}
@@ -197,7 +195,7 @@ def test_lora_sends_only_the_adapter_and_the_engine_follows(model_path, tmp_path
     result = engine.generate(prompts(), SamplingParams(n=4, max_tokens=3, temperature=1.0, seed=2))
     actor.step(1, rollouts_table(result, n=4, seed=1))
     assert max_logprob_gap(actor, engine) > MATCH
-    sync_lora(actor, engine, tmp_path)
+    sync_weights("lora", actor, [engine], tmp_path)
     assert max_logprob_gap(actor, engine) < MATCH and engine.policy_version == 2
 
 

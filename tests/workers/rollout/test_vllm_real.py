@@ -30,6 +30,8 @@ from grpo_flow.workers.rollout.base import SamplingParams, encode_prompt
 from grpo_flow.workers.rollout.vllm_engine import VLLMOptions, VLLMSetupError
 from grpo_flow.workers.rollout.vllm_process import VLLMProcessEngine
 
+pytestmark = pytest.mark.vllm
+
 PROMPTS = ["35060=", "1234=", "98765432=", "7="]
 TOLERANCE = 1e-4  # fp32 engine vs fp32 actor (measured ~1e-6)
 # fp32, as runs on CPU start their engines: a bfloat16 engine of this tiny model (head_dim 32) dies without a
@@ -38,10 +40,7 @@ FP32 = VLLMOptions(dtype="float32", max_model_len=64)
 
 
 def require_vllm_python() -> str:
-    python = vllm_env.vllm_python()
-    if not os.path.isfile(python):
-        pytest.fail(f"no vLLM environment at {python}: run `grpo setup-vllm` first (.ci/run does)")
-    return python
+    return vllm_env.vllm_python()  # there: the module's `vllm` marker (tests/conftest.py)
 
 
 def alive(pid: int) -> bool:

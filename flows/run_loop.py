@@ -1,0 +1,210 @@
+"""What the `grpo` flow's loop needs from Prefect and the terminal, kept out of its body.
+
+- `RunLoop`: the loop's context. Inside it, step subflows run without Prefect's per-flow-run
+  heartbeat (the run's own heartbeat reports them; Prefect 3.8 joins a heartbeat thread that sleeps
+  in 1 s slices at the end of every flow run), artifacts wait while subflows start on a database
+  where they would collide with Prefect's own writes (tasks/observability.py; not on the ephemeral
+  server's in-memory database, flows/__init__.py), progress is shown, and the loop stops between
+  steps on Ctrl-C or SIGTERM (flows/interrupt.py). Leaving it finishes the run one way, whatever
+  the outcome (completed, interrupted, failed): summary.json, the summary artifact, the workers
+  released (`tasks.run.finish_run`).
+- `StepProgress`: a bar on a terminal; on a file or pipe (CI, a Prefect worker's log) a plain line
+  every few steps, never carriage-return frames.
+- `as_is(values)` and `in_background(function, *args)`: Prefect task inputs passed through
+  unwalked, and a function run beside the flow with its Prefect context.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, closing, nullcontext
+from typing import Any, TextIO
+
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from prefect.states import Cancelled
+from prefect.utilities.annotations import quote
+
+from grpo_flow.flows import ephemeral_database_in_memory
+from grpo_flow.flows.interrupt import interrupted_summary, resume_command, stop_requested, stop_signal_name
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.records import RunPlan
+from grpo_flow.tasks.observability import (
+    artifact_writes_paused,
+    create_run_progress,
+    flush_artifacts,
+    publish,
+    update_run_progress,
+)
+from grpo_flow.tasks.run import finish_run
+from grpo_flow.workers.state.storage import RunStorage
+
+
+def as_is(values: list) -> list:
+    """Task inputs that Prefect passes through as they are: otherwise it walks every element of every
+    per-row list before each task (about 25 ms a tiny shard, over a second a gsm8k one)."""
+    return [quote(value) for value in values]
+
+
+def in_background(function: Any, *args: Any) -> Future:
+    """Run `function` on a thread that shares this flow run's Prefect context, so the tasks it calls
+    are recorded as this flow run's task runs."""
+    context = contextvars.copy_context()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-flow-next-step")
+    future = executor.submit(context.run, function, *args)
+    executor.shutdown(wait=False)
+    return future
+
+
+class StepProgress:
+    """Progress over a run's steps: a tqdm bar on a terminal, else a line every `every` steps (0: about
+    ten lines a run) and at the last step."""
+
+    def __init__(
+        self, plan: RunPlan, show: bool, every: int = 0, stream: TextIO | None = None, terminal: bool | None = None
+    ) -> None:
+        self.plan, self.show = plan, show
+        self.stream = stream or sys.stderr
+        self.terminal = self.stream.isatty() if terminal is None else terminal
+        remaining = plan.total_steps - plan.first_step + 1
+        self.every = every or max(1, math.ceil(remaining / 10))
+        self.bar: Any = None
+        self.started = time.perf_counter()
+        if show and self.terminal:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=plan.total_steps, initial=plan.first_step - 1, desc=plan.run_id, unit="step", file=self.stream
+            )
+
+    def update(self, step: int, row: dict[str, Any]) -> None:
+        if not self.show:
+            return
+        reward, loss = f"{row['reward']:.3f}", f"{row['loss']:.4f}"
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=reward, loss=loss)
+            return
+        done = step - self.plan.first_step + 1
+        if done % self.every == 0 or step == self.plan.total_steps:
+            per_step = (time.perf_counter() - self.started) / done
+            print(
+                f"{self.plan.run_id}: step {step}/{self.plan.total_steps}  reward {reward}  loss {loss}  "
+                f"{per_step:.2f} s/step",
+                file=self.stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class RunLoop:
+    """One run's loop over its steps, and its end; see the module docstring.
+
+    `result` after the block: the summary of a completed run, or a Cancelled state for one stopped
+    by a signal. A failure is recorded (summary.json says `failed` at its step) and raised on.
+    """
+
+    def __init__(self, config: GRPOFlowConfig, plan: RunPlan, show_progress: bool, progress_every: int = 0) -> None:
+        self.config, self.plan = config, plan
+        self.show_progress, self.progress_every = show_progress, progress_every
+        self.rows: list[dict[str, Any]] = []
+        self.step_walls: list[float] = []  # around each step: its work plus Prefect's orchestration
+        self.handed_over: dict[str, float] | None = None  # with max_staleness 1: the next step's rollout stats
+        self.initial_accuracy = math.nan
+        self.final_accuracy = math.nan
+        self.result: Any = None
+        self._stack = ExitStack()
+
+    def __enter__(self) -> RunLoop:
+        self.started = time.perf_counter()
+        self._stack.enter_context(temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}))
+        collide = self.config.step_subflows and not ephemeral_database_in_memory()
+        self._stack.enter_context(artifact_writes_paused() if collide else nullcontext())
+        return self
+
+    @property
+    def next_step(self) -> int:
+        return self.plan.first_step + len(self.rows)
+
+    @property
+    def finished(self) -> bool:
+        """Every step trained (not stopped by a signal)."""
+        return self.next_step > self.plan.total_steps
+
+    def steps(self) -> Iterator[int]:
+        """The steps left, until a Ctrl-C or SIGTERM asks the loop to stop between two of them."""
+        plan = self.plan
+        self.progress_artifact = create_run_progress(plan, plan.total_steps, plan.first_step - 1)  # never raises
+        self.progress = self._stack.enter_context(closing(StepProgress(plan, self.show_progress, self.progress_every)))
+        for step in range(plan.first_step, plan.total_steps + 1):
+            if stop_requested():
+                return
+            self._step_started = time.perf_counter()
+            yield step
+
+    def record(self, row: dict[str, Any], rollout_version: int) -> int:
+        """A step's metrics row; returns the policy version the rollout workers hold after it."""
+        self.handed_over = row.pop("next_rollout_stats", None)
+        self.rows.append(row)
+        self.step_walls.append(time.perf_counter() - self._step_started)
+        publish(update_run_progress, self.progress_artifact, row["step"], self.plan.total_steps)
+        self.progress.update(row["step"], row)
+        return int(row.get("synced_version", rollout_version))
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        self._stack.close()
+        plan = self.plan
+        summary: dict[str, Any] = {
+            "run_id": plan.run_id,
+            "total_steps": plan.total_steps,
+            "initial_eval_accuracy": self.initial_accuracy,
+        }
+        if error is not None:
+            failed_step = self.next_step
+            summary.update(
+                status="failed",
+                error=f"step {failed_step}: {type(error).__name__}: {error}",
+                failed_step=failed_step,
+                steps_completed=failed_step - 1,
+            )
+            if isinstance(error, KeyboardInterrupt):  # Ctrl-C in a Python session (the API)
+                summary = interrupted_summary(summary, plan.run_id, failed_step - 1, plan.total_steps)
+            self._finish(summary)
+            return False
+        if not self.finished:  # stopped by a signal between two steps
+            last_step = self.next_step - 1
+            summary = interrupted_summary(summary, plan.run_id, last_step, plan.total_steps)
+            summary.update(initial_eval_accuracy=self.initial_accuracy, storage=str(plan.storage_root))
+            self._finish(summary)
+            self.result = Cancelled(
+                message=f"interrupted by {stop_signal_name()} after step {last_step} of {plan.total_steps}; "
+                f"resume with: {resume_command(plan.run_id, plan.storage_root)}"
+            )
+            return False
+        storage = RunStorage(plan.storage_root, plan.run_id)
+        recent = [storage.read_step_metrics(s) for s in range(max(1, plan.total_steps - 4), plan.total_steps + 1)]
+        summary.update(
+            status="completed",
+            steps_completed=plan.total_steps,
+            resumed_from_step=plan.first_step - 1 if plan.resumes else None,
+            final_eval_accuracy=self.final_accuracy,
+            eval_accuracy_gain=self.final_accuracy - self.initial_accuracy,
+            final_reward=sum(r["reward"] for r in recent) / len(recent),
+            wall_seconds=time.perf_counter() - self.started,
+            median_step_seconds=statistics.median(self.step_walls) if self.step_walls else None,
+            storage=str(plan.storage_root),
+        )
+        self.result = self._finish(summary)
+        return False
+
+    def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        flush_artifacts()  # every step's artifacts written before the run reports its outcome
+        return finish_run(self.config, self.plan, summary)
