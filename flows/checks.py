@@ -115,7 +115,7 @@ def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = ()) -> N
 def check_local_or_hub(field: str, value: str, what: str, folder_only: bool) -> str:
     """`value` is an existing local path ("local"), or has the form of a hub id ("hub"; whether the hub
     has it is found out when it loads: that needs the network)."""
-    from grpo_flow.workers.data.loaders import FILE_BUILDERS
+    from grpo_flow.workers.data.loaders import FILE_BUILDERS, check_data_file
 
     path = Path(value).expanduser()
     if path.exists():
@@ -124,15 +124,25 @@ def check_local_or_hub(field: str, value: str, what: str, folder_only: bool) -> 
         if path.is_file() and path.suffix not in FILE_BUILDERS:
             kinds = ", ".join(sorted(set(FILE_BUILDERS)))
             raise StartCheckError(field, f"{value!r}: a {what} file must be one of {kinds}")
+        if path.is_file() and path.stat().st_size <= DATA_FILE_CHECK_BYTES:  # a bigger one at its load
+            try:
+                check_data_file(path, repr(value))
+            except ValueError as error:
+                raise StartCheckError(field, str(error)) from None
         return "local"
     if value.startswith(("/", "./", "../", "~", ".\\")) or value.count("/") > 1 or "\\" in value:
         raise StartCheckError(field, f"{value!r}: no such file or folder")
+    if not folder_only and path.suffix in FILE_BUILDERS:  # `data.jsonl` names a file, not a hub id
+        raise StartCheckError(field, f"{value!r}: no such file")
     if not HUB_ID.match(value):
         raise StartCheckError(
             field, f"{value!r} is neither a local path nor a Hugging Face hub id (name or namespace/name)"
         )
     return "hub"
 
+
+# Data files up to this size are read through before a run starts (a bad JSON line named in a second).
+DATA_FILE_CHECK_BYTES = 64 * 2**20
 
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 

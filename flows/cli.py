@@ -289,7 +289,7 @@ def signal_name(signum: int) -> str:
 def hold_cli_lock(config: GRPOFlowConfig) -> None:
     """One writer per run, taken before Prefect starts, so a second process is refused (exit 2) in
     about a second. The flow finds it held (re-entrant in-process) and gives it back when it ends."""
-    from grpo_flow.workers.state.lock import RunLockedError, hold_run_lock, release_run_lock
+    from grpo_flow.workers.state.lock import LockWriteError, RunLockedError, hold_run_lock, release_run_lock
     from grpo_flow.workers.state.storage import RunStorage
 
     run_dir = RunStorage(config.storage_root, config.run_id or "").run_dir
@@ -297,6 +297,8 @@ def hold_cli_lock(config: GRPOFlowConfig) -> None:
         hold_run_lock(run_dir)
     except RunLockedError as error:
         raise UsageError(f"--run-id: {error}") from None
+    except LockWriteError as error:  # a full disk: nothing was started or left behind
+        raise UsageError(f"--storage-root: {error}") from None
     atexit.register(release_run_lock, run_dir)  # whatever path the command leaves by
 
 
@@ -333,6 +335,7 @@ def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
 def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namespace) -> GRPOFlowConfig:
     """The run's own config with the options given applied; a change to training needs --allow-config-change."""
     from grpo_flow.workers.state.resume import ResumeError, check_config_change, config_for_resume
+    from grpo_flow.workers.state.storage import DamagedRunFileError
 
     if args.preset:
         print(
@@ -345,6 +348,10 @@ def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namesp
         raise UsageError(cli_problems(error)) from None
     except ResumeError as error:
         raise UsageError(cli_spelling(str(error)).strip()) from error
+    except DamagedRunFileError as error:
+        raise UsageError(
+            f"--run-id: run {storage.run_id!r} cannot be resumed: {error}; restore it from a backup"
+        ) from None
     return config
 
 
@@ -493,6 +500,7 @@ def command_eval(args: argparse.Namespace) -> int:
     if args.prompts is not None and args.prompts < 1:
         raise UsageError(f"--prompts: must be at least 1, got {args.prompts}")
     storage = named_run(args.storage_root, args.run_id)
+    check_evaluable(storage)
     stored = None if args.force else storage.stored_evaluation(args.checkpoint)
     if stored is not None:
         print_eval_summary({**stored, "already_evaluated": True})
@@ -527,6 +535,21 @@ def command_eval(args: argparse.Namespace) -> int:
         return 1
     print_eval_summary(summary)
     return 0
+
+
+def check_evaluable(storage: Any) -> None:
+    """The run's config can be read (before Prefect and the model start, which took seconds to fail)."""
+    from grpo_flow.workers.state.storage import DamagedRunFileError
+
+    try:
+        GRPOFlowConfig(**storage.effective_config())
+    except DamagedRunFileError as error:
+        raise UsageError(
+            f"RUN: run {storage.run_id!r} cannot be evaluated: {error}; restore it from a backup"
+        ) from None
+    except ValidationError as error:
+        problems = "; ".join(describe_validation_error(error).splitlines())
+        raise UsageError(f"RUN: run {storage.run_id!r} has a config this grpo-flow refuses: {problems}") from None
 
 
 def settings_differences(stored: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -604,8 +627,39 @@ def command_setup_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse, saying which option a mistyped one looks like (`--lerning-rate`: did you mean
+    --learning-rate?), among the options of the command typed."""
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self.command_parser(getattr(parsed, "command", None)) or self
+            command.error(f"unrecognized arguments: {' '.join(extras)}{did_you_mean(extras, command)}")
+        return parsed
+
+    def command_parser(self, name: str | None) -> argparse.ArgumentParser | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+                return action.choices[name]
+        return None
+
+
+def did_you_mean(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """`; did you mean --x?` for the first unknown option that looks like one of the parser's."""
+    import difflib
+
+    options = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
+    for extra in extras:
+        if extra.startswith("--"):
+            close = difflib.get_close_matches(extra.partition("=")[0], options, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo", description="GRPO as a Prefect workflow around GPU workers.")
+    parser = CommandParser(prog="grpo", description="GRPO as a Prefect workflow around GPU workers.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser(
@@ -748,7 +802,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and args.storage_root is None:
         args.storage_root = DEFAULT_STORAGE_ROOT
     try:
-        return args.handler(args)
+        status = args.handler(args)
+        sys.stdout.flush()  # here, where a closed pipe can be caught, rather than at exit
+        return status
+    except BrokenPipeError:  # `grpo rollouts RUN | head` stopped reading: stop quietly, as `cat` would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit would raise again
+        return 128 + signal.SIGPIPE
     except UsageError as error:
         for line in str(error).splitlines():
             print(f"grpo {args.command}: {line}", file=sys.stderr)

@@ -53,6 +53,12 @@ def command_test_rollout(args: argparse.Namespace) -> int:
         check_vllm_ready(config)
     except VLLMNotReady as error:
         raise ComponentError(str(error)) from None
+    from grpo_flow.workers.backends import check_backend_ready
+
+    try:  # before the model is resolved: missing Modal credentials were a traceback after it
+        check_backend_ready(config)
+    except Exception as error:
+        raise ComponentError(f"--backend {config.backend}: {error}") from None
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     prompts = args.prompt or [DEFAULT_PROMPT]
     started = time.perf_counter()
@@ -102,10 +108,8 @@ def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, st
         engine = TransformersRolloutEngine(model_path)
         engine.load()
         return engine.generate(prompts, params, config.max_prompt_length), "local transformers engine"
-    from grpo_flow.workers.backends import check_backend_ready
     from grpo_flow.workers.backends.modal_app import VOLUME_PATH, build_worker_app, worker_config_json
 
-    check_backend_ready(config)
     local = os.environ.get("GRPO_FLOW_MODAL_MODE") == "local"
     app = build_worker_app(config)
     worker = app.rollout_cls(

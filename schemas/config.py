@@ -194,7 +194,12 @@ class GRPOFlowConfig(BaseModel):
     num_train_epochs: float = Field(
         default=1.0, gt=0, description="Passes over the training prompts, used when `max_steps` is -1."
     )
-    seed: int = Field(default=42, ge=0, description="Seed for sampling prompts, generation and initialisation.")
+    seed: int = Field(
+        default=42,
+        ge=0,
+        le=2**32 - 1,  # numpy's limit (transformers' set_seed); a larger seed overflowed when the actor started
+        description="Seed for sampling prompts, generation and initialisation.",
+    )
 
     # GRPO (TRL names)
     num_generations: int = Field(default=8, ge=2, description="Completions sampled per prompt (group size).")

@@ -48,3 +48,22 @@ def test_offline_mode_refuses_an_uncached_model_and_takes_a_cached_one(tmp_path,
 def test_behind_a_proxy_the_hub_is_not_probed(tmp_path, unreachable_hub, monkeypatch):
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
     check_before_start(config(tmp_path, model=HUB_MODEL))  # the proxy may reach what this machine cannot
+
+
+def test_a_data_file_is_checked_before_a_run_starts_and_a_missing_one_is_no_hub_id(tmp_path, monkeypatch):
+    """`hf:missing.jsonl` was taken for a hub id and failed after 16-38 s (issue 30, item 12)."""
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n{"prompt": "2=" "answer": "2"}\n')
+    (tmp_path / "empty.jsonl").write_text("\n")
+    started = time.perf_counter()
+    for dataset, message in (
+        ("hf:missing.jsonl", "'missing.jsonl': no such file"),
+        ("hf:bad.jsonl", "'bad.jsonl': line 2 is not JSON (Expecting ',' delimiter, column 17)"),
+        ("hf:empty.jsonl", "'empty.jsonl': the file is empty (no rows)"),
+    ):
+        with pytest.raises(StartCheckError) as caught:
+            check_before_start(config(tmp_path, dataset=dataset))
+        assert (caught.value.field, caught.value.message) == ("dataset", message)
+    assert time.perf_counter() - started < 2

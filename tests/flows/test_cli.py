@@ -323,3 +323,65 @@ def test_a_run_argument_is_a_run_id_never_a_path_out_of_the_storage_root(tmp_pat
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'../../outside' is not a run id (1 to 128 letters" in err, err
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_corrupt_config_is_one_line_from_resume_and_eval(tmp_path, capsys):
+    """A JSONDecodeError traceback before (issue 30, item 12)."""
+    from grpo_flow.workers.state.storage import RunStorage
+
+    storage = RunStorage(tmp_path, "broken")
+    storage.write_config(build_config("tiny", {"run_id": "broken"}).model_dump(mode="json"))
+    storage.config_path.write_text('{"model": "ti')
+    assert main(["train", "--run-id", "broken", "--resume", "--storage-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("grpo train: --run-id: run 'broken' cannot be resumed: "), err
+    assert "config.json: unreadable (Unterminated string" in err and err.rstrip().endswith("restore it from a backup")
+    assert main(["eval", "broken", "--storage-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("grpo eval: RUN: run 'broken' cannot be evaluated: "), err
+
+
+def test_a_full_disk_at_the_writer_lock_is_one_line_and_leaves_no_lock(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from grpo_flow.workers.state import lock
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lock.os, "pwrite", full)
+    root = tmp_path / "store"
+    assert main(["train", "--run-id", "full", "--storage-root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("grpo train: --storage-root: run 'full': cannot write its writer lock ")
+    assert err.rstrip().endswith("writer.lock: No space left on device")
+    assert not (root / "runs" / "full").exists()
+
+
+def test_a_seed_beyond_numpys_range_is_refused_before_it_overflows(tmp_path, capsys):
+    assert main(["train", "--seed", "99999999999999999999999", "--storage-root", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "grpo train: --seed: Input should be less than or equal to 4294967295\n"
+
+
+def test_a_mistyped_option_gets_a_did_you_mean(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--lerning-rate", "0.1", "--storage-root", str(tmp_path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "grpo train: error: unrecognized arguments: --lerning-rate 0.1; did you mean --learning-rate?"
+
+
+def test_a_reader_that_stops_early_gets_no_broken_pipe_traceback(tmp_path):
+    """`grpo rollouts RUN | head` printed a BrokenPipeError (issue 30, item 12)."""
+    (tmp_path / "runs").mkdir()
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "grpo_flow.flows.cli", "runs", "--storage-root", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    process.stdout.close()  # the reader is gone before the first line is written
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141 and err == ""

@@ -176,3 +176,17 @@ def test_a_reward_module_in_the_working_directory_is_found_by_the_grpo_script(tm
     )
     assert missing.returncode == 2
     assert f"the working directory {elsewhere}; a module elsewhere needs PYTHONPATH" in missing.stderr
+
+
+def test_test_rollout_on_modal_without_credentials_is_one_line(tmp_path, capsys, monkeypatch):
+    """It printed a traceback, after building the model (issue 30, item 12)."""
+    for name in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "GRPO_FLOW_MODAL_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "no-modal.toml"))
+    root = tmp_path / "store"
+    assert main(["test-rollout", "--backend", "modal", "--storage-root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "grpo test-rollout: --backend modal: backend 'modal': no Modal credentials"
+    )
+    assert not (root / "models").exists()

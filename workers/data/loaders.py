@@ -603,6 +603,36 @@ def check_unique_ids(name: str, splits: Iterable[tuple[str, Iterable[Any]]]) -> 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 
+def check_data_file(path: Path, label: str | None = None) -> None:
+    """A local data file with rows: not empty, and for JSON lines every line a JSON object. `datasets`
+    says neither in words (`coroutine raised StopIteration`; a DatasetGenerationError naming no line);
+    this names the file and, for a bad line, its number. `label`: how the file was named."""
+    label = label or str(path)
+    with open(path, "rb") as handle:
+        if not handle.read(1 << 16).strip():
+            if path.stat().st_size <= 1 << 16:
+                raise ValueError(f"{label}: the file is empty (no rows)")
+    if path.suffix != ".jsonl":
+        return
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        rows = 0
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                message = getattr(error, "msg", str(error))
+                column = getattr(error, "colno", None)
+                where = f", column {column}" if column else ""
+                raise ValueError(f"{label}: line {number} is not JSON ({message}{where})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{label}: line {number} is a JSON {type(row).__name__}, not an object of columns")
+            rows += 1
+    if rows == 0:
+        raise ValueError(f"{label}: the file has no rows (only blank lines)")
+
+
 def load_custom_task(
     source: str,
     *,
@@ -624,7 +654,10 @@ def load_custom_task(
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
         loaded = load_from_disk(str(path))
     elif path.is_file() and path.suffix in FILE_BUILDERS:
+        check_data_file(path, source)
         loaded = (load or load_dataset)(FILE_BUILDERS[path.suffix], data_files=str(path))
+    elif path.suffix in FILE_BUILDERS and not path.exists():  # a data file's name, not a hub id
+        raise ValueError(f"{source}: no such file")
     else:
         loaded = (load or load_dataset)(source, name=config)
     label = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", path.stem if path.exists() else source)

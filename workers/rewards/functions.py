@@ -147,10 +147,9 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
                     "a module elsewhere needs PYTHONPATH)"
                 )
             raise ValueError(f"reward_funcs[{index}]: cannot import {name!r}: {error}{where}") from error
-        except Exception as error:  # the module itself failed: a syntax error, a missing variable
+        except (Exception, SystemExit) as error:  # the module itself failed: a syntax error, sys.exit()
             raise ValueError(
-                f"reward_funcs[{index}]: importing {module_name!r} for {name!r} raised {type(error).__name__}: "
-                f"{one_line(error)}"
+                f"reward_funcs[{index}]: importing {module_name!r} for {name!r} {what_it_did(error)}"
             ) from error
         if is_reward_environment(func):
             func = as_reward_function(func, attr)
@@ -191,6 +190,13 @@ def reward_key(name: str) -> str:
     return name.removeprefix(REGISTERED_PREFIX).rpartition(":")[2]
 
 
+def what_it_did(error: BaseException) -> str:
+    """`raised ValueError: why`, or `called sys.exit(3)`: SystemExit is no error to name by its type."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r})"
+    return f"raised {type(error).__name__}: {one_line(error)}"
+
+
 def one_line(error: BaseException) -> str:
     """An exception's message on one line (a SyntaxError's with its file and line)."""
     if isinstance(error, SyntaxError):
@@ -222,11 +228,16 @@ def check_scores(name: str, scores: Any, expected: int) -> list[float]:
             continue
         if hasattr(score, "item") and getattr(score, "ndim", 1) == 0:  # numpy / torch scalars
             score = score.item()
-        if not isinstance(score, (int, float)) or not math.isfinite(score):
+        try:  # an int too large for a float (10**400) raised OverflowError here, naming no function
+            value = float(score) if isinstance(score, (int, float)) else math.nan
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            shown = repr(score) if len(repr(score)) <= 40 else f"{repr(score)[:20]}... ({len(repr(score))} characters)"
             raise RewardOutputError(
-                f"reward function {name!r} returned {score!r} for sample {index}; expected a finite number or None"
+                f"reward function {name!r} returned {shown} for sample {index}; expected a finite number or None"
             )
-        checked.append(float(score))
+        checked.append(value)
     return checked
 
 
@@ -347,7 +358,7 @@ def _failing_sample(
             _call(func, timeout, **one)
         except _CallTimedOut:
             return None
-        except Exception:
+        except (Exception, SystemExit):
             return i, traceback.format_exc()
     return None
 
@@ -432,14 +443,15 @@ def score_batch(
                 f"reward function {name!r} did not return within reward_timeout_s={timeout_s:g} s on step "
                 f"{batch.step} ({len(batch)} completions); {timed_out.outcome}"
             ) from None
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # sys.exit() in a reward ended the run with no word
             found = _failing_sample(func, kwargs, len(batch), timeout_s)
             where = f"sample {found[0]} (prompt_id {batch.prompt_id[found[0]]!r})" if found else "the batch"
             trace = found[1] if found else traceback.format_exc()
-            raise RewardFunctionError(
-                f"reward function {name!r} raised on {where} of step {batch.step}: {type(error).__name__}: {error}\n"
-                f"{trace}"
-            ) from error
+            if isinstance(error, SystemExit):
+                did = f"{what_it_did(error)} on {where} of step {batch.step}"
+            else:
+                did = f"raised on {where} of step {batch.step}: {type(error).__name__}: {error}"
+            raise RewardFunctionError(f"reward function {name!r} {did}\n{trace}") from error
         seconds[name] = time.perf_counter() - func_started
         per_func[name] = check_scores(name, raw, len(batch))
         check_logged_extra(name, logged_extra, len(batch), batch.step)

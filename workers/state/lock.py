@@ -47,6 +47,10 @@ DEFAULT_LEASE_S = float(os.environ.get("GRPO_FLOW_LOCK_LEASE_S", "120"))
 logger = logging.getLogger("grpo_flow.lock")
 
 
+class LockWriteError(RuntimeError):
+    """The writer lock could not be written (a full disk, a read-only folder); nothing was left behind."""
+
+
 class RunLockedError(RuntimeError):
     """Another live process writes this run; the message names it (host, pid, since when)."""
 
@@ -181,9 +185,15 @@ class RunLock:
         return self._fd is not None
 
     def acquire(self) -> RunLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise self._cannot_write(error) from None
         for _ in range(10):  # a releaser may unlink the file between our open and our lock: try again
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides, as for every run file
+            except OSError as error:
+                raise self._cannot_write(error) from None
             try:
                 kernel = _try_flock(fd)
                 if kernel is False:
@@ -218,7 +228,16 @@ class RunLock:
                     "token": self.token,
                     "lease_s": self.lease_s,
                 }
-                self._write(fd, now)
+                try:
+                    self._write(fd, now)
+                except OSError as error:  # a full disk: no empty writer.lock left behind, one line said
+                    if self._same_file(fd) and os.fstat(fd).st_size == 0:
+                        self.path.unlink(missing_ok=True)
+                    try:
+                        self.run_dir.rmdir()
+                    except OSError:
+                        pass
+                    raise self._cannot_write(error) from None
                 self._fd = fd
                 self._stop.clear()
                 self._renewer = threading.Thread(target=self._renew, name="grpo-flow-run-lock", daemon=True)
@@ -260,6 +279,11 @@ class RunLock:
             f"(lock {self.path}). Wait for it to end or stop it: a lock left by a killed process is taken "
             "over at the next start",
             holder,
+        )
+
+    def _cannot_write(self, error: OSError) -> LockWriteError:
+        return LockWriteError(
+            f"run {self.run_dir.name!r}: cannot write its writer lock {self.path}: {error.strerror or error}"
         )
 
     def _same_file(self, fd: int) -> bool:

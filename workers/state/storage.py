@@ -82,6 +82,22 @@ class DamagedStepError(ValueError):
     """A logged step's rollout files do not match its manifest (or cannot be read); names each file."""
 
 
+class DamagedRunFileError(ValueError):
+    """config.json, run.json or a resume record that cannot be read: names the file, in one line."""
+
+
+def read_run_file(path: Path) -> dict[str, Any]:
+    """A run's JSON record (config.json, run.json, resumes/resume-NNN.json) as a dict; a damaged one is a
+    DamagedRunFileError naming it, not a JSONDecodeError traceback."""
+    try:
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON
+        raise DamagedRunFileError(f"{path}: unreadable ({' '.join(str(error).split())})") from None
+    if not isinstance(record, dict):
+        raise DamagedRunFileError(f"{path}: unreadable (a JSON {type(record).__name__}, not an object)")
+    return record
+
+
 def _explain_write_error(path: Path, error: OSError) -> OSError:
     if is_disk_full(error):
         return StorageFullError(error.errno, f"no space left on the device while writing {path}; nothing was logged")
@@ -328,17 +344,17 @@ class RunStorage:
         atomic_write_json(self.config_path, config)
 
     def run_uid(self) -> str:
-        return json.loads((self.run_dir / "run.json").read_text())["uid"]
+        return read_run_file(self.run_dir / "run.json")["uid"]
 
     def run_mode(self) -> str:
         """`grpo` (grpo-flow's loop, resumable) or `simple` (TRL's loop, which does not resume)."""
-        return str(json.loads((self.run_dir / "run.json").read_text()).get("mode", "grpo"))
+        return str(read_run_file(self.run_dir / "run.json").get("mode", "grpo"))
 
     def resume_count(self) -> int:
         return len(list((self.run_dir / "resumes").glob("resume-*.json")))
 
     def read_config(self) -> dict[str, Any]:
-        return json.loads(self.config_path.read_text())
+        return read_run_file(self.config_path)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """As strict JSON: a figure that was not measured (NaN: no evaluation) is `null`, which every JSON
@@ -562,7 +578,10 @@ class RunStorage:
         """The config in force: the newest resume's, else the one the run started with."""
         resumes = sorted((self.run_dir / "resumes").glob("resume-*.json"))
         if resumes:
-            return json.loads(resumes[-1].read_text())["config"]
+            record = read_run_file(resumes[-1])
+            if not isinstance(record.get("config"), dict):
+                raise DamagedRunFileError(f"{resumes[-1]}: unreadable (it holds no config)")
+            return record["config"]
         return self.read_config()
 
     @property

@@ -3,7 +3,9 @@
 - rollouts: each step's shards against its `_manifest.json` (size and sha256); a step logged
   before steps had manifests is read in full instead;
 - checkpoints: each file against the checkpoint's `manifest.json` (size and sha256);
-- metrics: each step's Parquet row is read.
+- metrics: each step's Parquet row is read;
+- the run's records (config.json, run.json, resumes/resume-NNN.json): each is read as JSON. One that
+  is damaged is named and left in place (the run is known by it): restore it from a backup.
 
 What is damaged is named, file by file, and moved to the run's `quarantine/` (never deleted),
 so the run's readers (pandas, pyarrow, DuckDB, `grpo rollouts`, evaluation, report) read the
@@ -21,14 +23,14 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from grpo_flow.workers.state.lock import RunLock, RunLockedError, describe_holder
-from grpo_flow.workers.state.storage import DamagedCheckpointError, RunStorage
+from grpo_flow.workers.state.storage import DamagedCheckpointError, DamagedRunFileError, RunStorage, read_run_file
 
 
 @dataclass
 class Damage:
     """One damaged step, checkpoint or metrics file, with what was found and where it went."""
 
-    kind: str  # "rollouts", "checkpoint" or "metrics"
+    kind: str  # "rollouts", "checkpoint", "metrics" or "record" (config.json, run.json, a resume's)
     step: int
     path: Path
     problems: list[str]
@@ -61,6 +63,15 @@ def verify_run(storage: RunStorage, quarantine: bool = True) -> RunCheck:
     """Check every step, checkpoint and metrics file of the run; move what is damaged aside
     (unless `quarantine` is False, or another process writes the run)."""
     check = RunCheck(run_id=storage.run_id, quarantined=storage.quarantined())
+    records = [storage.config_path, storage.run_dir / "run.json"]
+    for path in records + sorted((storage.run_dir / "resumes").glob("resume-*.json")):
+        try:
+            if path.exists() or path == storage.config_path:
+                read_run_file(path)
+        except DamagedRunFileError as error:
+            check.damage.append(
+                Damage("record", 0, path, [f"{storage.relative(path)}: {str(error).partition(': ')[2]}"])
+            )
     for step in storage.checkpoint_steps():
         try:
             storage.verify_checkpoint(step)
@@ -104,13 +115,16 @@ def move_aside(storage: RunStorage, check: RunCheck) -> None:
         return
     try:
         for damage in check.damage:
-            damage.moved_to = storage.quarantine(damage.path, "; ".join(damage.problems), log=False)
+            if damage.kind != "record":  # the run is known by its records: moving one would lose the run
+                damage.moved_to = storage.quarantine(damage.path, "; ".join(damage.problems), log=False)
     finally:
         lock.release()
 
 
 def consequence(damage: Damage, newest_checkpoint: int | None) -> str:
     """What a damaged item means for the run, in words."""
+    if damage.kind == "record":
+        return "the run cannot be resumed or evaluated until it is restored from a backup"
     if damage.kind == "checkpoint":
         return "a resume uses the newest intact checkpoint before it"
     if damage.kind == "metrics":
@@ -128,6 +142,8 @@ def report_lines(storage: RunStorage, check: RunCheck) -> list[str]:
     lines = [f"damaged: {problem}" for damage in check.damage for problem in damage.problems]
     for damage in check.damage:
         name = f"checkpoint {damage.step}" if damage.kind == "checkpoint" else f"step {damage.step}'s {damage.kind}"
+        if damage.kind == "record":
+            name = storage.relative(damage.path)
         where = f"moved to {storage.relative(damage.moved_to)}" if damage.moved_to else "left in place"
         lines.append(f"{name}: {where}; {consequence(damage, check.newest_checkpoint)}")
     if check.writer is not None:

@@ -422,3 +422,22 @@ def test_smol_math_is_generated_in_gsm8ks_format_and_read_by_the_gsm8k_loader():
     a, b = (int(n) for n in re.findall(r"\d", question))
     assert row["answer"] == str(a + b)
     assert gsm8k_accuracy([f"{a} + {b} = {a + b}", "The answer is 0."], [row["answer"]] * 2) == [1.0, 0.0]
+
+
+def test_a_data_file_that_is_empty_malformed_or_missing_is_named_in_one_line(tmp_path, monkeypatch):
+    """`datasets` said `coroutine raised StopIteration` for an empty file, a DatasetGenerationError naming no
+    line for a bad one, and took `missing.jsonl` for a hub id (issue 30, item 12)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n\n{"prompt": "2=", "answer" "2"}\n')
+    (tmp_path / "list.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n["2=", "2"]\n')
+    expected = {
+        "empty.jsonl": "empty.jsonl: the file is empty (no rows)",
+        "bad.jsonl": "bad.jsonl: line 3 is not JSON (Expecting ':' delimiter, column 27)",
+        "list.jsonl": "list.jsonl: line 2 is a JSON list, not an object of columns",
+        "missing.jsonl": "missing.jsonl: no such file",
+    }
+    for name, message in expected.items():
+        with pytest.raises(ValueError) as raised:
+            data.load_custom_task(name, load=lambda *a, **k: pytest.fail(f"{name} reached the loader"))
+        assert str(raised.value) == message

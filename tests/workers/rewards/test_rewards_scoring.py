@@ -303,3 +303,36 @@ def test_a_reward_that_edits_its_inputs_changes_neither_the_log_nor_the_next_rew
     assert completions == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
     assert prompts[0][0]["content"] == "2+2?" and answer == ["4", "4"]
     assert scored.rewards == {"vandal": [1.0, 1.0], "reader": [0.5, 0.5]}
+
+
+def test_sys_exit_in_a_reward_or_at_its_import_is_an_error_naming_it(tmp_path, monkeypatch):
+    """sys.exit(3) in a reward, or when its module is imported, ended the run with exit 3 and no word
+    (issue 30, item 12)."""
+    from grpo_flow.workers.rewards.functions import RewardFunctionError
+
+    def quits(completions, **kwargs):
+        raise SystemExit(3)
+
+    with pytest.raises(RewardFunctionError) as raised:
+        score_batch(batch(["4", "5"], ["4", "4"]), {"quits": quits}, None)
+    assert (
+        str(raised.value).splitlines()[0]
+        == "reward function 'quits' called sys.exit(3) on sample 0 (prompt_id 'p') of step 1"
+    )
+    (tmp_path / "quits_at_import.py").write_text("import sys\nsys.exit(3)\ndef score(completions, **kwargs): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        ValueError,
+        match=r"^reward_funcs\[0\]: importing 'quits_at_import' for 'quits_at_import:score' called sys.exit\(3\)$",
+    ):
+        resolve_reward_funcs(["quits_at_import:score"])
+
+
+def test_a_score_too_large_for_a_float_names_its_reward():
+    from grpo_flow.workers.rewards.functions import RewardOutputError
+
+    with pytest.raises(
+        RewardOutputError,
+        match=r"^reward function 'huge' returned 10000000000000000000\.\.\. \(401 characters\) for sample 1;",
+    ):
+        check_scores("huge", [1, 10**400], 2)

@@ -87,3 +87,25 @@ def test_a_resume_sets_aside_a_damaged_step_before_its_checkpoint_and_regenerate
     assert storage.quarantined() == ["rollouts-step-000002", "rollouts-step-000005"]
     assert "not needed to resume (checkpoint 4 holds the weights trained on it)" in caplog.text
     assert "does not match its sha256" in caplog.text and "the step is generated again" in caplog.text
+
+
+def test_a_damaged_config_is_named_by_verify_and_left_in_place(tmp_path):
+    """`grpo verify` called a run with a corrupt config.json intact, while resume and eval failed on it
+    with a JSONDecodeError traceback (issue 30, item 12)."""
+    import pytest
+
+    from grpo_flow.workers.state.storage import DamagedRunFileError
+    from grpo_flow.workers.state.verify import report_lines
+
+    storage = logged_run(tmp_path, steps=2, checkpoints=(2,))
+    storage.config_path.write_text('{"model": "tiny", "datas')
+    check = verify_run(storage)
+    assert not check.clean and [d.kind for d in check.damage] == ["record"]
+    assert storage.config_path.exists() and storage.quarantined() == []
+    lines = report_lines(storage, check)
+    assert lines[0].startswith("damaged: config.json: unreadable (Unterminated string")
+    assert lines[1] == (
+        "config.json: left in place; the run cannot be resumed or evaluated until it is restored from a backup"
+    )
+    with pytest.raises(DamagedRunFileError, match=r"config.json: unreadable \(Unterminated string"):
+        storage.effective_config()
