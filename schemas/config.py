@@ -314,8 +314,10 @@ class GRPOFlowConfig(BaseModel):
         gt=0,
         le=1,
         description="Fraction of the GPU's memory a vLLM engine reserves (vLLM's gpu_memory_utilization). None: 0.3 "
-        "in colocate mode (TRL's default), 0.9 in server mode. On vLLM's CPU build the KV cache is sized by "
-        "VLLM_CPU_KVCACHE_SPACE (GiB) instead; 256 MiB if unset.",
+        "in colocate mode (TRL's default), 0.9 in server mode. On vLLM's CPU build: the share of the machine's "
+        "memory the engine may take (capped by what is available), which holds its weights and a KV cache sized "
+        "from the rest (VLLM_CPU_KVCACHE_SPACE, in GiB, sets the KV cache instead); a model that does not fit is "
+        "refused before the engine starts.",
     )
     vllm_enable_sleep_mode: bool | None = Field(
         default=None,

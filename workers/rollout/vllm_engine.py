@@ -12,6 +12,14 @@ this CPU; tests/workers/rollout/test_vllm_real.py runs it); what it relies on:
 - `LLM.generate([{"prompt_token_ids": ids}], [SamplingParams per prompt])`: one `RequestOutput`
   per prompt in prompt order, its `outputs` by `.index`; child j of a request seeded s uses
   s + j, so prompt i gets seed `seed + i * n` (no two completions of a call share a seed).
+  On the CPU build, seeded requests need chunked prefill off: when a prompt is prefilled over
+  two engine steps, vLLM discards the first step's sample and rewinds the request's generator,
+  which a CPU generator cannot do (`RuntimeError: CPU Generator does not use offset`, and the
+  engine is dead). It happened as soon as a batch's prompts passed max_num_batched_tokens (4096
+  on CPU: about 70 chat prompts). So engines on CPU prefill whole prompts
+  (`enable_chunked_prefill=False`, max_num_batched_tokens at least max_model_len) and keep
+  per-request seeds: the same call samples the same completions in any engine, a new one
+  included, which is what a healed engine and a resumed run rely on.
 - Weights in place: `LLM.collective_rpc(fn)` with `fn(worker)` calling
   `worker.reload_weights(weights_iterator=...)`, vLLM's in-place reload, which re-runs each
   layer's kernel processing. The plain `model.load_weights` (TRL's colocate path) fails on the
@@ -26,8 +34,10 @@ this CPU; tests/workers/rollout/test_vllm_real.py runs it); what it relies on:
   rank is checked here first. A new adapter version needs a new id (vLLM caches by id).
 - `enable_sleep_mode=True` is refused on the CPU build (`Sleep mode is not supported on current
   platform`); `LLM.sleep(level)` / `wake_up(tags)` where it exists.
-- On CPU, `gpu_memory_utilization` is the fraction of RAM reserved (0.92 of a NUMA node fails on
-  a shared machine); the KV cache is sized with `kv_cache_memory_bytes` instead.
+- On CPU, `gpu_memory_utilization` is the fraction of a NUMA node's RAM reserved (0.92 fails on a
+  shared machine); the KV cache is sized here from that fraction, the memory available and the
+  model (`plan_cpu_kv_cache`), passed as `kv_cache_memory_bytes`, and a model that does not fit is
+  refused before the engine starts, naming vllm_gpu_memory_utilization.
 - `LLM` has no shutdown in 0.32: `llm.llm_engine.engine_core.shutdown()` ends its processes.
 """
 
@@ -157,7 +167,12 @@ def from_vllm_outputs(
 # -- weights as vLLM's in-place reload needs them ----------------------------------------------------
 EMBEDDING_SUFFIX = "embed_tokens.weight"  # Llama / Qwen / Mistral naming
 LM_HEAD = "lm_head.weight"
-CPU_KV_CACHE_BYTES = 256 << 20  # without VLLM_CPU_KVCACHE_SPACE: 524,288 tokens of the tiny model
+GIB = 1 << 30
+CPU_KV_CACHE_BYTES = 256 << 20  # the KV cache where the machine's memory is not known (524,288 tokens of the tiny model)
+CPU_KV_CACHE_MAX = 2 * GIB  # more KV cache than this buys a rollout batch nothing on a CPU
+CPU_ENGINE_OVERHEAD = GIB  # the engine process besides weights and KV cache (torch, vLLM, buffers)
+CPU_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs off big GPUs: the sequences its KV cache is sized for
+CPU_MAX_BATCHED_TOKENS = 4096  # vLLM's default on its CPU build: tokens one engine step computes
 
 
 class VLLMSetupError(ValueError):
@@ -211,6 +226,88 @@ def check_servable(model_config: Any, platform_is_cpu: bool, supported_head_size
         )
 
 
+# -- memory on vLLM's CPU build -------------------------------------------------------------------------
+def dtype_bytes(dtype: str, config_dtype: Any = None) -> int:
+    """Bytes per value of the engine's dtype (`auto`: the model config's, fp32 if it names none)."""
+    name = str(config_dtype or "float32").removeprefix("torch.") if dtype == "auto" else dtype
+    return 2 if name in ("bfloat16", "float16", "half") else 4
+
+
+def kv_bytes_per_token(text_config: Any, value_bytes: int) -> int:
+    """Key and value of one token in every layer."""
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return 2 * text_config.num_hidden_layers * kv_heads * head_dim * value_bytes
+
+
+def weight_bytes(model_path: str | Path, value_bytes: int, tied: bool) -> int:
+    """The engine's weights: every tensor of the model's safetensors at `value_bytes` each, read from the
+    files' headers; a tied model's embedding counts twice (the CPU build packs its own lm_head)."""
+    from safetensors import safe_open
+
+    total = embedding = 0
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), framework="numpy") as handle:
+            for name in handle.keys():
+                count = math.prod(handle.get_slice(name).get_shape())
+                total += count
+                embedding = count if name.endswith(EMBEDDING_SUFFIX) else embedding
+    return (total + (embedding if tied else 0)) * value_bytes
+
+
+def machine_memory() -> tuple[int, int]:
+    """(total, available) bytes of the memory vLLM's CPU build allocates from: NUMA node 0 as vLLM reads it
+    where vLLM is importable, else the whole machine's (/proc/meminfo)."""
+    try:
+        from vllm.utils.cpu_resource_utils import get_memory_node_info
+
+        info = get_memory_node_info(0)
+        return int(info.total_memory), int(info.available_memory)
+    except ImportError:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return (int(fields[name].split()[0]) * 1024 for name in ("MemTotal", "MemAvailable"))  # type: ignore[return-value]
+
+
+def plan_cpu_kv_cache(
+    weights: int,
+    per_token: int,
+    max_model_len: int,
+    fraction: float,
+    total: int,
+    available: int,
+    explicit: int | None = None,
+) -> int:
+    """The KV cache (bytes) of an engine on vLLM's CPU build, sized from the machine; VLLMSetupError naming
+    the field when the model does not fit.
+
+    The engine may take `fraction` of the node's memory (vllm_gpu_memory_utilization: vLLM's meaning on
+    CPU), and no more than is available now: that holds its weights, the process itself
+    (CPU_ENGINE_OVERHEAD) and a KV cache for CPU_MAX_NUM_SEQS sequences of `max_model_len` tokens, at
+    most CPU_KV_CACHE_MAX and at least one such sequence. An `explicit` size (VLLM_CPU_KVCACHE_SPACE) is
+    taken as it is, if it fits what is available.
+    """
+    gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+    one_sequence = per_token * max_model_len
+    if explicit is not None:
+        if weights + CPU_ENGINE_OVERHEAD + explicit > available:
+            raise VLLMSetupError(
+                f"VLLM_CPU_KVCACHE_SPACE: a KV cache of {gib(explicit)} beside the model's {gib(weights)} of weights "
+                f"and the engine's {gib(CPU_ENGINE_OVERHEAD)} is more than the {gib(available)} available; lower it"
+            )
+        return explicit
+    budget = min(int(fraction * total), available)
+    room = budget - weights - CPU_ENGINE_OVERHEAD
+    if room < one_sequence:
+        raise VLLMSetupError(
+            f"vllm_gpu_memory_utilization: the model does not fit the vLLM engine's share of memory: {fraction} of "
+            f"{gib(total)} ({gib(available)} available) is {gib(budget)}, and it needs {gib(weights)} of weights, "
+            f"{gib(CPU_ENGINE_OVERHEAD)} for the engine and {gib(one_sequence)} of KV cache for one sequence of "
+            f"{max_model_len} tokens; raise vllm_gpu_memory_utilization, lower vllm_max_model_length, or free memory"
+        )
+    return max(one_sequence, min(room, CPU_KV_CACHE_MAX, CPU_MAX_NUM_SEQS * one_sequence))
+
+
 def _reload_in_worker(worker: Any, weights: Any) -> int:
     """Runs inside vLLM's worker: vLLM's in-place reload of Hugging Face-named tensors."""
     worker.reload_weights(weights_iterator=iter(weights.items()))
@@ -251,6 +348,8 @@ class VLLMRolloutEngine:
         self._sleep_level = 0  # 0 awake; 1 weights offloaded to CPU; 2 weights discarded
         self._lora_request: Any = None
         self._adapter_dir: str | None = None  # adapters written from state dicts (load_state_dict)
+        self.cpu_kv_cache_bytes: int | None = None  # sized from the machine at load() on vLLM's CPU build
+        self.context_length: int | None = None  # max_model_len, or the model's own limit (read at load())
 
     @property
     def model(self) -> Any:
@@ -272,8 +371,16 @@ class VLLMRolloutEngine:
             logprobs_mode="processed_logprobs",
         )
         if platform_is_cpu:
+            # Per-request seeds (reproducible sampling) need each prompt prefilled in one step: a prompt split
+            # across steps has its sampled token discarded, and vLLM then rewinds the request's generator, which a
+            # CPU generator cannot do (RuntimeError: CPU Generator does not use offset; the engine dies).
+            context = o.max_model_len or self.context_length
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(CPU_MAX_BATCHED_TOKENS, context or 0)
             if o.kv_cache_memory_bytes is not None or not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                kwargs["kv_cache_memory_bytes"] = o.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+                kwargs["kv_cache_memory_bytes"] = (
+                    o.kv_cache_memory_bytes or self.cpu_kv_cache_bytes or CPU_KV_CACHE_BYTES
+                )
         else:
             kwargs["gpu_memory_utilization"] = o.gpu_memory_utilization
         if o.enable_lora:
@@ -298,20 +405,39 @@ class VLLMRolloutEngine:
                 "vLLM's CPU build never has); leave it unset or false"
             )
         hf_config = AutoConfig.from_pretrained(self.model_path)
-        if is_cpu:
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-            check_servable(hf_config, True, CPUAttentionBackend.get_supported_head_sizes())
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.tie_word_embeddings = bool(getattr(text_config, "tie_word_embeddings", False)) or bool(
             getattr(hf_config, "tie_word_embeddings", False)
         )
+        self.context_length = self.options.max_model_len or getattr(text_config, "max_position_embeddings", None)
+        if is_cpu:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            check_servable(hf_config, True, CPUAttentionBackend.get_supported_head_sizes())
+            self.cpu_kv_cache_bytes = self.plan_cpu_memory(text_config)
         self.tokenizer = load_generation_tokenizer(self.model_path)
         self.llm = LLM(**self.engine_kwargs(is_cpu))
         self._sleep_level = 0
         self._lora_request = None
         self.policy_version = 0
         self._warm_up()
+
+    def plan_cpu_memory(self, text_config: Any) -> int:
+        """The KV cache this engine gets on vLLM's CPU build (plan_cpu_kv_cache), checked before it starts."""
+        o = self.options
+        value_bytes = dtype_bytes(o.dtype, getattr(text_config, "dtype", None))
+        space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        explicit = o.kv_cache_memory_bytes if o.kv_cache_memory_bytes is not None else (int(space) * GIB if space else None)
+        total, available = machine_memory()
+        return plan_cpu_kv_cache(
+            weight_bytes(self.model_path, value_bytes, self.tie_word_embeddings),
+            kv_bytes_per_token(text_config, value_bytes),
+            self.context_length or 2048,
+            o.gpu_memory_utilization,
+            total,
+            available,
+            explicit,
+        )
 
     def _warm_up(self) -> None:
         """One token from a one-token prompt: vLLM's lazy initialisation (about 2 s in eager mode on CPU) is

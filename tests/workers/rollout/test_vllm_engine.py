@@ -389,3 +389,65 @@ def test_the_engine_child_imports_our_package_even_from_a_folder_holding_another
         check=True,
     ).stdout.strip()
     assert Path(found).resolve().parent == Path(__file__).resolve().parents[3] / "workers"
+
+
+# -- vLLM's CPU build: whole-prompt prefills for seeded requests, memory sized from the machine -------------
+def test_on_cpu_prompts_are_prefilled_whole_so_per_request_seeds_survive_big_batches(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    engine = VLLMRolloutEngine("m", options=VLLMOptions(max_model_len=9000))
+    engine.cpu_kv_cache_bytes = 3 << 30
+    cpu = engine.engine_kwargs(platform_is_cpu=True)
+    # A prompt prefilled over two steps kills the CPU engine of a seeded request; whole prompts need a step
+    # that holds the longest sequence.
+    assert cpu["enable_chunked_prefill"] is False and cpu["max_num_batched_tokens"] == 9000
+    assert cpu["kv_cache_memory_bytes"] == 3 << 30  # the size planned at load()
+    gpu = engine.engine_kwargs(platform_is_cpu=False)
+    assert "enable_chunked_prefill" not in gpu and "max_num_batched_tokens" not in gpu
+
+
+GIB = 1 << 30
+SMOL = dict(weights=int(0.64 * GIB), per_token=46080, max_model_len=144)  # smollm2-135m in fp32, tied lm_head packed
+
+
+def test_the_kv_cache_is_sized_from_the_model_and_the_machine():
+    from grpo_flow.workers.rollout.vllm_engine import CPU_KV_CACHE_MAX, plan_cpu_kv_cache
+
+    # Room to spare: a KV cache for 256 sequences of max_model_len (1.7 GB for smollm2 at 144 tokens) ...
+    assert plan_cpu_kv_cache(**SMOL, fraction=0.3, total=24 * GIB, available=20 * GIB) == 256 * 46080 * 144
+    # ... at most CPU_KV_CACHE_MAX, and no more than the share leaves after weights and the engine.
+    assert plan_cpu_kv_cache(**{**SMOL, "max_model_len": 4096}, fraction=0.3, total=24 * GIB, available=20 * GIB) == (
+        CPU_KV_CACHE_MAX
+    )
+    tight = plan_cpu_kv_cache(**SMOL, fraction=0.1, total=24 * GIB, available=20 * GIB)
+    assert tight == int(0.1 * 24 * GIB) - SMOL["weights"] - GIB
+    # The share is capped by what is available now (another process holds the rest).
+    assert plan_cpu_kv_cache(**SMOL, fraction=0.9, total=24 * GIB, available=2 * GIB) == 2 * GIB - SMOL["weights"] - GIB
+    # A size given through VLLM_CPU_KVCACHE_SPACE is taken as it is.
+    assert plan_cpu_kv_cache(**SMOL, fraction=0.3, total=24 * GIB, available=20 * GIB, explicit=GIB) == GIB
+
+
+def test_a_model_that_does_not_fit_is_refused_in_one_line_naming_the_field():
+    from grpo_flow.workers.rollout.vllm_engine import plan_cpu_kv_cache
+
+    with pytest.raises(VLLMSetupError) as caught:
+        plan_cpu_kv_cache(**SMOL, fraction=0.05, total=24 * GIB, available=20 * GIB)
+    message = str(caught.value)
+    assert message.startswith("vllm_gpu_memory_utilization: the model does not fit the vLLM engine's share of memory")
+    assert "0.05 of 24.00 GiB (20.00 GiB available) is 1.20 GiB" in message and "\n" not in message
+    with pytest.raises(VLLMSetupError, match=r"^VLLM_CPU_KVCACHE_SPACE: a KV cache of 8\.00 GiB .* available; lower it$"):
+        plan_cpu_kv_cache(**SMOL, fraction=0.3, total=24 * GIB, available=4 * GIB, explicit=8 * GIB)
+
+
+def test_weights_and_kv_bytes_are_read_from_the_saved_model(tmp_path):
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from grpo_flow.workers.rollout.vllm_engine import dtype_bytes, kv_bytes_per_token, weight_bytes
+
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 4), "model.norm.weight": torch.zeros(4)}, tmp_path / "a.safetensors")
+    assert weight_bytes(tmp_path, 4, tied=False) == 44 * 4
+    assert weight_bytes(tmp_path, 2, tied=True) == (44 + 40) * 2  # the CPU build's own copy of a tied lm_head
+    config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+    assert kv_bytes_per_token(config, 4) == 2 * 30 * 3 * 64 * 4
+    assert dtype_bytes("float32") == 4 and dtype_bytes("bfloat16") == 2
+    assert dtype_bytes("auto", "bfloat16") == 2 and dtype_bytes("auto", None) == 4
