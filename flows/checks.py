@@ -16,8 +16,9 @@ import os
 import re
 import socket
 import tempfile
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 
 from grpo_flow.schemas.config import GRPOFlowConfig
 
@@ -34,15 +35,41 @@ class StartCheckError(ValueError):
         self.message = message
 
 
-def check_before_start(config: GRPOFlowConfig, registered_rewards: Collection[str] = ()) -> None:
+def check_before_start(
+    config: GRPOFlowConfig, registered_rewards: Collection[str] = (), registered_dataset: bool = False
+) -> None:
     """Everything about `config` that can be checked before anything loads. `registered_rewards`:
-    the names GRPOFlowTrainer registers for this run (`registered:<name>`), taken as they are."""
+    the names GRPOFlowTrainer registers for this run (`registered:<name>`), taken as they are;
+    `registered_dataset`: it registers the data set too."""
     check_storage_root(config.storage_root)
+    if config.dataset.startswith("registered:") and not registered_dataset:
+        raise StartCheckError(
+            "dataset",
+            f"{config.dataset!r} names a Dataset object that only the Python process that registered it holds; "
+            "pass the data set to GRPOFlowTrainer, or name a file or hub id as 'hf:<path or id>'",
+        )
     if config.dataset.startswith("hf:"):
         check_local_or_hub("dataset", config.dataset.removeprefix("hf:"), "data set", folder_only=False)
     check_rewards(config, registered_rewards)
     if config.backend == "local":
         check_model(config.model, config.storage_root)
+
+
+def absolute_local_paths(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Config fields with `model`, an `hf:` data set and `vllm_python` made absolute where they name an
+    existing local path (a built-in model's name excepted): a run's config.json is read again from other
+    folders (a resume, `grpo eval`, the nightly evaluation), where a relative path named something else."""
+    from grpo_flow.workers.data.models import BUILTIN_MODELS
+
+    fields = dict(fields)
+    for name, prefix in (("model", ""), ("dataset", "hf:"), ("vllm_python", "")):
+        value = fields.get(name)
+        if not isinstance(value, str) or not value.startswith(prefix) or value in BUILTIN_MODELS:
+            continue
+        path = os.path.expanduser(value.removeprefix(prefix))
+        if path and os.path.exists(path):
+            fields[name] = prefix + os.path.abspath(path)
+    return fields
 
 
 def check_model(model: str, storage_root: str | os.PathLike) -> None:

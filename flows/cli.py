@@ -141,9 +141,10 @@ def steps_count(text: str) -> int:
 
 
 def command_train(args: argparse.Namespace) -> int:
-    overrides = parse_overrides(args)
     quiet_prefect(args.verbose)  # before Prefect is first imported: its settings are read then
-    from grpo_flow.flows.checks import StartCheckError, check_before_start
+    from grpo_flow.flows.checks import StartCheckError, absolute_local_paths, check_before_start
+
+    overrides = absolute_local_paths(parse_overrides(args))  # as config.json keeps them: absolute
     from grpo_flow.workers.state.storage import RunStorage
 
     try:  # everything up to check_before_start runs in about a second: no torch, Prefect or model yet
@@ -334,7 +335,12 @@ def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
 
 def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namespace) -> GRPOFlowConfig:
     """The run's own config with the options given applied; a change to training needs --allow-config-change."""
-    from grpo_flow.workers.state.resume import ResumeError, check_config_change, config_for_resume
+    from grpo_flow.workers.state.resume import (
+        ResumeError,
+        check_config_change,
+        config_for_resume,
+        held_by_the_python_api,
+    )
     from grpo_flow.workers.state.storage import DamagedRunFileError
 
     if args.preset:
@@ -352,6 +358,13 @@ def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namesp
         raise UsageError(
             f"--run-id: run {storage.run_id!r} cannot be resumed: {error}; restore it from a backup"
         ) from None
+    held = held_by_the_python_api(config.model_dump(mode="json"))
+    if held:  # it failed after the flow had started, then offered a resume command that could not work
+        raise UsageError(
+            f"--run-id: run {storage.run_id!r} was started from the Python API with {held}, which only that "
+            f"Python process holds; resume it from Python with the same objects: "
+            f"GRPOFlowTrainer(..., run_id={storage.run_id!r}).train()"
+        )
     return config
 
 
@@ -538,11 +551,14 @@ def command_eval(args: argparse.Namespace) -> int:
 
 
 def check_evaluable(storage: Any) -> None:
-    """The run's config can be read (before Prefect and the model start, which took seconds to fail)."""
+    """The run's config can be read, and a fresh process can rebuild its data and rewards (checked before
+    Prefect and the model start, where each took seconds to fail)."""
+    from grpo_flow.flows.checks import StartCheckError, check_local_or_hub
+    from grpo_flow.workers.state.resume import held_by_the_python_api
     from grpo_flow.workers.state.storage import DamagedRunFileError
 
     try:
-        GRPOFlowConfig(**storage.effective_config())
+        config = GRPOFlowConfig(**storage.effective_config())
     except DamagedRunFileError as error:
         raise UsageError(
             f"RUN: run {storage.run_id!r} cannot be evaluated: {error}; restore it from a backup"
@@ -550,6 +566,17 @@ def check_evaluable(storage: Any) -> None:
     except ValidationError as error:
         problems = "; ".join(describe_validation_error(error).splitlines())
         raise UsageError(f"RUN: run {storage.run_id!r} has a config this grpo-flow refuses: {problems}") from None
+    held = held_by_the_python_api(config.model_dump(mode="json"))
+    if held:
+        raise UsageError(
+            f"RUN: run {storage.run_id!r} was started from the Python API with {held}, which only that Python "
+            f"process holds; evaluate it there: grpo_flow.flows.evaluate.evaluate(run_id={storage.run_id!r})"
+        )
+    if config.dataset.startswith("hf:"):
+        try:
+            check_local_or_hub("dataset", config.dataset.removeprefix("hf:"), "data set", folder_only=False)
+        except StartCheckError as error:
+            raise UsageError(f"RUN: run {storage.run_id!r}'s data set {error.message}") from None
 
 
 def settings_differences(stored: dict[str, Any], args: argparse.Namespace) -> list[str]:

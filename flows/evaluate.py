@@ -59,6 +59,7 @@ from grpo_flow.schemas.records import REWARD_PREFIX, RolloutBatch
 from grpo_flow.tasks.observability import artifact_key
 from grpo_flow.workers.state.storage import (
     EVAL_METADATA_KEY,
+    DamagedRunFileError,
     RunStorage,
     atomic_write,
     clean_stale_temps,
@@ -66,6 +67,7 @@ from grpo_flow.workers.state.storage import (
     read_eval_summary,
 )
 from grpo_flow.workers.state.storage import eval_metric_names as metric_names
+from grpo_flow.workers.state.resume import held_by_the_python_api
 from grpo_flow.workers.state.tracking import wandb_dir
 
 __all__ = ["EVAL_METADATA_KEY", "metric_names", "read_eval_summary"]  # kept importable from here
@@ -452,9 +454,16 @@ def evaluate_run_name() -> str:
 
 def needs_evaluation(storage: RunStorage) -> tuple[int | None, str]:
     """(checkpoint to evaluate, or None with the reason to skip the run)."""
-    config = storage.effective_config()
-    if str(config.get("dataset", "")).startswith("registered:"):
-        return None, "its data set was registered in-process by the Python API"
+    try:
+        config = storage.effective_config()
+    except DamagedRunFileError as error:  # one run's damaged record skips that run, not the sweep
+        return None, str(error)
+    held = held_by_the_python_api(config)
+    if held:
+        return None, f"it was started from the Python API with {held}, which only that Python process holds"
+    dataset = str(config.get("dataset", "")).removeprefix("hf:")
+    if str(config.get("dataset", "")).startswith("hf:") and os.path.isabs(dataset) and not os.path.exists(dataset):
+        return None, f"its data set {dataset} no longer exists"
     newest = storage.latest_valid_checkpoint()
     if newest is None:
         return None, "no valid checkpoint"

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from grpo_flow.flows.checks import StartCheckError, check_before_start
+from grpo_flow.flows.checks import StartCheckError, absolute_local_paths, check_before_start
 from grpo_flow.schemas.config import GRPOFlowConfig, InvalidConfigError, describe_validation_error
 
 HELDOUT_FRACTION = 0.1  # of train_dataset's distinct prompts, held out when evaluating without eval_dataset
@@ -135,16 +135,18 @@ class GRPOFlowTrainer:
         config_names = [
             f"registered:{n}" if object_only else n for n, object_only in zip(names, registered, strict=True)
         ]
+        fields = {
+            **config_fields,
+            "model": model,
+            "reward_funcs": config_names,
+            "reward_weights": list(reward_weights) if reward_weights is not None else None,
+        }
         try:
-            self.config = GRPOFlowConfig(
-                model=model,
-                reward_funcs=config_names,
-                reward_weights=list(reward_weights) if reward_weights is not None else None,
-                **config_fields,
-            )
+            self.config = GRPOFlowConfig(**absolute_local_paths(fields))  # config.json keeps absolute paths
         except ValidationError as error:
             raise InvalidConfigError(describe_validation_error(error)) from None
-        check_before_start(self.config, self.reward_objects)  # reward paths, weights, model path, storage root
+        # Reward paths, weights, model path, storage root.
+        check_before_start(self.config, self.reward_objects, registered_dataset=self.task is not None)
         if self.config.run_id is None:
             from grpo_flow.schemas.config import new_run_id
 

@@ -24,6 +24,7 @@ from grpo_flow.workers.state.resume import (
     check_config_change,
     check_max_steps,
     check_resumable,
+    data_fingerprint,
     find_resume_point,
     record_resume,
 )
@@ -94,7 +95,7 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
             get_run_logger().warning("run %s: damaged rollouts of steps %s set aside", storage.run_id, point.set_aside)
     else:
         storage.clean_temps()
-        storage.write_config(config.model_dump(mode="json"), mode=mode)
+        storage.write_config(config.model_dump(mode="json"), mode=mode, dataset_sha256=data_fingerprint(config.dataset))
         resume = {}
     return RunPlan(
         run_id=storage.run_id,

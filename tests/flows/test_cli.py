@@ -12,11 +12,16 @@ from cli_output import SIMPLE_MODE_SUMMARY_ROWS, SUMMARY_ROWS  # tests/flows/cli
 from grpo_flow.flows.cli import build_config, main, make_parser, parse_overrides
 
 
-def run_cli(*args, env_extra=None, timeout=600):
+def run_cli(*args, env_extra=None, timeout=600, cwd=None):
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(env_extra or {})}
     env.pop("WANDB_MODE", None)  # conftest's; with it transformers prints "Running in WANDB offline mode"
     return subprocess.run(
-        [sys.executable, "-m", "grpo_flow.flows.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-m", "grpo_flow.flows.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -173,7 +178,8 @@ DATA = ["--reward-funcs", "last_digit"]  # a data set named by path or hub id ha
         (["--reward-funcs", "no_such_module:score"], "--reward-funcs: cannot import 'no_such_module:score'"),
         (["--reward-funcs", "last_digit", "unknown"], "--reward-funcs: 'unknown' is neither a built-in reward"),
         (["--reward-weights", "1", "2"], "--reward-weights: 2 weights for 1 reward functions (last_digit)"),
-        (["--dataset", "hf:data.jsonl"], "--reward-funcs: data set 'hf:data.jsonl' has no default rewards"),
+        (["--dataset", "hf:someone/prompts"], "--reward-funcs: data set 'hf:someone/prompts' has no default rewards"),
+        (["--dataset", "hf:data.jsonl", *DATA], "--dataset: 'data.jsonl': no such file"),  # a file's name, no hub id
         (["--dataset", "hf:./no/such.jsonl", *DATA], "--dataset: './no/such.jsonl': no such file or folder"),
         (["--dataset", "hf:not a hub id", *DATA], "--dataset: 'not a hub id' is neither a local path nor a Hugging"),
         (["--model", "./no-such-model"], "--model: './no-such-model': no such file or folder"),
@@ -385,3 +391,102 @@ def test_a_reader_that_stops_early_gets_no_broken_pipe_traceback(tmp_path):
     process.stdout.close()  # the reader is gone before the first line is written
     err = process.stderr.read().decode()
     assert process.wait(timeout=120) == 141 and err == ""
+
+
+@pytest.mark.slow
+def test_a_run_on_relative_paths_resumes_from_another_folder_and_refuses_changed_or_missing_data(
+    storage_root, tmp_path
+):
+    """config.json kept `hf:data.jsonl` as typed, so a resume from another folder failed after 15 s taking
+    it for a hub id (item 9); a rewritten data file trained steps 4-5 on other data without a word
+    (item 7) (issue 30)."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    data = here / "data.jsonl"
+    data.write_text("".join(f'{{"prompt": "{n}=", "answer": "{n % 10}"}}\n' for n in range(100, 140)))
+    env = {"PREFECT_HOME": str(tmp_path / "prefect-home")}
+    common = ["--storage-root", str(storage_root), "--no-progress"]
+    first = run_cli(
+        "train", "--dataset", "hf:data.jsonl", "--reward-funcs", "last_digit", "--max-steps", "1",
+        "--eval-prompts", "0", "--run-id", "paths", *common, env_extra=env, cwd=here,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    stored = json.loads((storage_root / "runs" / "paths" / "config.json").read_text())
+    assert stored["dataset"] == f"hf:{data}"
+    resumed = run_cli(
+        "train", "--run-id", "paths", "--resume", "--max-steps", "2", *common, env_extra=env, cwd=elsewhere
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    data.write_text(data.read_text().replace('"100="', '"999="'))
+    changed = run_cli(
+        "train", "--run-id", "paths", "--resume", "--max-steps", "3", *common, env_extra=env, cwd=elsewhere
+    )
+    assert changed.returncode == 2
+    assert changed.stderr.startswith(f"grpo train: --dataset: {data} changed since run 'paths' last trained on it")
+    data.unlink()
+    missing = run_cli(
+        "train", "--run-id", "paths", "--resume", "--max-steps", "3", *common, env_extra=env, cwd=elsewhere
+    )
+    assert (missing.returncode, missing.stderr) == (
+        2,
+        f"grpo train: --dataset: {str(data)!r}: no such file or folder\n",
+    )
+
+
+def test_local_paths_are_stored_absolute_and_a_stored_one_that_is_gone_is_refused(tmp_path, capsys, monkeypatch):
+    """`--dataset hf:data.jsonl` and `--model ../tiny-chat` went into config.json as typed, and a resume
+    from another folder failed after 15 s taking the file for a hub id (issue 30, item 9)."""
+    from grpo_flow.flows import cli
+
+    here = tmp_path / "here"
+    (here / "tiny-chat").mkdir(parents=True)
+    (here / "tiny-chat" / "config.json").write_text("{}")
+    (here / "data.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n{"prompt": "2=", "answer": "2"}\n')
+    monkeypatch.chdir(here / "tiny-chat")
+    started = []
+    monkeypatch.setattr(cli, "train_run", lambda config, *args: started.append(config) or 0)
+    monkeypatch.setattr("grpo_flow.flows.quiet.quiet_prefect_run", lambda root: None)
+    argv = ["train", "--dataset", "hf:../data.jsonl", "--model", "../tiny-chat", "--reward-funcs", "last_digit"]
+    assert main([*argv, "--run-id", "p", "--storage-root", str(tmp_path / "store")]) == 0
+    assert (started[0].dataset, started[0].model) == (f"hf:{here / 'data.jsonl'}", str(here / "tiny-chat"))
+    from grpo_flow.workers.state.storage import RunStorage
+
+    gone = tmp_path / "gone.jsonl"
+    RunStorage(tmp_path / "store", "old").write_config(
+        build_config("tiny", {"run_id": "old", "dataset": f"hf:{gone}", "reward_funcs": ["last_digit"]}).model_dump()
+    )
+    capsys.readouterr()
+    assert main(["train", "--run-id", "old", "--resume", "--storage-root", str(tmp_path / "store")]) == 2
+    assert capsys.readouterr().err == f"grpo train: --dataset: {str(gone)!r}: no such file or folder\n"
+
+
+def test_a_python_api_run_that_needs_its_objects_is_refused_at_once_by_resume_eval_and_the_nightly_sweep(
+    tmp_path, capsys
+):
+    """Its resume failed after about 25 s and offered a resume command that could not work (issue 30, item 13)."""
+    import time
+
+    from grpo_flow.flows.evaluate import needs_evaluation
+    from grpo_flow.workers.state.storage import RunStorage
+
+    fields = {"run_id": "api", "dataset": "registered:abc123", "reward_funcs": ["registered:judge", "last_digit"]}
+    storage = RunStorage(tmp_path, "api")
+    storage.write_config(build_config("tiny", fields).model_dump(mode="json"))
+    held = "a data set given as a Dataset object and reward functions given as objects (judge), which only that"
+    started = time.perf_counter()
+    assert main(["train", "--run-id", "api", "--resume", "--storage-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"grpo train: --run-id: run 'api' was started from the Python API with {held}"
+    )
+    assert err.rstrip().endswith(
+        "resume it from Python with the same objects: GRPOFlowTrainer(..., run_id='api').train()"
+    )
+    assert main(["eval", "api", "--storage-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"grpo eval: RUN: run 'api' was started from the Python API with {held}"
+    )
+    assert time.perf_counter() - started < 5
+    assert needs_evaluation(storage) == (None, f"it was started from the Python API with {held} Python process holds")

@@ -273,3 +273,14 @@ def test_a_python_api_run_prints_only_what_the_script_prints(storage_root, tmp_p
         [sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600
     )
     assert (done.returncode, done.stdout, done.stderr) == (0, "trained: completed 3\n", "")
+
+
+def test_the_api_stores_local_paths_absolute_and_refuses_a_dataset_object_it_does_not_hold(tmp_path, monkeypatch):
+    """A relative path named something else from another folder (issue 30, item 9); a `registered:` data set
+    named without its object failed after the flow had started (item 13)."""
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n{"prompt": "2=", "answer": "2"}\n')
+    monkeypatch.chdir(tmp_path)
+    trainer = GRPOFlowTrainer(reward_funcs=["last_digit"], dataset="hf:data.jsonl", storage_root="store")
+    assert trainer.config.dataset == f"hf:{tmp_path / 'data.jsonl'}"
+    with pytest.raises(ValueError, match=r"^dataset: 'registered:abc' names a Dataset object that only the Python"):
+        GRPOFlowTrainer(reward_funcs=["last_digit"], dataset="registered:abc", storage_root="store")

@@ -14,14 +14,17 @@ so resuming a long run stays as fast as resuming a short one; `grpo verify` read
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from pydantic_core import to_jsonable_python
 
 from grpo_flow.schemas.config import NON_TRAINING_FIELDS, GRPOFlowConfig
-from grpo_flow.workers.state.storage import RunStorage
+from grpo_flow.workers.state.storage import RunStorage, file_sha256, read_run_file
 
 
 class ResumeError(ValueError):
@@ -57,10 +60,67 @@ def changed_training_fields(stored: dict[str, Any], config: GRPOFlowConfig) -> d
     }
 
 
+def data_fingerprint(dataset: str) -> str | None:
+    """sha256 over a local `hf:` data set's bytes (a file, or each file of a folder, with its name); None for
+    anything else. The Python API's data sets carry theirs in their name (`registered:<fingerprint>`)."""
+    if not dataset.startswith("hf:"):
+        return None
+    path = Path(dataset.removeprefix("hf:")).expanduser()
+    if path.is_file():
+        return _file_fingerprint(str(path.resolve()), *_stamp(path))
+    if not path.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f"{file.relative_to(path)}\0{_file_fingerprint(str(file.resolve()), *_stamp(file))}\0".encode())
+    return digest.hexdigest()
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=64)
+def _file_fingerprint(path: str, size: int, mtime_ns: int) -> str:
+    """A file's sha256, read once per (path, size, mtime) in a process: a resume checks it twice."""
+    return file_sha256(Path(path))
+
+
+def recorded_data_fingerprint(storage: RunStorage) -> str | None:
+    """The fingerprint of the data the run last trained on: the newest resume's, else the start's
+    (run.json); None for a run that recorded none (an older grpo-flow, or data that is not a local file)."""
+    for path in sorted((storage.run_dir / "resumes").glob("resume-*.json"), reverse=True):
+        record = read_run_file(path)
+        if "dataset_sha256" in record:
+            return record["dataset_sha256"]
+    run = storage.run_dir / "run.json"
+    return read_run_file(run).get("dataset_sha256") if run.exists() else None
+
+
+def check_data_unchanged(storage: RunStorage, config: GRPOFlowConfig, allow_config_change: bool) -> dict:
+    """The same local data file as the run last trained on (its bytes, not only its name); a changed one is
+    refused naming it, unless allowed. Returns the change, for the resume record."""
+    if config.dataset != storage.effective_config().get("dataset"):
+        return {}  # another name: a changed field, which check_config_change names
+    old = recorded_data_fingerprint(storage)
+    new = data_fingerprint(config.dataset)
+    if old is None or new is None or old == new:
+        return {}
+    if not allow_config_change:
+        raise ResumeError(
+            f"dataset: {config.dataset.removeprefix('hf:')} changed since run {storage.run_id!r} last trained on "
+            f"it (sha256 {old[:12]}... -> {new[:12]}...), so the steps after the resume would train on other data. "
+            "Restore the file, use another run id, or allow it with --allow-config-change (allow_config_change=True)."
+        )
+    return {"dataset content (sha256)": (old, new)}
+
+
 def check_config_change(
     storage: RunStorage, config: GRPOFlowConfig, allow_config_change: bool
 ) -> dict[str, tuple[Any, Any]]:
-    """Refuse a change to a training field of an existing run unless it is allowed; return the changes."""
+    """Refuse a change to a training field of an existing run, or to its local data file's bytes, unless it
+    is allowed; return the changes."""
     stored = storage.effective_config()
     changes = changed_training_fields(stored, config)
     if config.max_steps > 0:
@@ -74,7 +134,7 @@ def check_config_change(
             f"{belongs}Resuming run {storage.run_id!r} would change fields that alter training ({listed}). "
             "Use another run id, or allow it with --allow-config-change (allow_config_change=True)."
         )
-    return changes
+    return {**changes, **check_data_unchanged(storage, config, allow_config_change)}
 
 
 def last_step(storage: RunStorage) -> int:
@@ -98,6 +158,21 @@ def config_for_resume(storage: RunStorage, overrides: dict[str, Any]) -> GRPOFlo
     """The run's config in force, with the fields a user gave on the command line applied."""
     check_resumable(storage)
     return GRPOFlowConfig(**{**storage.effective_config(), **overrides})
+
+
+def held_by_the_python_api(config: dict[str, Any]) -> str | None:
+    """What of a run's config only the Python process that started it holds (GRPOFlowTrainer's data set
+    objects, and reward functions that no module names: lambdas, closures, objects, a script's own), in
+    words; None when a fresh process (`grpo train`, `grpo eval`, the nightly sweep) can rebuild the run."""
+    parts = []
+    if str(config.get("dataset", "")).startswith("registered:"):
+        parts.append("a data set given as a Dataset object")
+    objects = [
+        str(n).removeprefix("registered:") for n in config.get("reward_funcs") or [] if str(n).startswith("registered:")
+    ]
+    if objects:
+        parts.append(f"reward functions given as objects ({', '.join(objects)})")
+    return " and ".join(parts) or None
 
 
 def check_resumable(storage: RunStorage) -> None:
@@ -157,6 +232,7 @@ def record_resume(
             "first_step": point.first_step,
             "changed_fields": {name: list(values) for name, values in changes.items()},
             "config": config.model_dump(mode="json"),
+            "dataset_sha256": data_fingerprint(config.dataset),
         }
     )
 

@@ -335,12 +335,15 @@ class RunStorage:
         return self.config_path.exists()
 
     # -- config and summary --------------------------------------------------------------------
-    def write_config(self, config: dict[str, Any], mode: str = "grpo") -> None:
+    def write_config(self, config: dict[str, Any], mode: str = "grpo", dataset_sha256: str | None = None) -> None:
         """Create the run: its identity (run.json, a fresh uid, the loop that trains it: `grpo`, or
-        `simple` for TRL's own) and its frozen config."""
+        `simple` for TRL's own, and the fingerprint of a local data file) and its frozen config."""
         if self.config_path.exists():
             raise FileExistsError(f"run {self.run_id!r} already has a config at {self.config_path}")
-        atomic_write_json(self.run_dir / "run.json", {"run_id": self.run_id, "uid": uuid.uuid4().hex, "mode": mode})
+        identity = {"run_id": self.run_id, "uid": uuid.uuid4().hex, "mode": mode}
+        if dataset_sha256 is not None:
+            identity["dataset_sha256"] = dataset_sha256
+        atomic_write_json(self.run_dir / "run.json", identity)
         atomic_write_json(self.config_path, config)
 
     def run_uid(self) -> str:

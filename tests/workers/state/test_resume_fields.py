@@ -60,3 +60,31 @@ def test_a_resume_to_fewer_steps_than_the_run_has_trained_is_refused(tmp_path):
         check_max_steps(storage, 5)  # a total from num_train_epochs is checked the same way
     check_config_change(storage, config, allow_config_change=False)  # 30 itself, and more, are fine
     check_config_change(storage, config.model_copy(update={"max_steps": 40}), allow_config_change=False)
+
+
+def test_a_changed_local_data_file_is_refused_on_resume_unless_allowed(tmp_path):
+    """The CLI's `hf:` files are fingerprinted as the Python API's data sets are (issue 30, item 7)."""
+    import pytest
+
+    from grpo_flow.workers.state.resume import (
+        ResumeError,
+        ResumePoint,
+        check_config_change,
+        data_fingerprint,
+        record_resume,
+    )
+    from grpo_flow.workers.state.storage import RunStorage
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1=", "answer": "1"}\n')
+    config = preset_config("tiny", dataset=f"hf:{data}", reward_funcs=["last_digit"], run_id="r")
+    storage = RunStorage(tmp_path / "store", "r")
+    storage.write_config(config.model_dump(mode="json"), dataset_sha256=data_fingerprint(config.dataset))
+    assert check_config_change(storage, config, allow_config_change=False) == {}
+    data.write_text('{"prompt": "2=", "answer": "2"}\n')
+    with pytest.raises(ResumeError, match=rf"^dataset: {data} changed since run 'r' last trained on it \(sha256 "):
+        check_config_change(storage, config, allow_config_change=False)
+    changes = check_config_change(storage, config, allow_config_change=True)
+    assert list(changes) == ["dataset content (sha256)"]
+    record_resume(storage, config, ResumePoint(None, (), 1), changes)
+    assert check_config_change(storage, config, allow_config_change=False) == {}  # trained on the new file since
