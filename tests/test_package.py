@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOP_LEVEL = ["flows", "tasks", "workers", "schemas", "deployments", "benchmarks"]
 
 USER_API_RUN = """
+import sys
 import flows, tasks, workers
 from datasets import Dataset
 from grpo_flow import GRPOFlowTrainer
