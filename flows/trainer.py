@@ -59,6 +59,20 @@ def check_dataset_type(field: str, dataset: Any) -> None:
 
 
 class GRPOFlowTrainer:
+    """A GRPO run in TRL's style; `train()` runs the `grpo` flow and returns the run's summary.
+
+    model: a hub id, a local folder or `.gguf` file, or a built-in model (`tiny`, `smollm2-135m`, ...).
+    reward_funcs: functions called as TRL calls them (`completions`, `prompts`, the data set's columns
+        as keywords), reward environments (`score` / `score_batch`), or reward names; a module-level
+        function is recorded as `module:function`, so a resumed or deployed run finds it again.
+    reward_weights: one weight per reward function (default: 1.0 each).
+    train_dataset / eval_dataset: `datasets.Dataset`s with a `prompt` column (text, or chat messages).
+    accuracy_reward: the reward (one of reward_funcs, a built-in, or a function) whose 1.0 means
+        correct, for held-out accuracy and pass@k.
+    config_fields: any `GRPOFlowConfig` field (`max_steps=`, `learning_rate=`, `storage_root=`, ...);
+        an unknown one is refused, naming what grpo-flow has instead.
+    """
+
     def __init__(
         self,
         model: str = "tiny",

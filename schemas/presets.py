@@ -6,6 +6,8 @@ from typing import Any
 
 from grpo_flow.schemas.config import GRPOFlowConfig
 
+# Named starting points: each preset's fields over GRPOFlowConfig's defaults (`preset_config` applies them,
+# then any overrides). `grpo train --preset NAME`, the Python API and the `grpo/<preset>` deployments use them.
 PRESETS: dict[str, dict[str, Any]] = {
     # Offline, CPU, about a minute: the project's tiny Qwen2 model learns to answer `35060=`
     # with the last digit. Held-out accuracy starts near 0.3 (after the format warm start,

@@ -1,4 +1,4 @@
-"""The project's own tiny model: a real Qwen2 architecture with a word-level tokenizer.
+"""The project's own tiny model: a real Qwen2 architecture with a byte-level tokenizer.
 
 Built on first use under `<storage_root>/models/tiny-qwen2/` and loaded from there with
 `from_pretrained` like any hub model, so everything runs offline.
