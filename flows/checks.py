@@ -137,6 +137,31 @@ def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = ()) -> N
             "reward_weights",
             f"{len(config.reward_weights)} weights for {len(names)} reward functions ({', '.join(names)})",
         )
+    if config.accuracy_reward is not None:
+        check_accuracy_reward(config)
+
+
+def check_accuracy_reward(config: GRPOFlowConfig) -> None:
+    """accuracy_reward names a reward of an `hf:` data set's run: one of its reward_funcs, a built-in, or
+    a `module:function` that imports."""
+    from grpo_flow.workers.data.loaders import accuracy_entry
+    from grpo_flow.workers.rewards.functions import resolve_reward_funcs, reward_key
+
+    if not config.dataset.startswith("hf:"):
+        raise StartCheckError(
+            "accuracy_reward", f"is for hf: data sets; {config.dataset!r} scores held-out accuracy with its own"
+        )
+    entry = accuracy_entry(config)
+    if entry in config.reward_funcs:
+        return  # resolved with them
+    try:
+        resolve_reward_funcs([entry])
+    except ValueError as error:
+        message = str(error).partition(": ")[2] or str(error)
+        keys = ", ".join(reward_key(name) for name in config.reward_funcs) or "none"
+        raise StartCheckError(
+            "accuracy_reward", f"{config.accuracy_reward!r} is not one of reward_funcs ({keys}), and {message}"
+        ) from None
 
 
 def check_local_or_hub(field: str, value: str, what: str, folder_only: bool) -> str:

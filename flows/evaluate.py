@@ -322,7 +322,7 @@ def evaluate_checkpoint(
     """
     import torch
 
-    from grpo_flow.workers.data.loaders import load_task
+    from grpo_flow.workers.data.loaders import run_task
     from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, resolve_reward_funcs
     from grpo_flow.workers.rollout.base import SamplingParams
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
@@ -336,7 +336,12 @@ def evaluate_checkpoint(
     started = time.perf_counter()
     config = GRPOFlowConfig(**storage.effective_config())
     settings = settings_for(config, k, prompts, temperature, seed, greedy)
-    task_data = load_task(config.dataset)
+    task_data = run_task(config)
+    if len(task_data.heldout) == 0:  # before the model loads
+        raise EvaluationError(
+            f"run {run_id!r} holds out no prompts: its data set has no test or validation split, and without an "
+            "accuracy_reward a run holds none of its prompts out (start it with --accuracy-reward)"
+        )
     heldout = task_data.heldout.select(range(min(settings.prompts, len(task_data.heldout))))
     funcs = resolve_reward_funcs(config.reward_funcs or list(task_data.default_rewards), run_id)
     accuracy_name = task_data.accuracy_reward
@@ -464,6 +469,8 @@ def needs_evaluation(storage: RunStorage) -> tuple[int | None, str]:
     dataset = str(config.get("dataset", "")).removeprefix("hf:")
     if str(config.get("dataset", "")).startswith("hf:") and os.path.isabs(dataset) and not os.path.exists(dataset):
         return None, f"its data set {dataset} no longer exists"
+    if str(config.get("dataset", "")).startswith("hf:") and not config.get("accuracy_reward"):
+        return None, "it names no accuracy_reward, so its held-out accuracy and pass@k cannot be measured"
     newest = storage.latest_valid_checkpoint()
     if newest is None:
         return None, "no valid checkpoint"

@@ -21,7 +21,7 @@ from grpo_flow.schemas.config import new_run_id
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import RunPlan
 from grpo_flow.tasks.run import finish_run, prepare_run
-from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.data.loaders import run_task
 from grpo_flow.workers.rewards.functions import resolve_reward_funcs
 from grpo_flow.workers.state.storage import RunStorage
 
@@ -32,7 +32,7 @@ def trl_train(config: GRPOFlowConfig, plan: RunPlan, show_progress: bool = False
     from grpo_flow.workers.actor.simple_mode import train_with_trl
 
     funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names), plan.run_id)
-    return train_with_trl(config, plan, list(funcs.values()), load_task(config.dataset).train, show_progress)
+    return train_with_trl(config, plan, list(funcs.values()), run_task(config).train, show_progress)
 
 
 @flow(name="grpo-simple", flow_run_name=grpo_run_name, validate_parameters=True)

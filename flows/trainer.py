@@ -27,8 +27,6 @@ from pydantic import ValidationError
 from grpo_flow.flows.checks import StartCheckError, absolute_local_paths, check_before_start
 from grpo_flow.schemas.config import GRPOFlowConfig, InvalidConfigError, describe_validation_error
 
-HELDOUT_FRACTION = 0.1  # of train_dataset's distinct prompts, held out when evaluating without eval_dataset
-
 
 def _importable_path(func: Any) -> str | None:
     """`module:function` for a module-level function (usable from any process), else None."""
@@ -119,7 +117,7 @@ class GRPOFlowTrainer:
             check_dataset_type(field, value)
         self.task = None
         if train_dataset is not None:
-            from grpo_flow.workers.data.loaders import task_from_dataset
+            from grpo_flow.workers.data.loaders import HELDOUT_FRACTION, task_from_dataset  # the CLI's rule too
 
             accuracy = self._accuracy_function(accuracy_reward, names)
             if eval_dataset is not None and accuracy is None:
@@ -142,8 +140,14 @@ class GRPOFlowTrainer:
             )
             key = self._dataset_key(train_dataset, eval_dataset) + ("" if fraction else "-all")
             config_fields["dataset"] = "registered:" + key
+        elif isinstance(accuracy_reward, str):  # an hf: data set's, named as `grpo train --accuracy-reward` names it
+            config_fields["accuracy_reward"] = accuracy_reward
         elif eval_dataset is not None or accuracy_reward is not None:
-            raise StartCheckError("train_dataset", "eval_dataset and accuracy_reward need a train_dataset")
+            raise StartCheckError(
+                "train_dataset",
+                "eval_dataset, and an accuracy_reward given as a function, need a train_dataset "
+                "(for an hf: data set, name the accuracy reward instead)",
+            )
         self._reward_names = names
         # Names for the config: importable paths stay as they are; other objects are registered at train().
         config_names = [

@@ -444,6 +444,15 @@ class GRPOFlowConfig(BaseModel):
     eval_prompts: int = Field(
         default=200, ge=0, description="Held-out prompts scored greedily at the start and end of a run (0 = skip)."
     )
+    accuracy_reward: str | None = Field(
+        default=None,
+        min_length=1,
+        description="For `hf:` data sets: the reward that scores held-out accuracy and pass@k (1.0 when right), "
+        "one of reward_funcs by its name (`exact` for `my_rewards:exact`), a built-in reward or a "
+        "`module:function` path. With it (and eval_prompts above 0), 10 % of the distinct prompts are held out "
+        "unless the data set has a test or validation split; without it nothing is held out and every prompt "
+        "trains, as in the Python API. Built-in tasks score with their own.",
+    )
     report_to: Literal["none", "wandb"] = Field(default="none", description="Where metrics go besides Parquet.")
     wandb_project: str = Field(default="grpo-flow", description="wandb project when `report_to='wandb'`.")
 
@@ -652,7 +661,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "detach",
     ),
     "Ray backend": ("ray_address", "actor_gpus", "rollout_gpus", "actor_cpus", "rollout_cpus"),
-    "Evaluation and logging": ("eval_prompts", "report_to", "wandb_project"),
+    "Evaluation and logging": ("eval_prompts", "accuracy_reward", "report_to", "wandb_project"),
 }
 
 

@@ -21,7 +21,7 @@ from grpo_flow.schemas.records import PromptShard, RolloutBatch, RunPlan, rollou
 from grpo_flow.tasks.observability import USER_FACING
 from grpo_flow.workers import backends
 from grpo_flow.workers.state.faults import maybe_fail, maybe_kill_engine
-from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.data.loaders import run_task
 from grpo_flow.workers.rewards.functions import (
     RewardOutputError,
     RewardTimeoutError,
@@ -63,7 +63,7 @@ def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int, refill_round:
     Refill rounds of dynamic sampling draw from their own stream, a function of (seed, step,
     round), so the data order of later steps does not depend on how many refills happened.
     """
-    train = load_task(config.dataset).train
+    train = run_task(config).train
     if refill_round:
         rng = np.random.default_rng([config.seed, step, refill_round, 0xD5])
         indices = rng.choice(len(train), size=config.prompts_per_step, replace=len(train) < config.prompts_per_step)
@@ -296,7 +296,7 @@ def write_rollouts(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, s
     # Types from the data set, not the values: a shard that dynamic sampling emptied has none.
     extra_types = {}
     if plan.extra_columns:  # the data set's Arrow schema is built on each call: only when needed
-        features = load_task(config.dataset).train.features.arrow_schema
+        features = run_task(config).train.features.arrow_schema
         extra_types = {c: features.field(c).type for c in plan.extra_columns}
     table = batch.to_table(rollout_schema(list(plan.reward_names), extra_types))
     return str(RunStorage(plan.storage_root, plan.run_id).write_rollouts(batch.step, shard, table))

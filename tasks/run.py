@@ -16,7 +16,7 @@ from prefect.runtime import flow_run as current_flow_run
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import REWARD_PREFIX, RunPlan
 from grpo_flow.workers import backends
-from grpo_flow.workers.data.loaders import load_task
+from grpo_flow.workers.data.loaders import run_task
 from grpo_flow.workers.rollout.base import check_chat_prompts, load_generation_tokenizer
 from grpo_flow.workers.rollout.heldout import heldout_accuracy
 from grpo_flow.workers.state.lock import hold_run_lock, release_run_lock, release_run_locks_of
@@ -56,7 +56,7 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
     hold_run_lock(RunStorage(config.storage_root, config.run_id or "").run_dir, owner=current_flow_run.get_id())
     storage = check_run_start(config, allow_config_change)
     backends.check_backend_ready(config)
-    task_data = load_task(config.dataset)
+    task_data = run_task(config)
     funcs = resolve_reward_funcs(config.reward_funcs or task_data.default_rewards, config.run_id)
     if not funcs:
         raise ValueError(f"reward_funcs: data set {config.dataset!r} has no default rewards; give reward_funcs")
@@ -125,7 +125,7 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
     if config.eval_prompts == 0 or (initial and trained):  # the initial policy is gone
         return float("nan")
     engine = backends.run_workers(config, plan.model_path).rollout[0]
-    task_data = load_task(config.dataset)
+    task_data = run_task(config)
     total_steps = plan.total_steps
     # Rewards are called as in training; trainer_state says where the policy stands.
     state = RewardTrainerState(
@@ -171,10 +171,19 @@ def completed_summary(plan: RunPlan) -> dict[str, Any] | None:
     return {**summary, "already_completed": True}
 
 
+def model_figures(config: GRPOFlowConfig, model_path: str | Path) -> dict[str, Any]:
+    """A built model's own record (`model_heldout_accuracy_random_init`, ...), for a run on the task its
+    accuracies were measured on; a run on other data would report figures that are not its own."""
+    built = read_build_info(model_path)
+    if built.get("warm_start_task") != config.dataset:
+        return {}
+    return {f"model_{key}": value for key, value in built.items()}
+
+
 @task(name="finish-run", cache_policy=NO_CACHE)
 def finish_run(config: GRPOFlowConfig, plan: RunPlan, summary: dict[str, Any]) -> dict[str, Any]:
     """summary.json, a Prefect artifact with the outcome, and the workers released."""
-    summary = {**summary, **{f"model_{k}": v for k, v in read_build_info(plan.model_path).items()}}
+    summary = {**summary, **model_figures(config, plan.model_path)}
     RunStorage(plan.storage_root, plan.run_id).write_summary(summary)
     create_markdown_artifact(
         key=re.sub(r"[^a-z0-9-]", "-", f"grpo-summary-{plan.run_id}".lower()),

@@ -67,3 +67,16 @@ def test_a_data_file_is_checked_before_a_run_starts_and_a_missing_one_is_no_hub_
             check_before_start(config(tmp_path, dataset=dataset))
         assert (caught.value.field, caught.value.message) == ("dataset", message)
     assert time.perf_counter() - started < 2
+
+
+def test_an_accuracy_reward_is_checked_before_a_run_starts(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n{"prompt": "2=", "answer": "2"}\n')
+    data = f"hf:{tmp_path / 'd.jsonl'}"
+    check_before_start(config(tmp_path, dataset=data, accuracy_reward="last_digit"))
+    check_before_start(config(tmp_path, dataset=data, accuracy_reward="gsm8k_accuracy"))  # any built-in
+    with pytest.raises(
+        StartCheckError, match=r"^accuracy_reward: 'nope' is not one of reward_funcs \(last_digit\), and"
+    ):
+        check_before_start(config(tmp_path, dataset=data, accuracy_reward="nope"))
+    with pytest.raises(StartCheckError, match="^accuracy_reward: is for hf: data sets; 'last_digit' scores held-out"):
+        check_before_start(config(tmp_path, accuracy_reward="last_digit"))

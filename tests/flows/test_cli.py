@@ -409,9 +409,12 @@ def test_a_run_on_relative_paths_resumes_from_another_folder_and_refuses_changed
     common = ["--storage-root", str(storage_root), "--no-progress"]
     first = run_cli(
         "train", "--dataset", "hf:data.jsonl", "--reward-funcs", "last_digit", "--max-steps", "1",
-        "--eval-prompts", "0", "--run-id", "paths", *common, env_extra=env, cwd=here,
+        "--accuracy-reward", "last_digit", "--eval-prompts", "4", "--run-id", "paths", *common, env_extra=env, cwd=here,
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
+    shown = dict(line.split("  ", 1) for line in first.stdout.splitlines()[1:])
+    assert float(shown["held-out accuracy, before RL"]) >= 0  # measured with --accuracy-reward (item 4)
+    assert "held-out accuracy, random init" not in shown  # the tiny model's, on last_digit: not this data's
     stored = json.loads((storage_root / "runs" / "paths" / "config.json").read_text())
     assert stored["dataset"] == f"hf:{data}"
     resumed = run_cli(

@@ -282,5 +282,9 @@ def test_the_api_stores_local_paths_absolute_and_refuses_a_dataset_object_it_doe
     monkeypatch.chdir(tmp_path)
     trainer = GRPOFlowTrainer(reward_funcs=["last_digit"], dataset="hf:data.jsonl", storage_root="store")
     assert trainer.config.dataset == f"hf:{tmp_path / 'data.jsonl'}"
+    scored = GRPOFlowTrainer(
+        reward_funcs=["last_digit"], dataset="hf:data.jsonl", accuracy_reward="last_digit", storage_root="store"
+    )
+    assert scored.config.accuracy_reward == "last_digit"  # held out and scored as `grpo train --accuracy-reward`
     with pytest.raises(ValueError, match=r"^dataset: 'registered:abc' names a Dataset object that only the Python"):
         GRPOFlowTrainer(reward_funcs=["last_digit"], dataset="registered:abc", storage_root="store")

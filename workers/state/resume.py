@@ -116,6 +116,13 @@ def check_data_unchanged(storage: RunStorage, config: GRPOFlowConfig, allow_conf
     return {"dataset content (sha256)": (old, new)}
 
 
+def holds_prompts_out(config: dict[str, Any]) -> bool:
+    """Whether a run on an `hf:` data set holds prompts out for evaluation (loaders.run_task's rule), so
+    that eval_prompts, otherwise free to change, decides which prompts train."""
+    dataset = str(config.get("dataset", ""))
+    return dataset.startswith("hf:") and bool(config.get("accuracy_reward")) and config.get("eval_prompts") != 0
+
+
 def check_config_change(
     storage: RunStorage, config: GRPOFlowConfig, allow_config_change: bool
 ) -> dict[str, tuple[Any, Any]]:
@@ -123,6 +130,9 @@ def check_config_change(
     is allowed; return the changes."""
     stored = storage.effective_config()
     changes = changed_training_fields(stored, config)
+    new = config.model_dump(mode="json")
+    if holds_prompts_out(stored) != holds_prompts_out(new):  # the train split itself would change
+        changes["eval_prompts"] = (stored.get("eval_prompts"), new["eval_prompts"])
     if config.max_steps > 0:
         check_max_steps(storage, config.max_steps)
     if changes and not allow_config_change:

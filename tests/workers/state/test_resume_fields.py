@@ -88,3 +88,22 @@ def test_a_changed_local_data_file_is_refused_on_resume_unless_allowed(tmp_path)
     assert list(changes) == ["dataset content (sha256)"]
     record_resume(storage, config, ResumePoint(None, (), 1), changes)
     assert check_config_change(storage, config, allow_config_change=False) == {}  # trained on the new file since
+
+
+def test_turning_evaluation_off_on_an_hf_data_set_that_holds_prompts_out_is_a_training_change(tmp_path):
+    """eval_prompts decides which of its prompts train there (issue 30, item 4)."""
+    import pytest
+
+    from grpo_flow.workers.state.resume import ResumeError, check_config_change
+    from grpo_flow.workers.state.storage import RunStorage
+
+    fields = dict(dataset="hf:someone/data", reward_funcs=["last_digit"], run_id="r")
+    scored = preset_config("tiny", accuracy_reward="last_digit", **fields)
+    storage = RunStorage(tmp_path, "r")
+    storage.write_config(scored.model_dump(mode="json"))
+    with pytest.raises(ResumeError, match=r"\(eval_prompts: 200 -> 0\)"):
+        check_config_change(storage, scored.model_copy(update={"eval_prompts": 0}), allow_config_change=False)
+    assert check_config_change(storage, scored.model_copy(update={"eval_prompts": 50}), False) == {}
+    unscored = preset_config("tiny", **{**fields, "run_id": "u"})
+    RunStorage(tmp_path, "u").write_config(unscored.model_dump(mode="json"))
+    assert check_config_change(RunStorage(tmp_path, "u"), unscored.model_copy(update={"eval_prompts": 0}), False) == {}
