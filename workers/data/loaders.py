@@ -275,9 +275,7 @@ def smol_math_rows(seed: int = SMOL_MATH_SEED, num_heldout: int = 100) -> Datase
         for b in range(1, 10)
     ]
     random.Random(seed).shuffle(rows)
-    return DatasetDict(
-        {"train": Dataset.from_list(rows[num_heldout:]), "test": Dataset.from_list(rows[:num_heldout])}
-    )
+    return DatasetDict({"train": Dataset.from_list(rows[num_heldout:]), "test": Dataset.from_list(rows[:num_heldout])})
 
 
 def build_smol_math() -> TaskData:

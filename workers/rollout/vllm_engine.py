@@ -168,7 +168,7 @@ def from_vllm_outputs(
 EMBEDDING_SUFFIX = "embed_tokens.weight"  # Llama / Qwen / Mistral naming
 LM_HEAD = "lm_head.weight"
 GIB = 1 << 30
-CPU_KV_CACHE_BYTES = 256 << 20  # the KV cache where the machine's memory is not known (524,288 tokens of the tiny model)
+CPU_KV_CACHE_BYTES = 256 << 20  # the KV cache where the machine's memory is not known
 CPU_KV_CACHE_MAX = 2 * GIB  # more KV cache than this buys a rollout batch nothing on a CPU
 CPU_ENGINE_OVERHEAD = GIB  # the engine process besides weights and KV cache (torch, vLLM, buffers)
 CPU_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs off big GPUs: the sequences its KV cache is sized for
@@ -266,7 +266,7 @@ def machine_memory() -> tuple[int, int]:
         return int(info.total_memory), int(info.available_memory)
     except ImportError:
         fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return (int(fields[name].split()[0]) * 1024 for name in ("MemTotal", "MemAvailable"))  # type: ignore[return-value]
+        return int(fields["MemTotal"].split()[0]) * 1024, int(fields["MemAvailable"].split()[0]) * 1024
 
 
 def plan_cpu_kv_cache(
@@ -427,7 +427,9 @@ class VLLMRolloutEngine:
         o = self.options
         value_bytes = dtype_bytes(o.dtype, getattr(text_config, "dtype", None))
         space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-        explicit = o.kv_cache_memory_bytes if o.kv_cache_memory_bytes is not None else (int(space) * GIB if space else None)
+        explicit = o.kv_cache_memory_bytes
+        if explicit is None and space:
+            explicit = int(space) * GIB
         total, available = machine_memory()
         return plan_cpu_kv_cache(
             weight_bytes(self.model_path, value_bytes, self.tie_word_embeddings),

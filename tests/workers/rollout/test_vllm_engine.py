@@ -434,7 +434,9 @@ def test_a_model_that_does_not_fit_is_refused_in_one_line_naming_the_field():
     message = str(caught.value)
     assert message.startswith("vllm_gpu_memory_utilization: the model does not fit the vLLM engine's share of memory")
     assert "0.05 of 24.00 GiB (20.00 GiB available) is 1.20 GiB" in message and "\n" not in message
-    with pytest.raises(VLLMSetupError, match=r"^VLLM_CPU_KVCACHE_SPACE: a KV cache of 8\.00 GiB .* available; lower it$"):
+    with pytest.raises(
+        VLLMSetupError, match=r"^VLLM_CPU_KVCACHE_SPACE: a KV cache of 8\.00 GiB .* available; lower it$"
+    ):
         plan_cpu_kv_cache(**SMOL, fraction=0.3, total=24 * GIB, available=4 * GIB, explicit=8 * GIB)
 
 
@@ -444,7 +446,10 @@ def test_weights_and_kv_bytes_are_read_from_the_saved_model(tmp_path):
 
     from grpo_flow.workers.rollout.vllm_engine import dtype_bytes, kv_bytes_per_token, weight_bytes
 
-    save_file({"model.embed_tokens.weight": torch.zeros(10, 4), "model.norm.weight": torch.zeros(4)}, tmp_path / "a.safetensors")
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(10, 4), "model.norm.weight": torch.zeros(4)},
+        tmp_path / "a.safetensors",
+    )
     assert weight_bytes(tmp_path, 4, tied=False) == 44 * 4
     assert weight_bytes(tmp_path, 2, tied=True) == (44 + 40) * 2  # the CPU build's own copy of a tied lm_head
     config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
