@@ -88,6 +88,8 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
     for name, field in GRPOFlowConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         metavar, help_text = option_help(field, PRESETS["tiny"].get(name))
+        if name == "storage_root":  # what this command uses: $GRPO_FLOW_STORAGE when set, not the field's default
+            help_text = help_text.replace(f"(default: {field.default}", f"(default: {DEFAULT_STORAGE_ROOT}", 1)
         group = groups[field_group(name)]
         if is_list_field(field.annotation):
             group.add_argument(flag, dest=name, nargs="+", metavar=metavar, help=help_text)
@@ -400,6 +402,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     if "initial_eval_accuracy" in summary:  # simple mode (TRL's loop) evaluates nothing held out
         rows.append(("held-out accuracy, before RL", shown(summary["initial_eval_accuracy"], ".3f")))
         rows.append(("held-out accuracy, after RL", shown(summary["final_eval_accuracy"], ".3f")))
+    if summary.get("wandb_steps_not_delivered"):
+        rows.append(("wandb", f"{summary['wandb_steps_not_delivered']} step(s) not delivered; all are in metrics/"))
     rows += [
         ("mean reward, last 5 steps", shown(summary["final_reward"], ".3f")),
         ("wall time", f"{shown(summary['wall_seconds'], '.1f')} s"),
@@ -448,9 +452,15 @@ def command_rollouts(args: argparse.Namespace) -> int:
         print(f"grpo rollouts: step {step} is damaged; `grpo verify {args.run_id}` moves it aside", file=sys.stderr)
         return 1
     columns = ["group_index", "sample_index", "prompt", "completion", "reward", "advantage", "finish_reason"]
-    rows = storage.read_rollouts(step, columns=columns).slice(0, args.limit).to_pylist()
+    table = storage.read_rollouts(step).slice(0, args.limit)
+    episodes = "messages" in table.column_names and table.column("messages").null_count < table.num_rows
+    if episodes:  # multi-turn: each turn (assistant messages with their tool calls, tool results) in order
+        columns += ["tool_calls", "tool_failures", "messages"]
+    rows = table.select(columns).to_pylist()
     print(f"run {args.run_id}, step {step}: {len(rows)} of its completions")
     for row in rows:
+        if episodes:
+            row["turns"] = json.loads(row.pop("messages")) if row["messages"] is not None else None
         print(json.dumps(row, ensure_ascii=False))
     return 0
 

@@ -165,6 +165,9 @@ class NoRewardError(RuntimeError):
     """Steps in a row in which no completion got a reward: the reward functions do not fit the data."""
 
 
+_WARNED_NO_REWARD: set[tuple[str, str, int]] = set()  # (run, session, step): log_rollouts is retried
+
+
 def check_rewards_given(config: GRPOFlowConfig, plan: RunPlan, step: int, stats: dict[str, float]) -> None:
     """A step whose every completion got no reward (every function returned None for every sample)
     trains on nothing: warn at the first such step, naming the functions; fail at the
@@ -186,7 +189,8 @@ def check_rewards_given(config: GRPOFlowConfig, plan: RunPlan, step: int, stats:
             f"{first}: no completion got a reward: every reward function ({names}) returned None for every "
             f"sample (max_no_reward_steps={config.max_no_reward_steps}); check that they fit the data set's columns"
         )
-    if streak == 1:
+    if streak == 1 and (plan.run_id, plan.session, step) not in _WARNED_NO_REWARD:  # once, not at each retry
+        _WARNED_NO_REWARD.add((plan.run_id, plan.session, step))
         get_run_logger().warning(
             f"step {step}: no completion got a reward: every reward function ({names}) returned None for every "
             f"sample; the run fails after {config.max_no_reward_steps} such steps in a row",

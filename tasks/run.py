@@ -15,6 +15,7 @@ from prefect.runtime import flow_run as current_flow_run
 
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import REWARD_PREFIX, RunPlan
+from grpo_flow.tasks.observability import USER_FACING
 from grpo_flow.workers import backends
 from grpo_flow.workers.data.loaders import run_task
 from grpo_flow.workers.rollout.base import check_chat_prompts, load_generation_tokenizer
@@ -32,7 +33,7 @@ from grpo_flow.workers.rewards.functions import RewardTrainerState, resolve_rewa
 from grpo_flow.workers.state.storage import RunStorage
 from grpo_flow.workers.data.models import resolve_model_path
 from grpo_flow.workers.data.tiny_model import read_build_info
-from grpo_flow.workers.state.tracking import wandb_finish
+from grpo_flow.workers.state.tracking import undelivered, wandb_finish
 
 
 def check_run_start(config: GRPOFlowConfig, allow_config_change: bool = False) -> RunStorage:
@@ -91,8 +92,8 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
             list(point.replay_steps),
             point.first_step + len(point.replay_steps),
         )
-        if point.set_aside:
-            get_run_logger().warning("run %s: damaged rollouts of steps %s set aside", storage.run_id, point.set_aside)
+        for moved in point.moved:  # on the console too, not only in Prefect's log
+            get_run_logger().warning(f"run {storage.run_id}: {moved}", extra={USER_FACING: True})
     else:
         storage.clean_temps()
         storage.write_config(config.model_dump(mode="json"), mode=mode, dataset_sha256=data_fingerprint(config.dataset))
@@ -184,6 +185,8 @@ def model_figures(config: GRPOFlowConfig, model_path: str | Path) -> dict[str, A
 def finish_run(config: GRPOFlowConfig, plan: RunPlan, summary: dict[str, Any]) -> dict[str, Any]:
     """summary.json, a Prefect artifact with the outcome, and the workers released."""
     summary = {**summary, **model_figures(config, plan.model_path)}
+    if config.report_to == "wandb":  # each step's row delivered, or counted here
+        summary["wandb_steps_not_delivered"] = undelivered(plan.run_id)
     RunStorage(plan.storage_root, plan.run_id).write_summary(summary)
     create_markdown_artifact(
         key=re.sub(r"[^a-z0-9-]", "-", f"grpo-summary-{plan.run_id}".lower()),

@@ -7,7 +7,7 @@ import shutil
 import time
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_flow.schemas.config import GRPOFlowConfig
@@ -124,9 +124,12 @@ def log_metrics(
     path = storage.metrics_path(step)
     if not path.exists():
         path = storage.write_metrics(step, metrics_table(row))
-        if config.report_to == "wandb":
+        if config.report_to == "wandb":  # delivered or counted, never retried: the Parquet row is logged
+            from grpo_flow.tasks.observability import USER_FACING
             from grpo_flow.workers.state.tracking import wandb_log
 
-            wandb_log(config, plan.run_id, step, row)
+            problem = wandb_log(config, plan.run_id, step, row)
+            if problem:  # the run's first failure only
+                get_run_logger().warning(problem, extra={USER_FACING: True})
     publish(step_artifact, plan, step, row, samples)  # never raises; linked to this task run
     return str(path)

@@ -493,3 +493,32 @@ def test_a_python_api_run_that_needs_its_objects_is_refused_at_once_by_resume_ev
     )
     assert time.perf_counter() - started < 5
     assert needs_evaluation(storage) == (None, f"it was started from the Python API with {held} Python process holds")
+
+
+def test_wandb_without_a_login_is_said_once_and_the_summary_counts_what_it_did_not_get(storage_root, tmp_path):
+    """Exit 0, no warning, nothing logged to wandb before (issue 30, item 5)."""
+    env = {
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "HOME": str(tmp_path),  # no ~/.netrc login
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_API_KEY": "",
+        "WANDB_MODE": "online",
+    }
+    trained = run_cli(
+        "train", "--max-steps", "2", "--eval-prompts", "0", "--report-to", "wandb", "--run-id", "unlogged",
+        "--storage-root", str(storage_root), "--no-progress", env_extra=env,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    warnings = [line for line in trained.stderr.splitlines() if line.startswith("grpo-flow: warning: wandb:")]
+    assert len(warnings) == 1 and "step 1's metrics were not delivered (UsageError: " in warnings[0], trained.stderr
+    shown = {name: value.strip() for name, value in (line.split("  ", 1) for line in trained.stdout.splitlines()[1:])}
+    assert shown["wandb"] == "2 step(s) not delivered; all are in metrics/"
+    summary = json.loads((storage_root / "runs" / "unlogged" / "summary.json").read_text())
+    assert summary["wandb_steps_not_delivered"] == 2
+
+
+def test_help_shows_the_storage_root_grpo_flow_storage_names():
+    """`--help` said `default: grpo-storage` with $GRPO_FLOW_STORAGE set (issue 30, "Also")."""
+    shown = run_cli("train", "--help", env_extra={"GRPO_FLOW_STORAGE": "/data/runs", "COLUMNS": "400"})
+    line = next(line for line in shown.stdout.splitlines() if line.strip().startswith("--storage-root"))
+    assert line.rstrip().endswith("(default: /data/runs)"), line

@@ -154,3 +154,17 @@ def test_dynamic_sampling_keeps_only_groups_with_a_reward_spread_up_to_the_quota
     assert kept[0].completion == ["a2", "a3", "c0", "c1"] and kept[0].group_index == [0, 0, 1, 1]
     assert kept[1].completion == ["d0", "d1"] and kept[1].group_index == [2, 2]
     assert kept[0].rewards["f"] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_the_no_reward_warning_is_said_once_however_often_log_rollouts_is_retried(config, plan, monkeypatch, caplog):
+    """It was printed once per retry of log-rollouts (three times) (issue 30, "Also")."""
+    import logging
+    import math
+
+    from grpo_flow.tasks import rollout
+
+    monkeypatch.setattr(rollout, "get_run_logger", lambda: logging.getLogger("grpo_flow.test.no_reward"))
+    with caplog.at_level(logging.WARNING, logger="grpo_flow.test.no_reward"):
+        for _ in range(3):  # the task's first run and its two retries
+            rollout.check_rewards_given(config, plan, 1, {"reward": math.nan})
+    assert [r.getMessage()[:44] for r in caplog.records] == ["step 1: no completion got a reward: every re"]

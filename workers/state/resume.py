@@ -40,6 +40,7 @@ class ResumePoint:
     first_step: int  # the first step after the checkpoint
     changed_fields: tuple[str, ...] = ()
     set_aside: tuple[int, ...] = ()  # steps whose damaged rollouts were moved to quarantine/
+    moved: tuple[str, ...] = ()  # each file or folder moved to quarantine/, why, and what it means: for the console
 
 
 def changed_training_fields(stored: dict[str, Any], config: GRPOFlowConfig) -> dict[str, tuple[Any, Any]]:
@@ -206,9 +207,18 @@ def find_resume_point(storage: RunStorage) -> ResumePoint:
     storage.clean_temps()
     checkpoint = storage.latest_valid_checkpoint()
     after = (checkpoint or 0) + 1
+    moved = []
+
+    def move(path: Any, reason: str, consequence: str) -> None:
+        target = storage.quarantine(path, f"{reason}; {consequence}")
+        moved.append(f"{storage.relative(path)}: {reason}; moved to {storage.relative(target)}; {consequence}")
+
     for step in storage.checkpoint_steps():
         if step > (checkpoint or 0):
-            storage.quarantine(storage.checkpoint_dir(step), "checkpoint does not match its manifest")
+            used = (
+                f"the resume uses checkpoint {checkpoint}" if checkpoint else "the resume starts from the initial model"
+            )
+            move(storage.checkpoint_dir(step), "checkpoint does not match its manifest", used)
     replay, set_aside = [], []
     for step in storage.rollout_steps():
         before = step < after
@@ -220,12 +230,16 @@ def find_resume_point(storage: RunStorage) -> ResumePoint:
                 if before
                 else "the step is generated again"
             )
-            storage.quarantine(storage.rollout_dir(step), f"damaged ({'; '.join(problems)}); {consequence}")
+            move(storage.rollout_dir(step), f"damaged ({'; '.join(problems)})", consequence)
             set_aside.append(step)
         elif not before:
             replay.append(step)
     return ResumePoint(
-        checkpoint_step=checkpoint, replay_steps=tuple(replay), first_step=after, set_aside=tuple(set_aside)
+        checkpoint_step=checkpoint,
+        replay_steps=tuple(replay),
+        first_step=after,
+        set_aside=tuple(set_aside),
+        moved=tuple(moved),
     )
 
 

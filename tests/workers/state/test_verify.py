@@ -87,6 +87,13 @@ def test_a_resume_sets_aside_a_damaged_step_before_its_checkpoint_and_regenerate
     assert storage.quarantined() == ["rollouts-step-000002", "rollouts-step-000005"]
     assert "not needed to resume (checkpoint 4 holds the weights trained on it)" in caplog.text
     assert "does not match its sha256" in caplog.text and "the step is generated again" in caplog.text
+    # What the console says of each (issue 30, item 8): the file, why, where it went and what it means.
+    assert point.moved[0].startswith("rollouts/step-000002: damaged (rollouts/step-000002/shard-01.parquet: ")
+    assert point.moved[0].endswith(
+        "moved to quarantine/rollouts-step-000002; not needed to resume (checkpoint 4 holds the weights trained "
+        "on it); its rows are no longer part of the run's log"
+    )
+    assert point.moved[1].endswith("moved to quarantine/rollouts-step-000005; the step is generated again")
 
 
 def test_a_damaged_config_is_named_by_verify_and_left_in_place(tmp_path):
