@@ -1,0 +1,141 @@
+"""`grpo train --preset smol-math` on the real model (SmolLM2-135M-Instruct), short: 2 steps of 4 prompts x 4
+completions of at most 16 tokens, transformers engine, LoRA as the preset has it.
+
+- completions that stop at EOS with pad == eos: on the logged rows, the EOS is in the loss exactly once and
+  nothing after it; a completion cut at the length limit has no EOS;
+- the logged prompts went through the chat template once;
+- the run's checkpoint loads in plain transformers and generates;
+- a run SIGKILLed mid-step and resumed ends with bitwise the unbroken run's weights.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo_flow.workers.actor.actor import loss_inputs
+from grpo_flow.workers.state.storage import RunStorage
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+RUN = [
+    "--preset",
+    "smol-math",
+    "--max-steps",
+    "2",
+    "--save-steps",
+    "1",
+    "--prompts-per-step",
+    "4",
+    "--num-generations",
+    "4",
+    "--max-completion-length",
+    "16",
+    "--eval-prompts",
+    "0",
+]
+SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def cli(storage_root, run_id, *args, fail_at=None):
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("GRPO_FLOW_FAIL_AT", None)
+    if fail_at:
+        env["GRPO_FLOW_FAIL_AT"] = fail_at
+    argv = [
+        sys.executable,
+        "-m",
+        "grpo_flow.flows.cli",
+        "train",
+        "--run-id",
+        run_id,
+        "--storage-root",
+        str(storage_root),
+    ]
+    return subprocess.run([*argv, "--no-progress", *args], capture_output=True, text=True, env=env, timeout=900)
+
+
+def final_weights(storage: RunStorage, step: int) -> dict[str, torch.Tensor]:
+    storage.verify_checkpoint(step)
+    return load_file(storage.checkpoint_dir(step) / "model" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def unbroken(prefect_server, storage_root, smollm2_path):
+    done = cli(storage_root, "smol-unbroken", *RUN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return RunStorage(storage_root, "smol-unbroken")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def test_eos_is_in_the_loss_once_and_a_length_cut_has_none_on_logged_rows(unbroken, tokenizer):
+    rows = unbroken.read_rollouts()
+    eos = tokenizer.eos_token_id
+    assert tokenizer.pad_token_id == eos
+    reasons = rows.column("finish_reason").to_pylist()
+    completions = rows.column("completion_token_ids").to_pylist()
+    assert {"stop", "length"} <= set(reasons)  # both kinds occur in these 32 completions
+    for tokens, reason in zip(completions, reasons, strict=True):
+        if reason == "stop":
+            assert tokens[-1] == eos and tokens.count(eos) == 1
+        else:
+            assert len(tokens) == 16 and eos not in tokens
+    # What the actor trains on: padded with pad == eos, the mask covers each completion's own tokens only.
+    inputs = loss_inputs(rows, tokenizer.pad_token_id)
+    in_loss = (inputs["completion_ids"] == eos) & inputs["completion_mask"].bool()
+    assert in_loss.sum(1).tolist() == [1 if reason == "stop" else 0 for reason in reasons]
+    assert inputs["completion_mask"].sum(1).tolist() == [len(tokens) for tokens in completions]
+    for row, tokens in enumerate(completions):  # nothing after the EOS is in the loss
+        assert not inputs["completion_mask"][row, len(tokens) :].any()
+
+
+def test_the_logged_prompts_went_through_the_chat_template_once(unbroken, tokenizer):
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for ids in unbroken.read_rollouts(columns=["prompt_token_ids"]).column("prompt_token_ids").to_pylist():
+        text = tokenizer.decode(ids)
+        assert ids[0] == start and ids[1] != start and ids.count(start) == 3
+        assert text.count(SYSTEM_PROMPT) == 1 and text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_runs_checkpoint_loads_in_plain_transformers_and_generates(unbroken):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = unbroken.checkpoint_dir(2) / "model"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is 2 + 3? Answer with just the number."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    output = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert tokenizer.decode(output[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_a_run_killed_mid_step_resumes_to_the_unbroken_runs_weights(unbroken, storage_root):
+    killed = cli(storage_root, "smol-killed", *RUN, fail_at="actor@2:kill")
+    assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL: nothing ran after it
+    storage = RunStorage(storage_root, "smol-killed")
+    assert storage.latest_valid_checkpoint() == 1
+    resumed = cli(storage_root, "smol-killed", "--resume")
+    assert resumed.returncode == 0 and "resuming run" in resumed.stdout, resumed.stderr[-3000:]
+    ours, theirs = final_weights(storage, 2), final_weights(unbroken, 2)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), (
+            f"{name} differs by {float((ours[name] - theirs[name]).abs().max())}"
+        )
+    ours, theirs = (
+        load_file(s.checkpoint_dir(2) / "adapter" / "adapter_model.safetensors") for s in (storage, unbroken)
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
