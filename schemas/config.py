@@ -436,8 +436,12 @@ class GRPOFlowConfig(BaseModel):
         description="GPUs of each rollout engine's Ray actor. None: 1 on a cluster with GPUs, else 0.",
     )
     actor_cpus: float = Field(default=1.0, gt=0, description="CPUs of the actor's Ray actor (fractions allowed).")
-    rollout_cpus: float = Field(
-        default=1.0, gt=0, description="CPUs of each rollout engine's Ray actor (fractions allowed)."
+    rollout_cpus: float | None = Field(
+        default=None,
+        gt=0,
+        description="CPUs of each rollout engine's Ray actor (fractions allowed). None: 1 each where the cluster "
+        "has them, else an equal share of the CPUs actor_cpus leaves (0.5 each for two engines on the 2 CPUs of "
+        "`ray start --head` on a 2-core machine).",
     )
 
     # Evaluation and logging

@@ -40,6 +40,7 @@ import atexit
 import contextlib
 import functools
 import logging
+import math
 import os
 import shutil
 import socket
@@ -171,22 +172,35 @@ def resolved_gpus(config: GRPOFlowConfig, cluster_gpus: float) -> tuple[float, f
     return actor, rollout
 
 
+def resolved_rollout_cpus(config: GRPOFlowConfig, cluster_cpus: float) -> float:
+    """rollout_cpus, or its default: 1 each where the cluster has them beside the actor, else an equal share
+    of what the actor leaves (in hundredths), so that a `ray start --head` on 2 cores holds the tiny preset."""
+    if config.rollout_cpus is not None:
+        return config.rollout_cpus
+    spare = cluster_cpus - config.actor_cpus
+    if spare >= config.num_rollout_workers:
+        return 1.0
+    share = math.floor(100 * spare / config.num_rollout_workers) / 100
+    return share if share > 0 else 1.0  # none left: ask for 1, which check_resources refuses by name
+
+
 def bundle(cpus: float, gpus: float) -> dict[str, float]:
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
 
-def plan_bundles(config: GRPOFlowConfig, cluster_gpus: float) -> list[dict[str, float]]:
+def plan_bundles(config: GRPOFlowConfig, cluster_gpus: float, cluster_cpus: float = math.inf) -> list[dict[str, float]]:
     """The placement group: the actor's bundle, then one per rollout engine."""
     actor_gpus, rollout_gpus = resolved_gpus(config, cluster_gpus)
+    rollout_cpus = resolved_rollout_cpus(config, cluster_cpus)
     return [bundle(config.actor_cpus, actor_gpus)] + [
-        bundle(config.rollout_cpus, rollout_gpus) for _ in range(config.num_rollout_workers)
+        bundle(rollout_cpus, rollout_gpus) for _ in range(config.num_rollout_workers)
     ]
 
 
 def check_resources(config: GRPOFlowConfig, nodes: list[dict[str, float]], where: str) -> None:
     """Refuse, naming the resource and the fields, a config the cluster's nodes cannot hold."""
     totals = {name: sum(node.get(name, 0.0) for node in nodes) for name in ("CPU", "GPU")}
-    bundles = plan_bundles(config, totals["GPU"])
+    bundles = plan_bundles(config, totals["GPU"], totals["CPU"])
     n = config.num_rollout_workers
     fields = {"GPU": ("actor_gpus", "rollout_gpus"), "CPU": ("actor_cpus", "rollout_cpus")}
     for name, (actor_field, rollout_field) in fields.items():
@@ -231,6 +245,7 @@ def check_vllm_on_nodes(ray: Any, config: GRPOFlowConfig) -> None:
 
     live = [node for node in ray.nodes() if node.get("Alive")]
     rollout_gpus = resolved_gpus(config, sum(node["Resources"].get("GPU", 0.0) for node in live))[1]
+    rollout_cpus = resolved_rollout_cpus(config, sum(node["Resources"].get("CPU", 0.0) for node in live))
     if config.vllm_enable_sleep_mode and not rollout_gpus:
         raise RayNotReadyError(
             "vllm_enable_sleep_mode: vLLM's sleep mode needs a CUDA GPU, and the run's rollout engines get none "
@@ -239,8 +254,7 @@ def check_vllm_on_nodes(ray: Any, config: GRPOFlowConfig) -> None:
     hosts = [
         node
         for node in live
-        if node["Resources"].get("CPU", 0.0) >= config.rollout_cpus
-        and node["Resources"].get("GPU", 0.0) >= rollout_gpus
+        if node["Resources"].get("CPU", 0.0) >= rollout_cpus and node["Resources"].get("GPU", 0.0) >= rollout_gpus
     ]
     probe = ray.remote(num_cpus=0)(vllm_env.where_vllm_runs)
     refs = [
@@ -318,7 +332,9 @@ class RayPlacement(Placement):
         nodes = cluster_nodes(self.ray)
         address = cluster_address(config)[0]
         check_resources(config, nodes, address)
-        bundles = plan_bundles(config, sum(node.get("GPU", 0.0) for node in nodes))
+        bundles = plan_bundles(
+            config, sum(node.get("GPU", 0.0) for node in nodes), sum(node.get("CPU", 0.0) for node in nodes)
+        )
         self.placement_group = placement_group(bundles, strategy="PACK", name=f"grpo-flow/{config.run_id}")
         self._remove_placement_group = remove_placement_group
         if not self.placement_group.wait(PLACEMENT_TIMEOUT_S):

@@ -42,7 +42,27 @@ def test_too_few_gpus_are_refused_in_all_and_per_node():
     with pytest.raises(RayNotReadyError, match=r"actor_gpus: 2 GPU for one worker, but no node .* more than 1 GPU"):
         check_resources(config(actor_gpus=2, rollout_gpus=0), two_nodes, "here")
     with pytest.raises(RayNotReadyError, match=r"actor_cpus/rollout_cpus: the run asks for 3 CPU"):
-        check_resources(config(), [{"CPU": 2}], "here")
+        check_resources(config(rollout_cpus=1), [{"CPU": 2}], "here")
+
+
+def test_the_default_rollout_cpus_fit_a_ray_start_head_on_two_cores():
+    """The tiny preset asked for 3 CPUs of the 2 that `ray start --head` gives a 2-core machine (issue 30, item 14):
+    by default each rollout engine gets 1 CPU where the cluster has them, else a share of what the actor leaves."""
+    check_resources(config(), [{"CPU": 2}], "here")
+    assert plan_bundles(config(), cluster_gpus=0, cluster_cpus=2) == [{"CPU": 1}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert plan_bundles(config(num_rollout_workers=4, prompts_per_step=8), 0, 2) == [{"CPU": 1}] + [{"CPU": 0.25}] * 4
+    assert plan_bundles(config(), cluster_gpus=0, cluster_cpus=16) == [{"CPU": 1}] * 3
+    with pytest.raises(
+        RayNotReadyError, match=r"asks for 3 CPU \(actor_cpus 1 \+ num_rollout_workers 2 x rollout_cpus 1\)"
+    ):
+        check_resources(config(), [{"CPU": 1}], "here")  # nothing left beside the actor: said, not divided by zero
+
+
+@pytest.mark.ray
+def test_the_tiny_preset_with_the_default_cpus_is_ready_on_a_two_cpu_cluster(ray_cluster, tmp_path):
+    from grpo_flow.workers.backends.ray_backend import check_ray_ready
+
+    check_ray_ready(config(ray_address=ray_cluster.address, storage_root=str(tmp_path)))
 
 
 def test_the_address_comes_from_the_config_then_ray_address_then_a_local_instance(monkeypatch):
