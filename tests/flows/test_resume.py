@@ -354,7 +354,7 @@ def test_a_damaged_earlier_step_is_named_by_every_reader_and_set_aside_by_verify
 def test_a_resume_sets_a_damaged_earlier_step_aside_and_cleans_killed_writers_files(damaged_copy):
     """Resuming needs only the steps after its checkpoint; one before it is moved aside, named, and the
     run goes on. A temporary file of a writer killed mid-write (its pid gone) is removed at the start."""
-    storage, _ = damaged_copy
+    storage, problem = damaged_copy
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     leftover = storage.run_dir / "metrics" / f".step-000009.parquet.w{gone.pid}@{this_host()}.x1y2z3.tmp"
@@ -362,6 +362,9 @@ def test_a_resume_sets_a_damaged_earlier_step_aside_and_cleans_killed_writers_fi
     resumed = cli(storage.root, storage.run_id, "--resume", "--max-steps", "9")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert storage.quarantined() == ["rollouts-step-000002"]
+    # On the console, not only in Prefect's log (issue 30, item 8).
+    moved = f"grpo-flow: warning: run {storage.run_id}: rollouts/step-000002: damaged ({problem}); moved to "
+    assert moved + "quarantine/rollouts-step-000002; not needed to resume (checkpoint 8" in resumed.stderr
     record = json.loads(sorted((storage.run_dir / "resumes").iterdir())[-1].read_text())
     assert record["set_aside_steps"] == [2] and record["checkpoint_step"] == 8
     assert storage.logged_steps()[-1] == 9 and not leftover.exists()
