@@ -233,14 +233,6 @@ def convert_gguf(gguf_path: Path, folder: Path) -> dict[str, Any]:
     }
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def build_atomically(final: Path, build: Any) -> Path:
     """`build(staging)` fills a temporary folder beside `final` and returns its build info; the folder is
     then renamed into place. A folder with build_info.json is complete and is returned as it is."""
@@ -289,6 +281,8 @@ def gguf_folder_name(path: Path, sha256: str) -> str:
 
 def ensure_gguf_model(path: str | os.PathLike, models_dir: Path) -> Path:
     """A user's GGUF file converted into `<models_dir>/gguf-<name>-<sha256 prefix>`, once per file content."""
+    from grpo_flow.workers.state.storage import file_sha256
+
     path = Path(path).expanduser().resolve()
     check_gguf_file(path)
     sha256 = file_sha256(path)

@@ -83,7 +83,8 @@ def ensure_builtin_model(storage_root: str | os.PathLike, name: str) -> Path:
 
 def gguf_model_path(model: str, storage_root: str | os.PathLike) -> Path:
     """Where a GGUF file's conversion is cached (the file is hashed: the cache follows its content)."""
-    from grpo_flow.workers.data.gguf_model import file_sha256, gguf_folder_name
+    from grpo_flow.workers.data.gguf_model import gguf_folder_name
+    from grpo_flow.workers.state.storage import file_sha256
 
     path = Path(model).expanduser().resolve()
     return models_dir(storage_root) / gguf_folder_name(path, file_sha256(path))
