@@ -236,18 +236,19 @@ def convert_gguf(gguf_path: Path, folder: Path) -> dict[str, Any]:
 def build_atomically(final: Path, build: Any) -> Path:
     """`build(staging)` fills a temporary folder beside `final` and returns its build info; the folder is
     then renamed into place. A folder with build_info.json is complete and is returned as it is."""
-    from grpo_flow.workers.state.storage import clean_stale_temps, temp_prefix
+    from grpo_flow.workers.state.storage import clean_stale_temps, give_default_modes, staging_folder
 
     final.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps([final.parent])  # conversions killed midway (their pid is in the folder's name)
     if (final / BUILD_INFO).exists():
         return final
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(final.name), suffix=".tmp"))
+    staging = staging_folder(final.parent, final.name)  # the umask's mode, not mkdtemp's 0700, once renamed
     try:
         started = time.perf_counter()
         info = build(staging)
         info["conversion_seconds"] = round(time.perf_counter() - started, 1)
         (staging / BUILD_INFO).write_text(json.dumps(info, indent=2))
+        give_default_modes(staging)  # safetensors writes model.safetensors 0600
         os.replace(staging, final)
     except OSError:
         if not (final / BUILD_INFO).exists():

@@ -23,7 +23,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -132,7 +131,7 @@ def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NA
     from grpo_flow.workers.rollout.heldout import heldout_accuracy
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
-    from grpo_flow.workers.state.storage import clean_stale_temps, temp_prefix
+    from grpo_flow.workers.state.storage import clean_stale_temps, give_default_modes, staging_folder
 
     folder, task_name = TINY_MODELS[name]
     final = tiny_model_path(storage_root, name)
@@ -140,8 +139,7 @@ def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NA
         clean_stale_temps([final.parent])  # builds killed midway (their pid is in the folder's name)
     if (final / "build_info.json").exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(folder), suffix=".tmp"))
+    staging = staging_folder(final.parent, folder)  # the umask's mode, not mkdtemp's 0700, once renamed
     task = load_task(task_name)
     assert task.format_answer is not None, f"{task_name} has no format_answer for a warm start"
     tokenizer = build_tokenizer()
@@ -168,6 +166,7 @@ def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NA
         "warm_start_loss": warm_start_loss,
     }
     (staging / "build_info.json").write_text(json.dumps(info, indent=2))
+    give_default_modes(staging)  # safetensors writes model.safetensors 0600
     try:
         os.replace(staging, final)
     except OSError:  # another process built it first; theirs is as good as ours

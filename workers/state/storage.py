@@ -213,6 +213,7 @@ def atomic_folder(final: Path, write: Callable[[Path], None]) -> bool:
     staging = staging_folder(final.parent, final.name)
     try:
         write(staging)
+        give_default_modes(staging)
         os.replace(staging, final)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
@@ -223,6 +224,19 @@ def atomic_folder(final: Path, write: Callable[[Path], None]) -> bool:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return True
+
+
+def give_default_modes(folder: Path) -> None:
+    """`folder` and everything in it to the umask's modes (`default_modes`), before it is renamed into
+    place: libraries write some files private whatever the umask (safetensors' `save_file`: 0600), which
+    teammates, a web server or Ray workers of another user could then not read on shared storage."""
+    file_mode, folder_mode = default_modes()
+    os.chmod(folder, folder_mode)
+    for root, folders, files in os.walk(folder):
+        for name, mode in [(name, folder_mode) for name in folders] + [(name, file_mode) for name in files]:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, mode)
 
 
 def staging_folder(parent: Path, name: str) -> Path:
@@ -635,6 +649,7 @@ class RunStorage:
     def commit_checkpoint(self, step: int, staging: Path, extra: dict[str, Any]) -> Path:
         """Write the manifest (file list with sizes and checksums) last, then rename into place."""
         atomic_write_json(staging / MANIFEST, {"step": step, "files": file_manifest(staging), **extra})
+        give_default_modes(staging)  # torch and safetensors wrote into it
         final = self.checkpoint_dir(step)
         if final.exists():
             shutil.rmtree(staging)

@@ -327,3 +327,72 @@ def test_a_killed_tiny_model_build_is_cleaned_at_the_next_start(tmp_path):
     (tiny_model_path(tmp_path) / "build_info.json").write_text("{}")
     assert ensure_tiny_model(tmp_path) == tiny_model_path(tmp_path)
     assert not leftover.exists()
+
+
+UMASK_SCRIPT = """
+import json, os, sys
+os.umask(int(sys.argv[2], 8))
+from pathlib import Path
+import pyarrow as pa, torch
+from safetensors.torch import save_file
+from grpo_flow.schemas.records import metrics_table
+from grpo_flow.workers.data.gguf_model import build_atomically
+from grpo_flow.workers.state.lock import hold_run_lock
+from grpo_flow.workers.state.storage import RunStorage
+
+root = Path(sys.argv[1])
+storage = RunStorage(root, "r")
+storage.write_config({"x": 1})
+hold_run_lock(storage.run_dir)
+storage.write_rollouts(1, 0, pa.table({"step": [1]}))
+storage.commit_rollouts(1, num_shards=1)
+storage.write_metrics(1, metrics_table({"run_id": "r", "step": 1, "policy_version": 1, "num_completions": 1}))
+staging = storage.staging_checkpoint_dir(1)
+(staging / "model").mkdir()
+save_file({"w": torch.zeros(2)}, staging / "model" / "model.safetensors")  # safetensors writes 0600 itself
+storage.commit_checkpoint(1, staging, {})
+
+def build(folder):
+    save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
+    return {}
+
+build_atomically(root / "models" / "built", build)
+modes = {str(p.relative_to(root)): oct(p.stat().st_mode & 0o777) for p in sorted(root.rglob("*"))}
+print(json.dumps(modes))
+"""
+
+
+@pytest.mark.parametrize("umask", ["002", "022"])
+def test_run_files_and_folders_get_the_modes_the_umask_gives(tmp_path, umask):
+    """Every run file was 0600 and every checkpoint folder 0700 whatever the umask (mkstemp, mkdtemp, and
+    safetensors' own 0600), so teammates and Ray workers of another user could not read a run on shared
+    storage (issue 30, item 10). In a process of its own: the umask is read once per process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", UMASK_SCRIPT, str(tmp_path), umask], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    modes = json.loads(done.stdout.splitlines()[-1])
+    file_mode, folder_mode = oct(0o666 & ~int(umask, 8)), oct(0o777 & ~int(umask, 8))
+    for path in (
+        "runs/r",
+        "runs/r/rollouts/step-000001",
+        "runs/r/checkpoints/step-000001",
+        "runs/r/checkpoints/step-000001/model",
+        "models/built",
+    ):
+        assert modes[path] == folder_mode, (path, modes[path])
+    for path in (
+        "runs/r/config.json",
+        "runs/r/run.json",
+        "runs/r/writer.lock",
+        "runs/r/rollouts/step-000001/shard-00.parquet",
+        "runs/r/rollouts/step-000001/_manifest.json",
+        "runs/r/metrics/step-000001.parquet",
+        "runs/r/checkpoints/step-000001/manifest.json",
+        "runs/r/checkpoints/step-000001/model/model.safetensors",
+        "models/built/model.safetensors",
+    ):
+        assert modes[path] == file_mode, (path, modes[path])
