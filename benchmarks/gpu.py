@@ -22,6 +22,11 @@ runs the same code on the CPU with a tiny model, to check it, not to measure any
   per-token log-probs) on `--gen-prompts` prompts x `--gen-n` samples of
   `--completion-tokens` new tokens, in fp32 (as the engine loads) and in bf16; the random
   model almost never emits its end token, so every completion runs to full length.
+- Placement: where the local backend puts each worker with the config's default device (`auto`),
+  asserted before anything is measured: the actor's policy and both transformers engines on the
+  GPU, TRL told the same (`use_cpu` off), and vLLM engines placed by `vllm_mode` (colocate: the
+  actor's GPU; server: engine i on GPU i + 1). A run that would train on the CPU on a GPU machine
+  fails here.
 - vLLM generation: the same prompts and sampling through the project's vLLM engine
   (`VLLMProcessEngine`, its own process from the vLLM environment `grpo setup-vllm` builds:
   `vllm` on a CUDA machine), in bf16 (its default on a GPU) and fp32; its start seconds, and
@@ -227,6 +232,51 @@ def vllm_generation_throughput(
     }
 
 
+def worker_placement(model_path: str, device: str, storage_root: Path) -> dict[str, Any]:
+    """Where the local backend puts each worker (`device`: `cuda`, or `cpu` to check the code), asserted:
+    the actor's policy and each transformers engine on the device, TRL's use_cpu saying the same, and the
+    GPUs each vLLM engine process would see in either vllm_mode."""
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers import backends
+    from grpo_flow.workers.backends import vllm_env
+
+    config = preset_config(
+        "tiny",
+        run_id="gpu-placement",
+        storage_root=str(storage_root),
+        model=model_path,
+        device="auto" if device == "cuda" else "cpu",
+        num_rollout_workers=2,
+    )
+    placement = backends.placement(config, model_path)
+    actor, engines = placement.start()
+    try:
+        policy = next(actor.server.actor.model.parameters()).device.type
+        use_cpu = bool(actor.server.actor.objective.args.use_cpu)
+        on = [next(engine.server.engine.model.parameters()).device.type for engine in engines]
+    finally:
+        placement.close()
+    placed = {"device": placement.device, "actor": policy, "trl_use_cpu": use_cpu, "transformers_engines": on}
+    assert placed == {
+        "device": device,
+        "actor": device,
+        "trl_use_cpu": device == "cpu",
+        "transformers_engines": [device, device],
+    }, f"the local backend's workers are not all on {device}: {placed}"
+    visible = {}
+    for mode in ("colocate", "server"):
+        engine_config = config.model_copy(update={"rollout_engine": "vllm", "vllm_mode": mode})
+        visible[mode] = [
+            vllm_env.local_engine(engine_config, model_path, i, 1, None, gpu=device == "cuda").env.get(
+                "CUDA_VISIBLE_DEVICES"
+            )
+            for i in range(2)
+        ]
+    if device == "cuda":  # colocate: the actor's devices, as inherited; server: GPU i + 1 for engine i
+        assert visible == {"colocate": [None, None], "server": ["1", "2"]}, f"vLLM engines misplaced: {visible}"
+    return {**placed, "vllm_cuda_visible_devices": visible}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64, help="completions in an actor step (default 64)")
@@ -270,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="grpo-flow-gpu-") as tmp:
         model_path = str(Path(tmp) / f"{args.shape}-shape")
         parameters = build_model(Path(model_path), shape)
+        placement = worker_placement(model_path, "cuda" if on_gpu else "cpu", Path(tmp) / "storage")
         actor = actor_throughput(
             model_path,
             args.device,
@@ -304,6 +355,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "shape": args.shape,
         "parameters": parameters,
+        "placement": placement,
         "matmul_dtype": matmul_dtype,
         "matmul_flops_per_s": rate,
         "actor_tokens_per_s": actor["tokens_per_s"],
@@ -331,6 +383,12 @@ def print_report(r: dict[str, Any]) -> None:
     a, w = r["actor"], r["workload"]
     print(
         f"\n{r['device']}, torch {r['torch']}; randomly initialised {r['shape']} shape, {r['parameters'] / 1e6:.0f}M parameters\n"
+    )
+    where = r["placement"]
+    print(
+        f"placement (local backend, device {where['device']}): actor on {where['actor']}, transformers engines on "
+        f"{', '.join(where['transformers_engines'])}, TRL use_cpu {where['trl_use_cpu']}; vLLM engines' "
+        f"CUDA_VISIBLE_DEVICES {where['vllm_cuda_visible_devices']}"
     )
     print(f"measured {r['matmul_dtype']} matmul rate: {r['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
     print(

@@ -53,6 +53,17 @@ def check_before_start(
     check_rewards(config, registered_rewards)
     if config.backend == "local":
         check_model(config.model, config.storage_root)
+        check_device(config)
+
+
+def check_device(config: GRPOFlowConfig) -> None:
+    """`device cuda` on a machine without a CUDA GPU (nvidia-smi finds none), said before torch loads."""
+    from grpo_flow.workers.backends.vllm_env import has_cuda
+
+    if config.device == "cuda" and not has_cuda():
+        raise StartCheckError(
+            "device", "'cuda', but this machine has no CUDA GPU (nvidia-smi finds none); use cpu or auto"
+        )
 
 
 def absolute_local_paths(fields: Mapping[str, Any]) -> dict[str, Any]:

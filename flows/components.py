@@ -96,7 +96,9 @@ def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, st
     if config.backend == "local" and config.rollout_engine == "vllm":
         from grpo_flow.workers.backends.vllm_env import local_engine
 
-        engine = local_engine(config, model_path, 0, threads=None, log_dir=None)
+        engine = local_engine(
+            config, model_path, 0, threads=None, log_dir=None, gpu=False if config.device == "cpu" else None
+        )
         engine.load()
         try:
             return engine.generate(prompts, params, config.max_prompt_length), "local vLLM engine (own process)"
@@ -105,9 +107,12 @@ def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, st
     if config.backend == "local":
         from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
-        engine = TransformersRolloutEngine(model_path)
+        from grpo_flow.workers.backends import local_device
+
+        device = local_device(config)
+        engine = TransformersRolloutEngine(model_path, device=device)
         engine.load()
-        return engine.generate(prompts, params, config.max_prompt_length), "local transformers engine"
+        return engine.generate(prompts, params, config.max_prompt_length), f"local transformers engine ({device})"
     from grpo_flow.workers.backends.modal_app import VOLUME_PATH, build_worker_app, worker_config_json
 
     local = os.environ.get("GRPO_FLOW_MODAL_MODE") == "local"

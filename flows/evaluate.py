@@ -320,8 +320,7 @@ def evaluate_checkpoint(
     linked into place, and a retry that finds the file reads it back. `force`: a stored
     evaluation is moved to eval/superseded/ first, and the checkpoint is evaluated again.
     """
-    import torch
-
+    from grpo_flow.workers.backends import local_device
     from grpo_flow.workers.data.loaders import run_task
     from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, resolve_reward_funcs
     from grpo_flow.workers.rollout.base import SamplingParams
@@ -351,9 +350,7 @@ def evaluate_checkpoint(
         max_steps=config.total_steps(len(task_data.train)),
         epoch=step * config.prompts_per_step / max(1, len(task_data.train)),
     )
-    engine = TransformersRolloutEngine(
-        checkpoint_model(storage, step), worker_id="eval", device="cuda" if torch.cuda.is_available() else "cpu"
-    )
+    engine = TransformersRolloutEngine(checkpoint_model(storage, step), worker_id="eval", device=local_device(config))
     engine.load()
     extra = list(task_data.extra_columns)
     modes = [("sample", settings.k, False)] + ([("greedy", 1, True)] if settings.greedy else [])

@@ -25,6 +25,7 @@ LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", 
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 Backend = Literal["local", "modal", "ray"]
+Device = Literal["auto", "cuda", "cpu"]
 WeightSyncMethod = Literal["reload", "volume", "direct", "checkpoint", "lora"]
 RolloutEngine = Literal["transformers", "vllm"]
 VLLMMode = Literal["colocate", "server"]  # TRL's names for where a vLLM engine runs
@@ -59,6 +60,7 @@ NON_TRAINING_FIELDS = frozenset(
         "report_to",
         "wandb_project",
         "backend",
+        "device",
         "actor_gpu",
         "actor_gpu_count",
         "rollout_gpu",
@@ -122,6 +124,13 @@ class GRPOFlowConfig(BaseModel):
         default="local",
         description="Where the GPU workers run: `local` (this process), `modal` (Modal GPUs) or `ray` (Ray actors "
         "on a Ray cluster: `ray_address`, else RAY_ADDRESS, else a local Ray instance).",
+    )
+    device: Device = Field(
+        default="auto",
+        description="Where the local backend runs the actor and its transformers rollout engines: `auto` (a CUDA "
+        "GPU when torch sees one, else the CPU), `cuda` or `cpu`. Its vLLM engines go by vllm_mode (colocate: the "
+        "actor's GPU; server: GPU i + 1 for engine i). The Modal and Ray backends put each worker on the GPUs they "
+        "give it (actor_gpu, actor_gpus, ...).",
     )
 
     # Model and data
@@ -582,7 +591,7 @@ class GRPOFlowConfig(BaseModel):
 # The fields by topic, in the order `grpo train --help` and the README's config table show them
 # (tests/schemas/test_config_groups.py checks that every field is in exactly one group and the README agrees).
 CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
-    "Run": ("run_id", "storage_root", "backend"),
+    "Run": ("run_id", "storage_root", "backend", "device"),
     "Model and data": ("model", "dataset", "reward_funcs", "reward_weights"),
     "Optimisation": (
         "learning_rate",

@@ -27,15 +27,24 @@ from grpo_flow.schemas.config import GRPOFlowConfig
 TRL_VERSION = "1.16.0"
 
 
-def grpo_args(config: GRPOFlowConfig, output_dir: str) -> Any:
-    """TRL's GRPOConfig for our config: the same option names, one optimizer step per batch."""
+def device_options(config: GRPOFlowConfig, device: str | None = None) -> dict[str, bool]:
+    """TRL's use_cpu, and bf16 (None: on with a CUDA GPU), for a policy on `device` (the actor's; None:
+    config.device, `auto` meaning a CUDA GPU when torch sees one). They follow where the policy is, not
+    whether the machine has a GPU: a CPU actor on a CUDA machine was handed to TRL with use_cpu=False."""
+    if device is None:
+        device = "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
+    on_gpu = device.startswith("cuda")
+    return {"use_cpu": not on_gpu, "bf16": on_gpu if config.bf16 is None else config.bf16}
+
+
+def grpo_args(config: GRPOFlowConfig, output_dir: str, device: str | None = None) -> Any:
+    """TRL's GRPOConfig for our config: the same option names, one optimizer step per batch, on the
+    policy's `device` (`device_options`)."""
     from trl import GRPOConfig
 
-    on_gpu = torch.cuda.is_available()
     return GRPOConfig(
         output_dir=output_dir,
-        use_cpu=not on_gpu,
-        bf16=on_gpu if config.bf16 is None else config.bf16,
+        **device_options(config, device),
         report_to="none",
         save_strategy="no",
         seed=config.seed,
@@ -107,7 +116,7 @@ def make_objective(model: Any, tokenizer: Any, config: GRPOFlowConfig) -> Any:
     objective = GRPOTrainer(
         model=model,
         reward_funcs=unused_reward,
-        args=grpo_args(config, tempfile.mkdtemp(prefix="grpo-flow-trl-")),
+        args=grpo_args(config, tempfile.mkdtemp(prefix="grpo-flow-trl-"), device=next(model.parameters()).device.type),
         train_dataset=Dataset.from_dict({"prompt": [""]}),
         processing_class=tokenizer,
         peft_config=lora_config(config) if config.use_lora else None,

@@ -51,7 +51,25 @@ def placement(config: GRPOFlowConfig, model_path: str | Path) -> Any:
         return RayPlacement(config, model_path)
     from grpo_flow.workers.backends.local import LocalPlacement
 
-    return LocalPlacement(config, model_path)
+    return LocalPlacement(config, model_path, device=local_device(config))
+
+
+class DeviceError(ValueError):
+    """The config's device cannot be used here (`cuda` where torch sees no CUDA GPU); names the field."""
+
+
+def local_device(config: GRPOFlowConfig) -> str:
+    """The device the local backend's actor and transformers engines use: config.device, `auto` resolved
+    (`cuda` when torch sees a CUDA GPU, else `cpu`)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if config.device == "auto":
+        return "cuda" if cuda else "cpu"
+    if config.device == "cuda" and not cuda:
+        build = "a CPU-only torch build" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+        raise DeviceError(f"device: 'cuda', but torch sees no CUDA GPU here ({build}); use --device cpu or auto")
+    return config.device
 
 
 def start_workers(config: GRPOFlowConfig, model_path: str | Path) -> Any:

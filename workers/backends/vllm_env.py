@@ -116,7 +116,7 @@ def check_vllm_ready(config: GRPOFlowConfig) -> None:
                 f"{field}: no vLLM environment at {python}; create it with `grpo setup-vllm`"
                 + ("" if config.vllm_python else " (or name one with --vllm-python)")
             )
-        cuda = has_cuda()
+        cuda = has_cuda() and config.device != "cpu"
         if config.vllm_enable_sleep_mode and not cuda:
             raise VLLMNotReady("vllm_enable_sleep_mode: vLLM's sleep mode needs a CUDA GPU; vLLM's CPU build has none")
         if config.resolved_vllm_mode == "server" and cuda and cuda_device_count() < config.num_rollout_workers + 1:
@@ -186,17 +186,27 @@ def engine_process(
 
 
 def local_engine(
-    config: GRPOFlowConfig, model_path: str | Path, worker_index: int, threads: int | None, log_dir: Path | None
+    config: GRPOFlowConfig,
+    model_path: str | Path,
+    worker_index: int,
+    threads: int | None,
+    log_dir: Path | None,
+    gpu: bool | None = None,
 ) -> Any:
     """Rollout worker `worker_index` of the local backend: a vLLM engine process from `vllm_python`.
 
+    `gpu`: whether the local backend runs on the GPU (its `device`; None: whether this machine has one).
     colocate: the engine sees the actor's devices. server: engine i gets GPU i + 1 (the actor
-    keeps GPU 0); on a CPU machine there is one device, so both modes share the cores.
+    keeps GPU 0); on the CPU there is one device, so both modes share the cores, and a GPU the run
+    was told not to use (device cpu) is hidden from the engine.
     """
-    gpu = has_cuda()
+    cuda = has_cuda()
+    gpu = cuda if gpu is None else gpu
     env: dict[str, str] = {}
     if gpu and config.resolved_vllm_mode == "server":
         env["CUDA_VISIBLE_DEVICES"] = str(worker_index + 1)
+    elif cuda and not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return engine_process(config, model_path, worker_index, gpu, threads, log_dir, env)
 
 

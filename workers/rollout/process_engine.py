@@ -25,20 +25,21 @@ from grpo_flow.workers.rollout.channel import EngineProcessError
 __all__ = ["EngineProcessError", "ProcessRolloutEngine"]
 
 
-def _serve(conn: Any, model_path: str, worker_id: str, threads: int) -> None:
+def _serve(conn: Any, model_path: str, worker_id: str, threads: int, device: str = "cpu") -> None:
     import torch
 
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
     torch.set_num_threads(threads)
-    channel.serve(conn, TransformersRolloutEngine(model_path, worker_id=worker_id))
+    channel.serve(conn, TransformersRolloutEngine(model_path, worker_id=worker_id, device=device))
 
 
 class ProcessRolloutEngine:
-    def __init__(self, model_path: str | Path, worker_id: str = "rollout-0", threads: int = 1):
+    def __init__(self, model_path: str | Path, worker_id: str = "rollout-0", threads: int = 1, device: str = "cpu"):
         self.model_path = str(model_path)
         self.worker_id = worker_id
         self.threads = threads
+        self.device = device  # the actor's (the local backend's `device`): its weights arrive on it
         self.policy_version = 0
         self.tokenizer: Any = None
         self._loaded = False
@@ -56,7 +57,7 @@ class ProcessRolloutEngine:
         self._conn, child = context.Pipe()
         self._process = context.Process(
             target=_serve,
-            args=(child, self.model_path, self.worker_id, self.threads),
+            args=(child, self.model_path, self.worker_id, self.threads, self.device),
             daemon=True,
             name=f"grpo-flow-{self.worker_id}",
         )
