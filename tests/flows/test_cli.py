@@ -522,3 +522,48 @@ def test_help_shows_the_storage_root_grpo_flow_storage_names():
     shown = run_cli("train", "--help", env_extra={"GRPO_FLOW_STORAGE": "/data/runs", "COLUMNS": "400"})
     line = next(line for line in shown.stdout.splitlines() if line.strip().startswith("--storage-root"))
     assert line.rstrip().endswith("(default: /data/runs)"), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("umask", [0o002, 0o022])
+def test_a_run_under_a_umask_writes_what_it_lets_others_read(tmp_path, umask):
+    """config.json, metrics and rollout Parquet, model.safetensors (the built model's and the checkpoint's),
+    report.png and the checkpoint folders were 0600/0700 whatever the umask (issue 30, item 10)."""
+    root = tmp_path / "store"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("WANDB_MODE", None)
+
+    def grpo(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "grpo_flow.flows.cli", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+            preexec_fn=lambda: os.umask(umask),
+        )
+
+    trained = grpo("train", "--max-steps", "1", "--save-steps", "1", "--eval-prompts", "0", "--run-id", "m",
+                   "--storage-root", str(root), "--no-progress")  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert grpo("report", "m", "--storage-root", str(root)).returncode == 0
+    run = root / "runs" / "m"
+    folders = [
+        run,
+        run / "rollouts" / "step-000001",
+        run / "checkpoints" / "step-000001",
+        root / "models" / "tiny-qwen2",
+    ]
+    files = [
+        run / "config.json",
+        run / "summary.json",
+        run / "metrics" / "step-000001.parquet",
+        run / "rollouts" / "step-000001" / "shard-00.parquet",
+        run / "checkpoints" / "step-000001" / "model" / "model.safetensors",
+        root / "models" / "tiny-qwen2" / "model.safetensors",
+        run / "report.png",
+    ]
+    modes = {str(p.relative_to(root)): oct(p.stat().st_mode & 0o777) for p in folders + files}
+    expected = {str(p.relative_to(root)): oct(0o777 & ~umask) for p in folders}
+    expected |= {str(p.relative_to(root)): oct(0o666 & ~umask) for p in files}
+    assert modes == expected
