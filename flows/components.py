@@ -60,7 +60,7 @@ def command_test_rollout(args: argparse.Namespace) -> int:
     except Exception as error:
         raise ComponentError(f"--backend {config.backend}: {error}") from None
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    prompts = args.prompt or [DEFAULT_PROMPT]
+    prompts = chat_if_templated(args.prompt or [DEFAULT_PROMPT], config)
     started = time.perf_counter()
     result, worker = generate_once(config, prompts, params)
     seconds = time.perf_counter() - started
@@ -85,6 +85,18 @@ def command_test_rollout(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+def chat_if_templated(prompts: list[str], config: Any) -> list[Any]:
+    """Each prompt as a one-message conversation where the local model has a chat template, as training
+    renders such a model's prompts: given the bare string, a chat model ends its turn at once (SmolLM2 did)."""
+    if config.backend != "local":
+        return prompts
+    from grpo_flow.workers.data.models import resolve_model_path
+    from grpo_flow.workers.rollout.base import load_generation_tokenizer
+
+    tokenizer = load_generation_tokenizer(resolve_model_path(config.model, config.storage_root))
+    return [[{"role": "user", "content": prompt}] for prompt in prompts] if tokenizer.chat_template else prompts
 
 
 def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, str]:

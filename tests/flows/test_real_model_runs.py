@@ -139,3 +139,14 @@ def test_a_run_killed_mid_step_resumes_to_the_unbroken_runs_weights(unbroken, st
         load_file(s.checkpoint_dir(2) / "adapter" / "adapter_model.safetensors") for s in (storage, unbroken)
     )
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+def test_test_rollout_sends_a_chat_model_a_conversation(storage_root, smollm2_path):
+    """`grpo test-rollout --prompt TEXT` on a chat model: given the bare string, SmolLM2 ended its turn at once."""
+    from grpo_flow.flows.components import chat_if_templated
+    from grpo_flow.schemas.presets import preset_config
+
+    smol = preset_config("smol-math", storage_root=str(storage_root))
+    assert chat_if_templated(["What is 4 + 5?"], smol) == [[{"role": "user", "content": "What is 4 + 5?"}]]
+    tiny = preset_config("tiny", storage_root=str(storage_root))  # no chat template: the text as it is
+    assert chat_if_templated(["35060="], tiny) == ["35060="]
