@@ -169,9 +169,13 @@ def test_the_flow_through_the_modal_wrappers_with_the_real_engine(prefect_server
 
 
 @pytest.mark.vllm
-def test_the_modal_rollout_workers_reset_shuts_the_old_engine_down(storage_root, tmp_path):
-    """reset() used to build a new engine beside the old one (two engine processes alive; on a GPU the old
-    one kept its weights and memory reservation)."""
+def test_the_modal_rollout_workers_initial_keeps_one_engine_process(storage_root, tmp_path):
+    """`initial` (a worker back on the initial model) puts the initial weights back in the engine it has, and
+    starts one new engine only when its process died: never a second engine beside a live one (on a GPU the
+    old one would keep its weights and memory reservation)."""
+    import signal
+    import time
+
     from grpo_flow.workers.backends.modal_app import build_worker_app, worker_config_json
     from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 
@@ -179,17 +183,22 @@ def test_the_modal_rollout_workers_reset_shuts_the_old_engine_down(storage_root,
     rollout = build_worker_app(config).rollout_cls(
         config_json=worker_config_json(config),
         model_path=str(ensure_tiny_model(storage_root)),
-        engine="vllm",
         device="cpu",
         storage_root=str(tmp_path),
     )
-    assert rollout.policy_version.local() == 0
+    assert rollout.ready.local()["policy_version"] == 0
     before = engine_processes(os.getpid())
     assert len(before) == 1
-    assert rollout.reset.local() == 0
+    assert rollout.initial.local() == 0
+    assert engine_processes(os.getpid()) == before
+    os.kill(before[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while rollout.ready.local()["policy_version"] is not None and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the worker sees its engine gone
+    assert rollout.initial.local() == 0
     after = engine_processes(os.getpid())
     assert len(after) == 1 and after != before
-    rollout.rollout_engine.close()
+    rollout.shutdown.local()
     assert engine_processes(os.getpid()) == []
 
 
