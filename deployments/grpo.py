@@ -194,7 +194,8 @@ def deployment_signature() -> inspect.Signature:
                 name,
                 keyword,
                 annotation=_optional(field.annotation, list(field.metadata)),
-                default=Field(None, description=description),
+                # Checks kept in the schema rather than the type (run_id's pattern) reach the server too.
+                default=Field(None, description=description, json_schema_extra=field.json_schema_extra),
             )
         )
     parameters += [
