@@ -88,7 +88,7 @@ TASKS_PER_STEP = 9  # sample, 2 x generate, 2 x score, log-rollouts, actor, sync
 
 
 # The Ray runs' placement on a 2-CPU machine: the actor one CPU, each of the two engines half of one.
-RAY_FIELDS = {"backend": "ray", "actor_cpus": 1.0, "rollout_cpus": 0.5}
+RAY_FIELDS = {"backend": "ray", "ray_actor_cpus": 1.0, "ray_rollout_cpus": 0.5}
 
 
 def tiny_config(model: str, storage_root: str, run_id: str, steps: int, ray: bool = False) -> Any:

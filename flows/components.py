@@ -144,7 +144,7 @@ def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, st
     with app.app.run():
         return worker.generate.remote(
             prompts, params, config.max_prompt_length
-        ), f"Modal RolloutWorker ({config.rollout_gpu})"
+        ), f"Modal RolloutWorker ({config.modal_rollout_gpu})"
 
 
 # -- test-reward ---------------------------------------------------------------------------------------

@@ -38,7 +38,18 @@ MODAL_GPU_TYPES = ("T4", "L4", "A10G", "A10", "L40S", "A100", "A100-40GB", "A100
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_publish")
 TASK_NAMES = ("last_digit", "reverse_digits", "smol_math", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
 # Old name -> new name, for configs stored by an older grpo-flow (runs resume under the new names).
-RENAMED_FIELDS = {"gpu_memory_utilization": "vllm_gpu_memory_utilization", "max_model_len": "vllm_max_model_length"}
+RENAMED_FIELDS = {
+    "gpu_memory_utilization": "vllm_gpu_memory_utilization",
+    "max_model_len": "vllm_max_model_length",
+    # Each backend's resources under its name: Modal's GPU types beside Ray's GPU counts read as one field.
+    "actor_gpu": "modal_actor_gpu",
+    "actor_gpu_count": "modal_actor_gpu_count",
+    "rollout_gpu": "modal_rollout_gpu",
+    "actor_gpus": "ray_actor_gpus",
+    "rollout_gpus": "ray_rollout_gpus",
+    "actor_cpus": "ray_actor_cpus",
+    "rollout_cpus": "ray_rollout_cpus",
+}
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 RUN_ID_RULE = "1 to 128 letters, digits, '.', '_' or '-', the first a letter or digit"
 
@@ -61,9 +72,9 @@ NON_TRAINING_FIELDS = frozenset(
         "wandb_project",
         "backend",
         "device",
-        "actor_gpu",
-        "actor_gpu_count",
-        "rollout_gpu",
+        "modal_actor_gpu",
+        "modal_actor_gpu_count",
+        "modal_rollout_gpu",
         "weight_sync_method",
         "vllm_gpu_memory_utilization",
         "vllm_mode",
@@ -73,10 +84,10 @@ NON_TRAINING_FIELDS = frozenset(
         "modal_secrets",
         "detach",
         "ray_address",
-        "actor_gpus",
-        "rollout_gpus",
-        "actor_cpus",
-        "rollout_cpus",
+        "ray_actor_gpus",
+        "ray_rollout_gpus",
+        "ray_actor_cpus",
+        "ray_rollout_cpus",
         "save_total_limit",
         "keep_checkpoint_every",
         "generate_retries",
@@ -130,7 +141,7 @@ class GRPOFlowConfig(BaseModel):
         description="Where the local backend runs the actor and its transformers rollout engines: `auto` (a CUDA "
         "GPU when torch sees one, else the CPU), `cuda` or `cpu`. Its vLLM engines go by vllm_mode (colocate: the "
         "actor's GPU; server: GPU i + 1 for engine i). The Modal and Ray backends put each worker on the GPUs they "
-        "give it (actor_gpu, actor_gpus, ...).",
+        "give it (modal_actor_gpu, ray_actor_gpus, ...).",
     )
 
     # Model and data
@@ -410,11 +421,11 @@ class GRPOFlowConfig(BaseModel):
     )
 
     # Modal backend (the seeds' option names); ignored by the local backend
-    actor_gpu: str = Field(
+    modal_actor_gpu: str = Field(
         default="A100", description=f"Modal GPU type of the actor: one of {', '.join(MODAL_GPU_TYPES)}."
     )
-    actor_gpu_count: int = Field(default=1, ge=1, le=8, description="GPUs for the actor container.")
-    rollout_gpu: str = Field(default="A10G", description="Modal GPU type of each vLLM rollout worker.")
+    modal_actor_gpu_count: int = Field(default=1, ge=1, le=8, description="GPUs for the actor container.")
+    modal_rollout_gpu: str = Field(default="A10G", description="Modal GPU type of each vLLM rollout worker.")
     weight_sync_method: WeightSyncMethod = Field(
         default="reload",
         description="How rollout workers get new weights: `reload` (vLLM sleep/wake_up/reload_weights), `volume` "
@@ -434,22 +445,22 @@ class GRPOFlowConfig(BaseModel):
         description="Ray cluster to run on, as `ray start --head` prints it (`HOST:PORT`, or `auto`). None: the "
         "RAY_ADDRESS environment variable, else a local Ray instance started for the run.",
     )
-    actor_gpus: float | None = Field(
+    ray_actor_gpus: float | None = Field(
         default=None,
         ge=0,
         description="GPUs of the actor's Ray actor (fractions share a GPU). None: 1 on a cluster with GPUs, else 0.",
     )
-    rollout_gpus: float | None = Field(
+    ray_rollout_gpus: float | None = Field(
         default=None,
         ge=0,
         description="GPUs of each rollout engine's Ray actor. None: 1 on a cluster with GPUs, else 0.",
     )
-    actor_cpus: float = Field(default=1.0, gt=0, description="CPUs of the actor's Ray actor (fractions allowed).")
-    rollout_cpus: float | None = Field(
+    ray_actor_cpus: float = Field(default=1.0, gt=0, description="CPUs of the actor's Ray actor (fractions allowed).")
+    ray_rollout_cpus: float | None = Field(
         default=None,
         gt=0,
         description="CPUs of each rollout engine's Ray actor (fractions allowed). None: 1 each where the cluster "
-        "has them, else an equal share of the CPUs actor_cpus leaves (0.5 each for two engines on the 2 CPUs of "
+        "has them, else an equal share of the CPUs ray_actor_cpus leaves (0.5 each for two engines on the 2 CPUs of "
         "`ray start --head` on a 2-core machine).",
     )
 
@@ -472,7 +483,7 @@ class GRPOFlowConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _renamed_fields(cls, data: object) -> object:
-        """Configs stored by an older grpo-flow used vLLM's own names for two fields; now TRL's are used."""
+        """Configs stored by an older grpo-flow (RENAMED_FIELDS' old names) read under the new names."""
         if isinstance(data, dict):
             for old, new in RENAMED_FIELDS.items():
                 if old in data and new not in data:
@@ -544,7 +555,7 @@ class GRPOFlowConfig(BaseModel):
             raise FieldRuleError(
                 ("vllm_mode", "backend"),
                 "vllm_mode 'colocate' needs the local backend: on Ray each rollout engine is a Ray actor of its own "
-                "(vllm_mode 'server'), on the GPUs rollout_gpus gives it",
+                "(vllm_mode 'server'), on the GPUs ray_rollout_gpus gives it",
             )
         if self.rollout_engine == "vllm" and self.use_lora and (self.lora_r or 16) > VLLM_LORA_RANKS[-1]:
             raise FieldRuleError(
@@ -554,7 +565,7 @@ class GRPOFlowConfig(BaseModel):
         lora_options = [name for name in LORA_OPTIONS if getattr(self, name) is not None]
         if lora_options and not self.use_lora:
             raise FieldRuleError(lora_options, "LoRA options given without use_lora")
-        for name in ("actor_gpu", "rollout_gpu"):
+        for name in ("modal_actor_gpu", "modal_rollout_gpu"):
             if getattr(self, name) not in MODAL_GPU_TYPES:
                 raise FieldRuleError(
                     (name,), f"unknown Modal GPU type {getattr(self, name)!r}; known: {', '.join(MODAL_GPU_TYPES)}"
@@ -666,14 +677,14 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "max_no_reward_steps",
     ),
     "Modal backend": (
-        "actor_gpu",
-        "actor_gpu_count",
-        "rollout_gpu",
+        "modal_actor_gpu",
+        "modal_actor_gpu_count",
+        "modal_rollout_gpu",
         "modal_volume",
         "modal_secrets",
         "detach",
     ),
-    "Ray backend": ("ray_address", "actor_gpus", "rollout_gpus", "actor_cpus", "rollout_cpus"),
+    "Ray backend": ("ray_address", "ray_actor_gpus", "ray_rollout_gpus", "ray_actor_cpus", "ray_rollout_cpus"),
     "Evaluation and logging": ("eval_prompts", "accuracy_reward", "report_to", "wandb_project"),
 }
 

@@ -105,7 +105,9 @@ def test_site_packages_gets_grpo_flow_alone(installed):
 @pytest.mark.slow
 def test_the_cli_and_the_api_run_from_a_project_with_its_own_flows_tasks_and_workers(installed, user_project):
     python, site = installed
-    trained = run([str(python.parent / "grpo"), "train", "--preset", "tiny", "--max-steps", "2", "--no-progress"], user_project)
+    trained = run(
+        [str(python.parent / "grpo"), "train", "--preset", "tiny", "--max-steps", "2", "--no-progress"], user_project
+    )
     assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
     assert "completed" in trained.stdout and "2 / 2" in trained.stdout
     as_module = run([str(python), "-m", "grpo_flow", "runs"], user_project)

@@ -23,8 +23,8 @@ from grpo_flow.schemas.presets import preset_config
 from grpo_flow.workers.state.storage import RunStorage
 
 # The tiny preset on 2 CPUs: the actor gets one, the two rollout engines half of one each.
-RAY = dict(backend="ray", actor_cpus=1.0, rollout_cpus=0.5)
-RAY_CLI = ["--backend", "ray", "--actor-cpus", "1", "--rollout-cpus", "0.5"]
+RAY = dict(backend="ray", ray_actor_cpus=1.0, ray_rollout_cpus=0.5)
+RAY_CLI = ["--backend", "ray", "--ray-actor-cpus", "1", "--ray-rollout-cpus", "0.5"]
 
 
 def ray_config(cluster, storage_root, run_id, **overrides):
@@ -112,7 +112,7 @@ def test_an_engine_and_then_the_actor_killed_mid_run_heal_and_the_run_ends_with_
 VLLM_RUN = dict(
     rollout_engine="vllm",
     num_rollout_workers=1,
-    rollout_cpus=1.0,
+    ray_rollout_cpus=1.0,
     prompts_per_step=8,
     num_generations=4,
     max_steps=5,
@@ -284,10 +284,10 @@ def test_more_gpus_than_the_cluster_has_are_refused_naming_the_resource(ray_clus
     from grpo_flow.flows.cli import main
 
     argv = ["train", *RAY_CLI, "--ray-address", ray_cluster.address, "--storage-root", str(tmp_path / "s")]
-    assert main([*argv, "--rollout-gpus", "1"]) == 2
+    assert main([*argv, "--ray-rollout-gpus", "1"]) == 2
     err = capsys.readouterr().err
-    assert "actor_gpus/rollout_gpus: the run asks for 2 GPU" in err and "has 0 GPU in all" in err
-    assert main([*argv, "--actor-cpus", "3", "--rollout-cpus", "0.5"]) == 2
+    assert "ray_actor_gpus/ray_rollout_gpus: the run asks for 2 GPU" in err and "has 0 GPU in all" in err
+    assert main([*argv, "--ray-actor-cpus", "3", "--ray-rollout-cpus", "0.5"]) == 2
     assert "has 2 CPU in all" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
 

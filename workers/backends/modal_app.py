@@ -13,8 +13,8 @@ Built with no network: images, the Volume and Secrets are lazy handles until the
 
 The GPU type comes from the run's config, but Modal fixes it when a class is decorated; so the
 classes below are plain, undecorated classes at module scope, and `build_app(config)`
-decorates them for one config (`gpu="H100:2"` from actor_gpu and actor_gpu_count, the
-rollout_gpu, timeouts, `modal.Retries`, volume, secrets). Modal supports exactly this: a container imports
+decorates them for one config (`gpu="H100:2"` from modal_actor_gpu and modal_actor_gpu_count, the
+modal_rollout_gpu, timeouts, `modal.Retries`, volume, secrets). Modal supports exactly this: a container imports
 the class by name from this module and, finding it undecorated, binds it to the function
 definition the app registered (modal/_runtime/user_code_imports.py, "local scope-decoration").
 `app` at the bottom is the same app for the default config, for `modal deploy` / `modal shell`.
@@ -110,9 +110,13 @@ def secrets(config: GRPOFlowConfig) -> list[modal.Secret]:
     return [modal.Secret.from_name(name) for name in config.modal_secrets]
 
 
-def actor_gpu(config: GRPOFlowConfig) -> str:
+def actor_gpu_spec(config: GRPOFlowConfig) -> str:
     """Modal's `gpu=` string: `A100` or `A100:2` (config validates the type, 1-8 GPUs)."""
-    return config.actor_gpu if config.actor_gpu_count == 1 else f"{config.actor_gpu}:{config.actor_gpu_count}"
+    return (
+        config.modal_actor_gpu
+        if config.modal_actor_gpu_count == 1
+        else f"{config.modal_actor_gpu}:{config.modal_actor_gpu_count}"
+    )
 
 
 def worker_config_json(config: GRPOFlowConfig) -> str:
@@ -270,7 +274,7 @@ def build_worker_app(
         include_source=False,  # the image carries grpo_flow's `schemas` and `workers` (_cuda_image)
     )
     actor_options: dict[str, Any] = dict(
-        gpu=actor_gpu(config),
+        gpu=actor_gpu_spec(config),
         timeout=actor_timeout_s,
         # Safe to retry: the actor answers a retried step it already took, and refuses a version it does not hold.
         retries=modal.Retries(
@@ -278,7 +282,7 @@ def build_worker_app(
         ),
     )
     rollout_options: dict[str, Any] = dict(
-        gpu=config.rollout_gpu,
+        gpu=config.modal_rollout_gpu,
         timeout=rollout_timeout_s,
         # Generation is a function of (weights, prompts, seed), and a sync of a version held is skipped.
         retries=modal.Retries(

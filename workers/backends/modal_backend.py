@@ -188,7 +188,7 @@ class ModalPlacement(Placement):
             ),
             "actor",
             "actor",
-            config.actor_gpu_count,
+            config.modal_actor_gpu_count,
         )
         rollout: list[Handle] = [
             ModalHandle(

@@ -6,7 +6,7 @@
 - `RayPlacement(config, model_path)`: where `Workers` (workers/backends/workers.py) finds the run's
   workers on Ray. The actor and the `num_rollout_workers` engines are the servers as Ray actors
   (workers/backends/ray_app.py), each in one bundle of the run's placement group
-  (`actor_cpus`/`actor_gpus`, `rollout_cpus`/`rollout_gpus`), with `max_restarts=-1`.
+  (`ray_actor_cpus`/`ray_actor_gpus`, `ray_rollout_cpus`/`ray_rollout_gpus`), with `max_restarts=-1`.
 - Weight sync: `reload` (the default) and `direct` put the actor's state dict in Ray's object
   store once (it is the return value of the actor's `publish`) and every engine gets the
   reference; `volume`, `checkpoint` and `lora` write files on the shared storage root, as on
@@ -165,19 +165,19 @@ def connect(config: GRPOFlowConfig) -> Any:
 
 # -- resources -----------------------------------------------------------------------------------------
 def resolved_gpus(config: GRPOFlowConfig, cluster_gpus: float) -> tuple[float, float]:
-    """(actor_gpus, rollout_gpus): None means one GPU each on a cluster that has GPUs, none otherwise."""
+    """(ray_actor_gpus, ray_rollout_gpus): None means one GPU each on a cluster that has GPUs, none otherwise."""
     default = 1.0 if cluster_gpus > 0 else 0.0
-    actor = default if config.actor_gpus is None else config.actor_gpus
-    rollout = default if config.rollout_gpus is None else config.rollout_gpus
+    actor = default if config.ray_actor_gpus is None else config.ray_actor_gpus
+    rollout = default if config.ray_rollout_gpus is None else config.ray_rollout_gpus
     return actor, rollout
 
 
 def resolved_rollout_cpus(config: GRPOFlowConfig, cluster_cpus: float) -> float:
-    """rollout_cpus, or its default: 1 each where the cluster has them beside the actor, else an equal share
+    """ray_rollout_cpus, or its default: 1 each where the cluster has them beside the actor, else an equal share
     of what the actor leaves (in hundredths), so that a `ray start --head` on 2 cores holds the tiny preset."""
-    if config.rollout_cpus is not None:
-        return config.rollout_cpus
-    spare = cluster_cpus - config.actor_cpus
+    if config.ray_rollout_cpus is not None:
+        return config.ray_rollout_cpus
+    spare = cluster_cpus - config.ray_actor_cpus
     if spare >= config.num_rollout_workers:
         return 1.0
     share = math.floor(100 * spare / config.num_rollout_workers) / 100
@@ -190,10 +190,10 @@ def bundle(cpus: float, gpus: float) -> dict[str, float]:
 
 def plan_bundles(config: GRPOFlowConfig, cluster_gpus: float, cluster_cpus: float = math.inf) -> list[dict[str, float]]:
     """The placement group: the actor's bundle, then one per rollout engine."""
-    actor_gpus, rollout_gpus = resolved_gpus(config, cluster_gpus)
-    rollout_cpus = resolved_rollout_cpus(config, cluster_cpus)
-    return [bundle(config.actor_cpus, actor_gpus)] + [
-        bundle(rollout_cpus, rollout_gpus) for _ in range(config.num_rollout_workers)
+    ray_actor_gpus, ray_rollout_gpus = resolved_gpus(config, cluster_gpus)
+    ray_rollout_cpus = resolved_rollout_cpus(config, cluster_cpus)
+    return [bundle(config.ray_actor_cpus, ray_actor_gpus)] + [
+        bundle(ray_rollout_cpus, ray_rollout_gpus) for _ in range(config.num_rollout_workers)
     ]
 
 
@@ -202,7 +202,7 @@ def check_resources(config: GRPOFlowConfig, nodes: list[dict[str, float]], where
     totals = {name: sum(node.get(name, 0.0) for node in nodes) for name in ("CPU", "GPU")}
     bundles = plan_bundles(config, totals["GPU"], totals["CPU"])
     n = config.num_rollout_workers
-    fields = {"GPU": ("actor_gpus", "rollout_gpus"), "CPU": ("actor_cpus", "rollout_cpus")}
+    fields = {"GPU": ("ray_actor_gpus", "ray_rollout_gpus"), "CPU": ("ray_actor_cpus", "ray_rollout_cpus")}
     for name, (actor_field, rollout_field) in fields.items():
         actor, each = bundles[0].get(name, 0.0), bundles[1].get(name, 0.0)
         wanted = actor + n * each
@@ -244,17 +244,18 @@ def check_vllm_on_nodes(ray: Any, config: GRPOFlowConfig) -> None:
     from grpo_flow.workers.backends import vllm_env
 
     live = [node for node in ray.nodes() if node.get("Alive")]
-    rollout_gpus = resolved_gpus(config, sum(node["Resources"].get("GPU", 0.0) for node in live))[1]
-    rollout_cpus = resolved_rollout_cpus(config, sum(node["Resources"].get("CPU", 0.0) for node in live))
-    if config.vllm_enable_sleep_mode and not rollout_gpus:
+    ray_rollout_gpus = resolved_gpus(config, sum(node["Resources"].get("GPU", 0.0) for node in live))[1]
+    ray_rollout_cpus = resolved_rollout_cpus(config, sum(node["Resources"].get("CPU", 0.0) for node in live))
+    if config.vllm_enable_sleep_mode and not ray_rollout_gpus:
         raise RayNotReadyError(
             "vllm_enable_sleep_mode: vLLM's sleep mode needs a CUDA GPU, and the run's rollout engines get none "
-            "(rollout_gpus 0, or a cluster without GPUs)"
+            "(ray_rollout_gpus 0, or a cluster without GPUs)"
         )
     hosts = [
         node
         for node in live
-        if node["Resources"].get("CPU", 0.0) >= rollout_cpus and node["Resources"].get("GPU", 0.0) >= rollout_gpus
+        if node["Resources"].get("CPU", 0.0) >= ray_rollout_cpus
+        and node["Resources"].get("GPU", 0.0) >= ray_rollout_gpus
     ]
     probe = ray.remote(num_cpus=0)(vllm_env.where_vllm_runs)
     refs = [

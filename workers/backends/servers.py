@@ -143,7 +143,7 @@ def default_engine(config: GRPOFlowConfig, model_path: str, worker_index: int, d
         from grpo_flow.workers.backends import vllm_env
 
         log_dir = RunStorage(root, config.run_id or "unnamed").run_dir / "logs"
-        threads = max(1, int(config.rollout_cpus or 1))  # a share of a CPU: one thread
+        threads = max(1, int(config.ray_rollout_cpus or 1))  # a share of a CPU: one thread
         return vllm_env.worker_engine(config, model_path, worker_index, device == "cuda", threads, log_dir)
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 

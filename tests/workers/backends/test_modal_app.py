@@ -96,9 +96,9 @@ def assert_carries_grpo_flow(image):
 # -- the app as declared ------------------------------------------------------------------------------
 def modal_config(**overrides):
     fields = dict(
-        actor_gpu="H100",
-        actor_gpu_count=2,
-        rollout_gpu="L4",
+        modal_actor_gpu="H100",
+        modal_actor_gpu_count=2,
+        modal_rollout_gpu="L4",
         modal_volume="grpo-test",
         modal_secrets=["huggingface-secret", "wandb-secret"],
     )
@@ -125,7 +125,7 @@ def test_gpus_come_from_the_config():
     actor, rollout = service_function(worker_app.actor_cls), service_function(worker_app.rollout_cls)
     assert actor._spec.gpus == "H100:2" and actor._function_info.gpus == [("H100", 2)]
     assert rollout._spec.gpus == "L4" and rollout._function_info.gpus == [("L4", 1)]
-    single = service_function(build_worker_app(modal_config(actor_gpu="A100", actor_gpu_count=1)).actor_cls)
+    single = service_function(build_worker_app(modal_config(modal_actor_gpu="A100", modal_actor_gpu_count=1)).actor_cls)
     assert single._spec.gpus == "A100"
 
 
@@ -201,10 +201,10 @@ def test_a_vllm_container_imports_the_wrapped_classes_without_torch_or_trl():
 
 
 def test_unknown_gpu_is_refused_by_the_config():
-    with pytest.raises(ValidationError, match="actor_gpu: unknown Modal GPU type 'X'"):
-        GRPOFlowConfig(actor_gpu="X")
-    with pytest.raises(ValidationError, match="rollout_gpu: unknown Modal GPU type 'T1000'"):
-        GRPOFlowConfig(rollout_gpu="T1000")
+    with pytest.raises(ValidationError, match="modal_actor_gpu: unknown Modal GPU type 'X'"):
+        GRPOFlowConfig(modal_actor_gpu="X")
+    with pytest.raises(ValidationError, match="modal_rollout_gpu: unknown Modal GPU type 'T1000'"):
+        GRPOFlowConfig(modal_rollout_gpu="T1000")
 
 
 def test_workers_get_a_config_they_can_validate():
@@ -212,7 +212,7 @@ def test_workers_get_a_config_they_can_validate():
     parsed = GRPOFlowConfig.model_validate_json(worker_config_json(config))
     # The backend stays `modal`: it used to be rewritten to `local`, and the actor then took the remote
     # engine's log-probs for its own and skipped the IS correction.
-    assert parsed.backend == "modal" and parsed.actor_gpu == "H100" and parsed.run_id == "modal-test"
+    assert parsed.backend == "modal" and parsed.modal_actor_gpu == "H100" and parsed.run_id == "modal-test"
     assert len(worker_config_json(config)) < 16 * 1024  # Modal's limit on class parameters
 
 
@@ -328,7 +328,7 @@ class TickingClock:
 
 
 def test_workers_run_through_the_modal_placement(model_path, tmp_path):
-    config = local_config(tmp_path, weight_sync_method="checkpoint", actor_gpu_count=2)
+    config = local_config(tmp_path, weight_sync_method="checkpoint", modal_actor_gpu_count=2)
     placement = ModalPlacement(
         config, model_path, mode="local", rollout_device="cpu", actor_device="cpu", clock=TickingClock()
     )
@@ -543,6 +543,6 @@ def test_the_bootstrap_runs_main_py_with_its_files_and_stdin(tmp_path):
 def test_the_plain_classes_stay_undecorated():
     """build_app decorates copies of the registration, never the module's classes, so it can run per config."""
     build_worker_app(modal_config())
-    build_worker_app(modal_config(actor_gpu="B200"))
+    build_worker_app(modal_config(modal_actor_gpu="B200"))
     assert isinstance(ActorWorker, type) and isinstance(RolloutWorker, type)
-    assert json.loads(worker_config_json(modal_config()))["actor_gpu"] == "H100"
+    assert json.loads(worker_config_json(modal_config()))["modal_actor_gpu"] == "H100"

@@ -26,10 +26,13 @@ def config(**fields):
 
 # -- resources and addresses, no cluster needed ------------------------------------------------------------
 def test_bundles_follow_the_fields_and_gpus_default_to_one_each_on_a_gpu_cluster():
-    assert plan_bundles(config(actor_cpus=2, rollout_cpus=0.5), cluster_gpus=0) == [{"CPU": 2}] + [{"CPU": 0.5}] * 2
+    assert (
+        plan_bundles(config(ray_actor_cpus=2, ray_rollout_cpus=0.5), cluster_gpus=0)
+        == [{"CPU": 2}] + [{"CPU": 0.5}] * 2
+    )
     assert plan_bundles(config(), cluster_gpus=8) == [{"CPU": 1, "GPU": 1}] * 3
     assert (
-        plan_bundles(config(actor_gpus=2, rollout_gpus=0.5), cluster_gpus=8)
+        plan_bundles(config(ray_actor_gpus=2, ray_rollout_gpus=0.5), cluster_gpus=8)
         == [{"CPU": 1, "GPU": 2}] + [{"CPU": 1, "GPU": 0.5}] * 2
     )
 
@@ -39,10 +42,10 @@ def test_too_few_gpus_are_refused_in_all_and_per_node():
     check_resources(config(), two_nodes[:1] * 3, "here")  # three 1-GPU nodes hold three 1-GPU workers
     with pytest.raises(RayNotReadyError, match=r"asks for 3 GPU .* has 2 GPU in all"):
         check_resources(config(), two_nodes, "here")
-    with pytest.raises(RayNotReadyError, match=r"actor_gpus: 2 GPU for one worker, but no node .* more than 1 GPU"):
-        check_resources(config(actor_gpus=2, rollout_gpus=0), two_nodes, "here")
-    with pytest.raises(RayNotReadyError, match=r"actor_cpus/rollout_cpus: the run asks for 3 CPU"):
-        check_resources(config(rollout_cpus=1), [{"CPU": 2}], "here")
+    with pytest.raises(RayNotReadyError, match=r"ray_actor_gpus: 2 GPU for one worker, but no node .* more than 1 GPU"):
+        check_resources(config(ray_actor_gpus=2, ray_rollout_gpus=0), two_nodes, "here")
+    with pytest.raises(RayNotReadyError, match=r"ray_actor_cpus/ray_rollout_cpus: the run asks for 3 CPU"):
+        check_resources(config(ray_rollout_cpus=1), [{"CPU": 2}], "here")
 
 
 def test_the_default_rollout_cpus_fit_a_ray_start_head_on_two_cores():
@@ -53,7 +56,7 @@ def test_the_default_rollout_cpus_fit_a_ray_start_head_on_two_cores():
     assert plan_bundles(config(num_rollout_workers=4, prompts_per_step=8), 0, 2) == [{"CPU": 1}] + [{"CPU": 0.25}] * 4
     assert plan_bundles(config(), cluster_gpus=0, cluster_cpus=16) == [{"CPU": 1}] * 3
     with pytest.raises(
-        RayNotReadyError, match=r"asks for 3 CPU \(actor_cpus 1 \+ num_rollout_workers 2 x rollout_cpus 1\)"
+        RayNotReadyError, match=r"asks for 3 CPU \(ray_actor_cpus 1 \+ num_rollout_workers 2 x ray_rollout_cpus 1\)"
     ):
         check_resources(config(), [{"CPU": 1}], "here")  # nothing left beside the actor: said, not divided by zero
 
@@ -88,7 +91,7 @@ def test_a_ray_actors_vllm_engine_keeps_the_gpus_ray_assigned_it(monkeypatch, tm
     monkeypatch.setattr(vllm_env, "has_cuda", lambda: True)
     monkeypatch.setattr(vllm_env, "vllm_importable", lambda: False)  # the project's environment, as here
     run_config = config(
-        rollout_engine="vllm", vllm_python=str(python), storage_root=str(tmp_path / "store"), rollout_cpus=3
+        rollout_engine="vllm", vllm_python=str(python), storage_root=str(tmp_path / "store"), ray_rollout_cpus=3
     )
     local = vllm_env.local_engine(
         run_config.model_copy(update={"backend": "local", "vllm_mode": "server"}), "m", 1, 2, None
@@ -165,8 +168,8 @@ def test_a_vllm_engine_on_a_ray_actor_takes_the_adapter_and_the_merged_weights_b
         ray_address=ray_cluster.address,
         rollout_engine="vllm",
         num_rollout_workers=1,
-        actor_cpus=1,
-        rollout_cpus=1,
+        ray_actor_cpus=1,
+        ray_rollout_cpus=1,
         use_lora=True,
         lora_publish="adapter",
     )
@@ -195,7 +198,9 @@ def test_a_vllm_engine_on_a_ray_actor_takes_the_adapter_and_the_merged_weights_b
 def run(ray_cluster, storage_root):
     """Ray workers of a scratch run (the tiny model, two engines), its initial samples, and its config."""
     model_path = ensure_tiny_model(storage_root)
-    run_config = config(storage_root=str(storage_root), ray_address=ray_cluster.address, actor_cpus=1, rollout_cpus=0.5)
+    run_config = config(
+        storage_root=str(storage_root), ray_address=ray_cluster.address, ray_actor_cpus=1, ray_rollout_cpus=0.5
+    )
     workers = ray_workers(run_config, model_path)
     try:
         yield workers, sample(workers, 0, 0), run_config
