@@ -31,7 +31,7 @@ from typing import Any
 from prefect import flow, unmapped
 from prefect.runtime import flow_run
 
-from grpo_flow.flows.run_loop import RunLoop, as_is, in_background
+from grpo_flow.flows.run_loop import RunLoop, as_is, in_background, step_subflow
 from grpo_flow.schemas.config import GRPOFlowConfig, new_run_id
 from grpo_flow.schemas.records import RunPlan
 from grpo_flow.tasks import with_retries
@@ -179,12 +179,7 @@ def run_step(
     return {**row, "next_rollout_stats": next_stats}
 
 
-# persist_result=False: a retried parent flow run must run a step again, never reuse an old
-# step's result (Prefect reuses a finished subflow run only when its result was persisted).
-grpo_step = flow(
-    name="grpo-step", flow_run_name="{plan.run_id}-step-{step}", validate_parameters=False, persist_result=False
-)(run_step)
-grpo_step.__doc__ = "One training step as its own subflow run (`<run>-step-N` in the UI): `run_step`."
+grpo_step = step_subflow(run_step)
 
 
 @flow(

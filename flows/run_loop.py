@@ -10,6 +10,8 @@
   released (`tasks.run.finish_run`).
 - `StepProgress`: a bar on a terminal; on a file or pipe (CI, a Prefect worker's log) a plain line
   every few steps, never carriage-return frames.
+- `step_subflow(run_step)`: a step as its own subflow run, whose body writes the artifacts the
+  loop held back while the subflow started.
 - `as_is(values)` and `in_background(function, *args)`: Prefect task inputs passed through
   unwalked, and a function run beside the flow with its Prefect context.
 """
@@ -17,15 +19,17 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, closing, nullcontext
 from typing import Any, TextIO
 
+from prefect import flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Cancelled
 from prefect.utilities.annotations import quote
@@ -35,6 +39,7 @@ from grpo_flow.flows.interrupt import interrupted_summary, resume_command, stop_
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import RunPlan
 from grpo_flow.tasks.observability import (
+    artifact_writes_allowed,
     artifact_writes_paused,
     create_run_progress,
     flush_artifacts,
@@ -43,6 +48,21 @@ from grpo_flow.tasks.observability import (
 )
 from grpo_flow.tasks.run import finish_run
 from grpo_flow.workers.state.storage import RunStorage
+
+
+def step_subflow(run_step: Callable[..., dict[str, Any]]) -> Any:
+    """`run_step` as the `grpo-step` subflow (`<run>-step-N` in the UI). persist_result=False: a retried
+    parent flow run must run a step again, never reuse an old step's result (Prefect reuses a finished
+    subflow run only when its result was persisted)."""
+
+    @functools.wraps(run_step)
+    def step_body(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        with artifact_writes_allowed():
+            return run_step(*args, **kwargs)
+
+    return flow(
+        name="grpo-step", flow_run_name="{plan.run_id}-step-{step}", validate_parameters=False, persist_result=False
+    )(step_body)
 
 
 def as_is(values: list) -> list:

@@ -27,7 +27,7 @@ from grpo_flow.schemas.config import GRPOFlowConfig
 TRL_VERSION = "1.16.0"
 
 
-def device_options(config: GRPOFlowConfig, device: str | None = None) -> dict[str, bool]:
+def device_options(config: GRPOFlowConfig, device: str | None = None) -> dict[str, Any]:
     """TRL's use_cpu, and bf16 (None: on with a CUDA GPU), for a policy on `device` (the actor's; None:
     config.device, `auto` meaning a CUDA GPU when torch sees one). They follow where the policy is, not
     whether the machine has a GPU: a CPU actor on a CUDA machine was handed to TRL with use_cpu=False."""
