@@ -53,7 +53,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Offline after one fetch from PyPI, CPU: a real pretrained chat model, SmolLM2-135M-Instruct
     # (`smollm2-135m`), on one-digit sums in GSM8K's format (`smol_math`), its prompts rendered with the
     # model's own chat template and scored by the gsm8k answer check. LoRA adapters on every projection keep
-    # a step affordable on a CPU.
+    # a step affordable on a CPU. Held-out accuracy went from 0.19 to 0.99 in the 30 steps (docs/quickstart.md).
     "smol-math": {
         "model": "smollm2-135m",
         "dataset": "smol_math",
