@@ -155,7 +155,7 @@ def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = ()) -> N
 def check_accuracy_reward(config: GRPOFlowConfig) -> None:
     """accuracy_reward names a reward of an `hf:` data set's run: one of its reward_funcs, a built-in, or
     a `module:function` that imports."""
-    from grpo_flow.workers.data.loaders import accuracy_entry
+    from grpo_flow.workers.rewards.task import accuracy_entry
     from grpo_flow.workers.rewards.functions import resolve_reward_funcs, reward_key
 
     if not config.dataset.startswith("hf:"):

@@ -321,7 +321,7 @@ def evaluate_checkpoint(
     evaluation is moved to eval/superseded/ first, and the checkpoint is evaluated again.
     """
     from grpo_flow.workers.backends import local_device
-    from grpo_flow.workers.data.loaders import run_task
+    from grpo_flow.workers.rewards.task import run_task
     from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, resolve_reward_funcs
     from grpo_flow.workers.rollout.base import SamplingParams
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine

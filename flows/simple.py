@@ -21,7 +21,7 @@ from grpo_flow.schemas.config import new_run_id
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import RunPlan
 from grpo_flow.tasks.run import finish_run, prepare_run
-from grpo_flow.workers.data.loaders import run_task
+from grpo_flow.workers.rewards.task import run_task
 from grpo_flow.workers.rewards.functions import resolve_reward_funcs
 from grpo_flow.workers.state.storage import RunStorage
 

@@ -21,7 +21,7 @@ from grpo_flow.schemas.records import PromptShard, RolloutBatch, RunPlan, rollou
 from grpo_flow.tasks.observability import USER_FACING
 from grpo_flow.workers import backends
 from grpo_flow.workers.state.faults import maybe_fail, maybe_kill_engine
-from grpo_flow.workers.data.loaders import run_task
+from grpo_flow.workers.rewards.task import run_task
 from grpo_flow.workers.rewards.functions import (
     RewardOutputError,
     RewardTimeoutError,

@@ -17,7 +17,7 @@ from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import REWARD_PREFIX, RunPlan
 from grpo_flow.tasks.observability import USER_FACING
 from grpo_flow.workers import backends
-from grpo_flow.workers.data.loaders import run_task
+from grpo_flow.workers.rewards.task import run_task
 from grpo_flow.workers.rollout.base import check_chat_prompts, load_generation_tokenizer
 from grpo_flow.workers.rollout.heldout import heldout_accuracy
 from grpo_flow.workers.state.lock import hold_run_lock, release_run_lock, release_run_locks_of

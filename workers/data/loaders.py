@@ -720,49 +720,27 @@ def load_task(name: str) -> TaskData:
 
 
 def clear_task_cache() -> None:
-    """Forget tasks built so far (tests build tasks from local fixtures)."""
+    """Forget tasks built so far (tests build tasks from local fixtures), here and in the caches registered
+    with `cached_task` by the packages above (workers/rewards/task.py)."""
     _load_named_task.cache_clear()
-    _load_scored_task.cache_clear()
+    for cache in _TASK_CACHES:
+        cache.cache_clear()
+
+
+_TASK_CACHES: list[Any] = []
+
+
+def cached_task(function: Any) -> Any:
+    """`lru_cache` for a function that builds tasks, cleared with the rest by `clear_task_cache`."""
+    cached = lru_cache(maxsize=8)(function)
+    _TASK_CACHES.append(cached)
+    return cached
 
 
 # Of an `hf:` data set without a held-out split of its own, the share of distinct prompts held out for
 # evaluation: only when a reward can score it (accuracy_reward) and evaluation is on; otherwise every
 # prompt trains. The Python API (flows/trainer.py) holds out by the same rule.
 HELDOUT_FRACTION = 0.1
-
-
-def run_task(config: Any) -> TaskData:
-    """The task a run trains and evaluates on (`config`: its GRPOFlowConfig): `load_task(config.dataset)`,
-    with an `hf:` data set's held-out prompts and accuracy reward as its accuracy_reward says."""
-    if not config.dataset.startswith("hf:"):
-        return load_task(config.dataset)
-    entry = accuracy_entry(config)
-    fraction = HELDOUT_FRACTION if entry and config.eval_prompts else 0.0
-    return _load_scored_task(config.dataset, fraction, entry)
-
-
-def accuracy_entry(config: Any) -> str | None:
-    """config.accuracy_reward as a reward_funcs entry: one of them by its name (`exact` for
-    `my_rewards:exact`), else as given (a built-in or a `module:function` path)."""
-    if not config.accuracy_reward:
-        return None
-    from grpo_flow.workers.rewards.functions import reward_key
-
-    names = list(config.reward_funcs) or list(DEFAULT_REWARDS.get(config.dataset, ()))
-    return {reward_key(name): name for name in names}.get(config.accuracy_reward, config.accuracy_reward)
-
-
-@lru_cache(maxsize=8)
-def _load_scored_task(dataset: str, fraction: float, accuracy: str | None) -> TaskData:
-    task = load_custom_task(dataset.removeprefix("hf:"), heldout_fraction=fraction)
-    if accuracy is None:
-        return task
-    from dataclasses import replace
-
-    from grpo_flow.workers.rewards.functions import resolve_reward_funcs
-
-    ((name, function),) = resolve_reward_funcs([accuracy]).items()
-    return replace(task, accuracy_reward=name, accuracy_function=function)
 
 
 @lru_cache(maxsize=8)

@@ -4,7 +4,10 @@
   rollout shard (weights, `None` = does not apply, errors naming the function and sample).
 - `environments`: reward environments (`score` / `score_batch`, sync or async) as TRL reward
   functions: math answers, code tests, an LLM judge, format rewards.
-- `sandbox`: untrusted code in a separate process with limits (kernel namespaces where they work).
+- `sandbox`: untrusted code in a separate process with limits (kernel namespaces where they work);
+  `modal_sandbox`: the same in a Modal Sandbox.
+- `task`: the task a run trains and evaluates on, its accuracy reward resolved (`run_task`).
 
-Imports no model library; from grpo-flow, `schemas` and `grpo_flow.workers.data` (answer parsing) only.
+Imports no model library (`modal` only in `modal_sandbox`); from grpo-flow, `schemas` and
+`grpo_flow.workers.data` (answer parsing, data sets) only.
 """

@@ -118,7 +118,7 @@ def check_data_unchanged(storage: RunStorage, config: GRPOFlowConfig, allow_conf
 
 
 def holds_prompts_out(config: dict[str, Any]) -> bool:
-    """Whether a run on an `hf:` data set holds prompts out for evaluation (loaders.run_task's rule), so
+    """Whether a run on an `hf:` data set holds prompts out for evaluation (rewards.task.run_task's rule), so
     that eval_prompts, otherwise free to change, decides which prompts train."""
     dataset = str(config.get("dataset", ""))
     return dataset.startswith("hf:") and bool(config.get("accuracy_reward")) and config.get("eval_prompts") != 0
