@@ -163,7 +163,7 @@ def check_accuracy_reward(config: GRPOFlowConfig) -> None:
             "accuracy_reward", f"is for hf: data sets; {config.dataset!r} scores held-out accuracy with its own"
         )
     entry = accuracy_entry(config)
-    if entry in config.reward_funcs:
+    if entry is None or entry in config.reward_funcs:
         return  # resolved with them
     try:
         resolve_reward_funcs([entry])

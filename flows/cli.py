@@ -27,7 +27,7 @@ import subprocess
 import sys
 import types
 import typing
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -648,7 +648,9 @@ def command_setup_vllm(args: argparse.Namespace) -> int:
     )
 
     path = Path(args.path or default_vllm_env()).absolute()
-    device = args.device if args.device != "auto" else ("cuda" if has_cuda() else "cpu")
+    device: Literal["cpu", "cuda"] = (
+        "cuda" if args.device == "cuda" or (args.device == "auto" and has_cuda()) else "cpu"
+    )
     if args.dry_run:
         print("\n".join(" ".join(command) for command in setup_commands(path, device)))
         return 0

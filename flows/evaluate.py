@@ -506,7 +506,7 @@ def evaluate_all(
         if state.is_completed():
             evaluated[info.run_id] = state.result()
         else:
-            failed[info.run_id] = state.message or state.name
+            failed[info.run_id] = state.message or state.name or "failed"
     from prefect.artifacts import create_table_artifact
 
     table = [

@@ -87,9 +87,9 @@ def route_prefect_console(path: Path) -> None:
         logger for logger in logging.root.manager.loggerDict.values() if isinstance(logger, logging.Logger)
     ]
     for logger in loggers:
-        for handler in list(logger.handlers):
-            if _writes_to_terminal(handler) or handler in _FILE_HANDLERS.values():
-                logger.removeHandler(handler)
+        for existing in list(logger.handlers):
+            if _writes_to_terminal(existing) or existing in _FILE_HANDLERS.values():
+                logger.removeHandler(existing)
                 logger.addHandler(to_file)
     root = logging.getLogger()
     if _USER_HANDLER not in root.handlers:

@@ -179,7 +179,7 @@ class RunLoop:
         self.progress.update(row["step"], row)
         return int(row.get("synced_version", rollout_version))
 
-    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:
         self._stack.close()
         plan = self.plan
         summary: dict[str, Any] = {
@@ -198,7 +198,7 @@ class RunLoop:
             if isinstance(error, KeyboardInterrupt):  # Ctrl-C in a Python session (the API)
                 summary = interrupted_summary(summary, plan.run_id, failed_step - 1, plan.total_steps)
             self._finish(summary)
-            return False
+            return
         if not self.finished:  # stopped by a signal between two steps
             last_step = self.next_step - 1
             summary = interrupted_summary(summary, plan.run_id, last_step, plan.total_steps)
@@ -208,7 +208,7 @@ class RunLoop:
                 message=f"interrupted by {stop_signal_name()} after step {last_step} of {plan.total_steps}; "
                 f"resume with: {resume_command(plan.run_id, plan.storage_root)}"
             )
-            return False
+            return
         storage = RunStorage(plan.storage_root, plan.run_id)
         recent = [storage.read_step_metrics(s) for s in range(max(1, plan.total_steps - 4), plan.total_steps + 1)]
         summary.update(
@@ -223,7 +223,6 @@ class RunLoop:
             storage=str(plan.storage_root),
         )
         self.result = self._finish(summary)
-        return False
 
     def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         flush_artifacts()  # every step's artifacts written before the run reports its outcome

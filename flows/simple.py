@@ -41,6 +41,7 @@ def grpo_simple(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str
     started = time.perf_counter()
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
+    assert config.run_id is not None
     if RunStorage(config.storage_root, config.run_id).exists():
         raise ValueError(f"run_id: run {config.run_id!r} exists; simple mode does not resume, choose a new run id")
     plan = prepare_run(config, mode="simple")

@@ -213,7 +213,7 @@ def step_artifact(
     run_id = run_id_of(plan_or_run_id)
     try:
         samples = pick_samples(rollout_rows(plan_or_run_id, step, rollouts_table))
-        return create_markdown_artifact(
+        return create_markdown_artifact(  # type: ignore[return-value]  # Prefect's sync call returns the id
             key=artifact_key("grpo-step", run_id),
             markdown=step_markdown(run_id, step, metrics_row, samples),
             description=f"Run {run_id}, step {step}: metrics and sample completions",
@@ -236,7 +236,7 @@ def create_run_progress(plan_or_run_id: RunPlan | str, total_steps: int, complet
 
     run_id = run_id_of(plan_or_run_id)
     try:
-        return create_progress_artifact(
+        return create_progress_artifact(  # type: ignore[return-value]  # Prefect's sync call returns the id
             progress=_percent(completed_steps, total_steps),
             key=artifact_key("grpo-progress", run_id),
             description=f"step {completed_steps} / {total_steps}",  # the key names the run

@@ -7,10 +7,12 @@ the step flow; the defaults here are the config's defaults.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 import threading
 import time
+from typing import Any
 
 import numpy as np
 from prefect import get_run_logger, task
@@ -64,9 +66,12 @@ def sample_batch(config: GRPOFlowConfig, plan: RunPlan, step: int, refill_round:
     round), so the data order of later steps does not depend on how many refills happened.
     """
     train = run_task(config).train
+    indices: Sequence[int]
     if refill_round:
         rng = np.random.default_rng([config.seed, step, refill_round, 0xD5])
-        indices = rng.choice(len(train), size=config.prompts_per_step, replace=len(train) < config.prompts_per_step)
+        indices = rng.choice(
+            len(train), size=config.prompts_per_step, replace=len(train) < config.prompts_per_step
+        ).tolist()
     else:
         indices = step_prompt_indices(config.seed, step, config.prompts_per_step, len(train))
     # The rows by index, not `train.select(...)`: select fingerprints its index list on every call.
@@ -211,8 +216,8 @@ def informative_groups(batch: RolloutBatch, group_size: int) -> list[list[int]]:
 
 @task(name="keep-informative-groups", cache_policy=NO_CACHE)
 def keep_informative_groups(
-    config: GRPOFlowConfig, kept: list[RolloutBatch | None], new: list[RolloutBatch]
-) -> tuple[list[RolloutBatch | None], int]:
+    config: GRPOFlowConfig, kept: list[RolloutBatch] | list[None], new: list[RolloutBatch]
+) -> tuple[list[RolloutBatch], int]:
     """Dynamic sampling: add each shard's groups with a reward spread from a new round, up to the
     shard's quota; returns the shards so far and how many groups were dropped."""
     quota = config.prompts_per_step // config.num_rollout_workers

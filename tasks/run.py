@@ -79,7 +79,7 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
         check_max_steps(storage, total_steps)  # again: with max_steps -1 the total is known only here
         point = find_resume_point(storage)
         record_resume(storage, config, point, changes, session)
-        resume = {
+        resume: dict[str, Any] = {
             "resume_checkpoint": point.checkpoint_step,
             "replay_steps": point.replay_steps,
             "first_step": point.first_step,
