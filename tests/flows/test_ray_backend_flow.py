@@ -10,7 +10,6 @@ ends with the weights of the same run unbroken, and leaves no engine process beh
 
 import os
 import signal
-import subprocess
 import sys
 from collections import Counter
 
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.presets import preset_config
 from grpo_flow.workers.state.storage import RunStorage
+from train_cli import train_cli as cli, assert_same_weights  # tests/flows/train_cli.py
 
 # The tiny preset on 2 CPUs: the actor gets one, the two rollout engines half of one each.
 RAY = dict(backend="ray", ray_actor_cpus=1.0, ray_rollout_cpus=0.5)
@@ -35,12 +35,6 @@ def ray_config(cluster, storage_root, run_id, **overrides):
 def final_weights(storage: RunStorage, step: int = 50) -> dict[str, torch.Tensor]:
     storage.verify_checkpoint(step)
     return load_file(storage.checkpoint_dir(step) / "model" / "model.safetensors")
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs by {float((a[name] - b[name]).abs().max())}"
 
 
 @pytest.fixture(scope="module")
@@ -205,26 +199,6 @@ def test_vllm_engines_on_ray_actors_generate_and_heal_when_the_engine_or_its_act
     # Neither the killed engine, nor the one whose actor process was killed, nor the run's last one lives on.
     assert all(gone(pid) for pid in [*killed, *engine_pids])
     assert not vllm_engines(ray_cluster)
-
-
-def cli(storage_root, run_id, *args, fail_at=None):
-    from prefect.settings import PREFECT_API_URL
-
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("GRPO_FLOW_FAIL_AT", None)
-    if fail_at:
-        env["GRPO_FLOW_FAIL_AT"] = fail_at
-    argv = [
-        sys.executable,
-        "-m",
-        "grpo_flow.flows.cli",
-        "train",
-        "--run-id",
-        run_id,
-        "--storage-root",
-        str(storage_root),
-    ]
-    return subprocess.run([*argv, "--no-progress", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
 @pytest.mark.ray

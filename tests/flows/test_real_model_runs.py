@@ -10,9 +10,6 @@ completions of at most 16 tokens, transformers engine, LoRA as the preset has it
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ from safetensors.torch import load_file
 
 from grpo_flow.workers.actor.actor import loss_inputs
 from grpo_flow.workers.state.storage import RunStorage
+from train_cli import final_weights, train_cli  # tests/flows/train_cli.py
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -42,34 +40,9 @@ RUN = [
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
-def cli(storage_root, run_id, *args, fail_at=None):
-    from prefect.settings import PREFECT_API_URL
-
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("GRPO_FLOW_FAIL_AT", None)
-    if fail_at:
-        env["GRPO_FLOW_FAIL_AT"] = fail_at
-    argv = [
-        sys.executable,
-        "-m",
-        "grpo_flow.flows.cli",
-        "train",
-        "--run-id",
-        run_id,
-        "--storage-root",
-        str(storage_root),
-    ]
-    return subprocess.run([*argv, "--no-progress", *args], capture_output=True, text=True, env=env, timeout=900)
-
-
-def final_weights(storage: RunStorage, step: int) -> dict[str, torch.Tensor]:
-    storage.verify_checkpoint(step)
-    return load_file(storage.checkpoint_dir(step) / "model" / "model.safetensors")
-
-
 @pytest.fixture(scope="module")
 def unbroken(prefect_server, storage_root, smollm2_path):
-    done = cli(storage_root, "smol-unbroken", *RUN)
+    done = train_cli(storage_root, "smol-unbroken", *RUN, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return RunStorage(storage_root, "smol-unbroken")
 
@@ -123,11 +96,11 @@ def test_the_runs_checkpoint_loads_in_plain_transformers_and_generates(unbroken)
 
 
 def test_a_run_killed_mid_step_resumes_to_the_unbroken_runs_weights(unbroken, storage_root):
-    killed = cli(storage_root, "smol-killed", *RUN, fail_at="actor@2:kill")
+    killed = train_cli(storage_root, "smol-killed", *RUN, fail_at="actor@2:kill", timeout=900)
     assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL: nothing ran after it
     storage = RunStorage(storage_root, "smol-killed")
     assert storage.latest_valid_checkpoint() == 1
-    resumed = cli(storage_root, "smol-killed", "--resume")
+    resumed = train_cli(storage_root, "smol-killed", "--resume", timeout=900)
     assert resumed.returncode == 0 and "resuming run" in resumed.stdout, resumed.stderr[-3000:]
     ours, theirs = final_weights(storage, 2), final_weights(unbroken, 2)
     assert ours.keys() == theirs.keys()

@@ -6,14 +6,11 @@ this process.
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pyarrow.compute as pc
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.presets import preset_config
@@ -21,20 +18,16 @@ from grpo_flow.workers.backends.workers import Workers
 from grpo_flow.workers.state.lock import this_host
 from grpo_flow.workers.state.storage import RunStorage
 from grpo_flow.workers.state.faults import injected
+from train_cli import (
+    cli_env,
+    train_argv,
+    train_cli as cli,
+    final_weights,
+    assert_same_weights,
+)  # tests/flows/train_cli.py
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
 CLI_SMALL = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
-
-
-def final_weights(storage: RunStorage, step: int) -> dict[str, torch.Tensor]:
-    storage.verify_checkpoint(step)
-    return load_file(storage.checkpoint_dir(step) / "model" / "model.safetensors")
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs by {float((a[name] - b[name]).abs().max())}"
 
 
 def assert_one_set_of_rows_per_step(storage: RunStorage, steps: int, per_step: int) -> None:
@@ -49,36 +42,6 @@ def assert_one_set_of_rows_per_step(storage: RunStorage, steps: int, per_step: i
     )
     assert len(pc.unique(keys)) == table.num_rows
     assert storage.logged_steps() == list(range(1, steps + 1))
-
-
-def cli_env(fail_at=None):
-    from prefect.settings import PREFECT_API_URL
-
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop(("GRPO_FLOW_FAIL_AT"), None)
-    if fail_at:
-        env["GRPO_FLOW_FAIL_AT"] = fail_at
-    return env
-
-
-def train_argv(storage_root, run_id, *args):
-    return [
-        sys.executable,
-        "-m",
-        "grpo_flow.flows.cli",
-        "train",
-        "--run-id",
-        run_id,
-        "--storage-root",
-        str(storage_root),
-        "--no-progress",
-        *args,
-    ]
-
-
-def cli(storage_root, run_id, *args, fail_at=None):
-    argv = train_argv(storage_root, run_id, *args)
-    return subprocess.run(argv, capture_output=True, text=True, env=cli_env(fail_at), timeout=600)
 
 
 def grpo_command(*argv):

@@ -12,20 +12,17 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 import warnings
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from grpo_flow.flows.cli import main
 from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.presets import preset_config
 from grpo_flow.workers.backends import vllm_env
 from grpo_flow.workers.state.storage import RunStorage
+from train_cli import train_cli as cli, final_weights, assert_same_weights  # tests/flows/train_cli.py
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
 KILL_RUN = [
@@ -39,38 +36,6 @@ KILL_RUN = [
     "2",
     *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()],
 ]
-
-
-def cli(storage_root, run_id, *args, fail_at=None):
-    """`grpo train` in a process of its own, on the session's Prefect server (as tests/flows/test_resume.py)."""
-    from prefect.settings import PREFECT_API_URL
-
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("GRPO_FLOW_FAIL_AT", None)
-    if fail_at:
-        env["GRPO_FLOW_FAIL_AT"] = fail_at
-    argv = [
-        sys.executable,
-        "-m",
-        "grpo_flow.flows.cli",
-        "train",
-        "--run-id",
-        run_id,
-        "--storage-root",
-        str(storage_root),
-    ]
-    return subprocess.run([*argv, "--no-progress", *args], capture_output=True, text=True, env=env, timeout=600)
-
-
-def final_weights(storage: RunStorage, step: int) -> dict[str, torch.Tensor]:
-    storage.verify_checkpoint(step)
-    return load_file(storage.checkpoint_dir(step) / "model" / "model.safetensors")
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs by {float((a[name] - b[name]).abs().max())}"
 
 
 def orphaned_engines(wait_s: float = 10.0) -> list[int]:
