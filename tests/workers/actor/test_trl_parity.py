@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from grpo_flow.schemas.config import GRPOFlowConfig
-from grpo_flow.tasks.rollout import step_advantages
+from grpo_flow.workers.actor.advantages import step_advantages
 from grpo_flow.workers.actor.actor import Actor
 from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
 
@@ -48,8 +48,10 @@ COMMON = dict(
 LOSS_ATOL, LOSS_RTOL = 1e-6, 1e-5
 # Weights: Adam's first update is lr * g / (|g| + 1e-8), about lr * sign(g). Where a gradient nearly cancels
 # (|g| ~ 1e-8), float noise in its sum (TRL shuffles the rows, so its sums run in another order) moves that
-# update by a visible fraction of lr: seen up to 2.3e-3 x lr on a few of the ~60k weights. Allowed: 1e-2 x lr.
-WEIGHT_ATOL_PER_LR, WEIGHT_RTOL = 1e-2, 1e-5
+# update by a visible fraction of lr: seen up to 2.3e-3 x lr on a few of the ~60k weights on an Intel Xeon, and
+# 1.4e-2 x lr on one weight on an AMD EPYC (other BLAS kernels, other sums). Allowed: 5e-2 x lr. A wrong
+# objective moves updates by about lr (Adam's update is about lr * sign(g)); the loss is compared tightly above.
+WEIGHT_ATOL_PER_LR, WEIGHT_RTOL = 5e-2, 1e-5
 METRIC_ATOL, METRIC_RTOL = 1e-5, 1e-4
 
 
