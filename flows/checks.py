@@ -36,11 +36,15 @@ class StartCheckError(ValueError):
 
 
 def check_before_start(
-    config: GRPOFlowConfig, registered_rewards: Collection[str] = (), registered_dataset: bool = False
+    config: GRPOFlowConfig,
+    registered_rewards: Collection[str] = (),
+    registered_dataset: bool = False,
+    tool_objects: Mapping[str, Any] | None = None,
 ) -> None:
     """Everything about `config` that can be checked before anything loads. `registered_rewards`:
     the names GRPOFlowTrainer registers for this run (`registered:<name>`), taken as they are;
-    `registered_dataset`: it registers the data set too."""
+    `registered_dataset`: it registers the data set too; `tool_objects`: the tools and environment
+    factories it registers, by name."""
     check_storage_root(config.storage_root)
     if config.dataset.startswith("registered:") and not registered_dataset:
         raise StartCheckError(
@@ -50,7 +54,8 @@ def check_before_start(
         )
     if config.dataset.startswith("hf:"):
         check_local_or_hub("dataset", config.dataset.removeprefix("hf:"), "data set", folder_only=False)
-    check_rewards(config, registered_rewards)
+    environment_rewards = check_tools(config, tool_objects)
+    check_rewards(config, registered_rewards, owned_by_environment=bool(environment_rewards))
     if config.backend == "local":
         check_model(config.model, config.storage_root)
         check_device(config)
@@ -64,6 +69,40 @@ def check_device(config: GRPOFlowConfig) -> None:
         raise StartCheckError(
             "device", "'cuda', but this machine has no CUDA GPU (nvidia-smi finds none); use cpu or auto"
         )
+
+
+def check_tools(config: GRPOFlowConfig, objects: Mapping[str, Any] | None = None) -> list[str]:
+    """tools and environment_factory as TRL takes them (each imports; type hints and a docstring; distinct
+    names; environments with reset), and a model on disk whose chat template renders tool calls (its
+    tokenizer is read, not the model). Returns the rewards environments own (get_reward)."""
+    if not (config.tools or config.environment_factory):
+        return []
+    from grpo_flow.workers.data.models import BUILTIN_MODELS, builtin_model_path, is_cached
+    from grpo_flow.workers.tools.toolbox import ToolError, build_toolbox
+
+    try:
+        toolbox = build_toolbox(config.tools, config.environment_factory, config.run_id, objects)
+    except ToolError as error:
+        field, _, message = str(error).partition(": ")
+        raise StartCheckError(field, message) from None
+    builtin = BUILTIN_MODELS.get(config.model)
+    if builtin is not None and builtin.source == "built" and builtin.warm_start_task != "digit_lookup":
+        raise StartCheckError("model", f"{config.model!r} has no chat template; tools need one (try tiny-tools)")
+    if builtin is not None:
+        cached = is_cached(config.storage_root, config.model)
+        path = builtin_model_path(config.storage_root, config.model) if cached else None
+    else:
+        local = Path(config.model).expanduser()
+        path = local if (local / "config.json").is_file() else None
+    if path is not None:  # else checked where the run starts, once the model is there
+        from grpo_flow.workers.rollout.base import load_generation_tokenizer
+        from grpo_flow.workers.rollout.episodes import ChatFormatError, check_tool_template
+
+        try:
+            check_tool_template(load_generation_tokenizer(path), config.model)
+        except ChatFormatError as error:
+            raise StartCheckError("model", str(error).partition(": ")[2]) from None
+    return toolbox.reward_names
 
 
 def absolute_local_paths(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -124,15 +163,18 @@ def check_storage_root(root: str | os.PathLike) -> None:
         ) from None
 
 
-def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = ()) -> None:
+def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = (), owned_by_environment: bool = False) -> None:
     """Reward names resolve (built-ins, `module:function` imports), and reward_weights has one weight
-    per function, the data set's default ones included."""
+    per function, the data set's default ones included. `owned_by_environment`: an environment's
+    get_reward is a reward source, so reward_funcs may be left empty (TRL's rule)."""
     from grpo_flow.workers.data.loaders import DEFAULT_REWARDS
     from grpo_flow.workers.rewards.functions import check_distinct_reward_names, resolve_reward_funcs
 
     names = list(config.reward_funcs)
     if not names:
         names = list(DEFAULT_REWARDS.get(config.dataset, ()))
+        if not names and owned_by_environment:
+            return
         if not names:
             raise StartCheckError(
                 "reward_funcs", f"data set {config.dataset!r} has no default rewards; give reward_funcs"

@@ -334,6 +334,11 @@ def evaluate_checkpoint(
         return {**read_eval_summary(path), "already_evaluated": True}
     started = time.perf_counter()
     config = GRPOFlowConfig(**storage.effective_config())
+    if config.tools or config.environment_factory:  # single turns would score a policy that needs its tools
+        raise EvaluationError(
+            f"run {run_id!r} trains multi-turn episodes with tools, which grpo eval does not play yet; its held-out "
+            f"accuracy is in its summary (eval_prompts), or: python -m grpo_flow.benchmarks.tools_accuracy {run_id}"
+        )
     settings = settings_for(config, k, prompts, temperature, seed, greedy)
     task_data = run_task(config)
     if len(task_data.heldout) == 0:  # before the model loads

@@ -36,6 +36,43 @@ def _importable_path(func: Any) -> str | None:
     return f"{module}:{qualname}"
 
 
+def _importable_object(obj: Any) -> str | None:
+    """`module:name` for a module-level function or class (usable from any process), else None."""
+    if inspect.isclass(obj):
+        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+        if module and module != "__main__" and "<" not in qualname and "." not in qualname:
+            return f"{module}:{qualname}"
+        return None
+    return _importable_path(obj)
+
+
+def tool_entries(tools: Any, environment_factory: Any) -> tuple[list[str], Any, dict[str, Any]]:
+    """TRL's `tools` and `environment_factory` as config entries: a module-level function or class as its
+    `module:name` path, any other object as `registered:<name>` (returned by name, registered at train());
+    strings as they are."""
+    objects: dict[str, Any] = {}
+
+    def entry(obj: Any, name: str) -> str:
+        if isinstance(obj, str):
+            return obj
+        path = _importable_object(obj)
+        if path is not None:
+            return path
+        objects[name] = obj
+        return f"registered:{name}"
+
+    if tools is not None and (isinstance(tools, str) or callable(tools)):
+        tools = [tools]
+    tool_list = [entry(t, getattr(t, "__name__", f"tool{i}")) for i, t in enumerate(tools or [])]
+    if environment_factory is None:
+        environments = None
+    elif isinstance(environment_factory, dict):
+        environments = {str(k): entry(v, f"environment.{k}") for k, v in environment_factory.items()}
+    else:
+        environments = entry(environment_factory, f"environment.{getattr(environment_factory, '__name__', 'factory')}")
+    return tool_list, environments, objects
+
+
 def check_dataset_type(field: str, dataset: Any) -> None:
     """A `datasets.Dataset` (or None); what else users hand over gets the way to make one."""
     if dataset is None:
@@ -67,6 +104,9 @@ class GRPOFlowTrainer:
     train_dataset / eval_dataset: `datasets.Dataset`s with a `prompt` column (text, or chat messages).
     accuracy_reward: the reward (one of reward_funcs, a built-in, or a function) whose 1.0 means
         correct, for held-out accuracy and pass@k.
+    tools / environment_factory: TRL's (functions with type hints and docstrings; a class or callable making
+        one environment per rollout, or a dict of them chosen by the `environment` column), or their
+        `module:name` paths; a module-level one is recorded as its path, others run in this process only.
     config_fields: any `GRPOFlowConfig` field (`max_steps=`, `learning_rate=`, `storage_root=`, ...);
         an unknown one is refused, naming what grpo-flow has instead.
     """
@@ -79,6 +119,8 @@ class GRPOFlowTrainer:
         train_dataset: Any = None,
         eval_dataset: Any = None,
         accuracy_reward: str | Callable[..., Any] | None = None,
+        tools: Sequence[Callable[..., Any] | str] | None = None,
+        environment_factory: Any = None,
         **config_fields: Any,
     ):
         from grpo_flow.workers.rewards.environments import as_reward_function, is_reward_environment, snake_case
@@ -153,6 +195,12 @@ class GRPOFlowTrainer:
         config_names = [
             f"registered:{n}" if object_only else n for n, object_only in zip(names, registered, strict=True)
         ]
+        if tools is not None or environment_factory is not None:
+            config_fields["tools"], config_fields["environment_factory"], self.tool_objects = tool_entries(
+                tools, environment_factory
+            )
+        else:
+            self.tool_objects = {}
         fields = {
             **config_fields,
             "model": model,
@@ -164,7 +212,9 @@ class GRPOFlowTrainer:
         except ValidationError as error:
             raise InvalidConfigError(describe_validation_error(error)) from None
         # Reward paths, weights, model path, storage root.
-        check_before_start(self.config, self.reward_objects, registered_dataset=self.task is not None)
+        check_before_start(
+            self.config, self.reward_objects, registered_dataset=self.task is not None, tool_objects=self.tool_objects
+        )
         if self.config.run_id is None:
             from grpo_flow.schemas.config import new_run_id
 
@@ -215,6 +265,10 @@ class GRPOFlowTrainer:
         if self.task is not None:
             register_task(self.config.dataset.removeprefix("registered:"), self.task)
         register_reward_funcs(self.config.run_id, self.reward_objects)
+        if self.tool_objects:
+            from grpo_flow.workers.tools.toolbox import register_tool_objects
+
+            register_tool_objects(self.config.run_id, self.tool_objects)
         quiet_prefect_run(self.config.storage_root)
         with quiet_libraries():
             return grpo(self.config, allow_config_change=allow_config_change)

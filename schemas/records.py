@@ -40,13 +40,24 @@ ROLLOUT_BASE_FIELDS: list[pa.Field] = [
     # What reward functions logged for the row with TRL's `log_extra(column, values)`, as a JSON
     # object (null if nothing was): one column whatever they log, so every step has one schema.
     pa.field("logged_extra", pa.string(), nullable=True),
+    # Multi-turn episodes (tools, environments); null on single-turn rows. completion_token_ids then
+    # holds every turn: the model's tokens and, between them, the tool and environment messages as
+    # the chat template renders them. tool_mask is TRL's: 1 on the model's own tokens (the only ones
+    # in the loss), 0 on the others (their sampling_logprobs are 0.0). messages: the completion as
+    # messages (assistant turns with their tool calls, tool results), JSON, as reward functions get it.
+    pa.field("tool_mask", pa.list_(pa.int8()), nullable=True),
+    pa.field("messages", pa.string(), nullable=True),
+    pa.field("tool_calls", pa.int32(), nullable=True),
+    pa.field("tool_failures", pa.int32(), nullable=True),
     pa.field("generate_s", pa.float64(), nullable=False),
     pa.field("score_s", pa.float64(), nullable=False),
 ]
 ROLLOUT_BASE_NAMES = frozenset(f.name for f in ROLLOUT_BASE_FIELDS)
 # What reward functions are called with besides the data set's columns (TRL's keyword arguments): a
 # column of one of these names would be passed in its place, or dropped.
-REWARD_CALL_NAMES = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"})
+REWARD_CALL_NAMES = frozenset(
+    {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
+)
 
 
 def rollout_schema(reward_names: list[str], extra_columns: dict[str, pa.DataType]) -> pa.Schema:
@@ -87,6 +98,11 @@ class RolloutBatch:
     reward_error: list[str | None] = field(default_factory=list)
     logged_extra: list[str | None] = field(default_factory=list)
     advantage: list[float] = field(default_factory=list)
+    # Episodes only (empty lists on single-turn batches; see the Arrow fields of the same names).
+    tool_mask: list[list[int] | None] = field(default_factory=list)
+    messages: list[str | None] = field(default_factory=list)
+    tool_calls: list[int | None] = field(default_factory=list)
+    tool_failures: list[int | None] = field(default_factory=list)
     generate_s: float = 0.0
     score_s: float = 0.0
     # In memory only: the prompts as the data set has them (conversational ones as messages),
@@ -95,6 +111,10 @@ class RolloutBatch:
     raw_prompt: list[Any] = field(default_factory=list)
     reward_seconds: dict[str, float] = field(default_factory=dict)
     logged_metrics: dict[str, list[float]] = field(default_factory=dict)
+    # Episodes, in memory only: each completion as messages (what reward functions get as
+    # `completions`), and each rollout's environment instance (TRL's `environments` argument).
+    completion_messages: list[Any] = field(default_factory=list)
+    environments: list[Any] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completion)
@@ -151,6 +171,10 @@ class RolloutBatch:
             "advantage": self.advantage,
             "reward_error": self.reward_error or [None] * n,
             "logged_extra": self.logged_extra or [None] * n,
+            "tool_mask": self.tool_mask or [None] * n,
+            "messages": self.messages or [None] * n,
+            "tool_calls": self.tool_calls or [None] * n,
+            "tool_failures": self.tool_failures or [None] * n,
             "generate_s": [self.generate_s] * n,
             "score_s": [self.score_s] * n,
         }
@@ -203,7 +227,7 @@ class RunPlan:
     storage_root: str
     model_path: str
     total_steps: int
-    reward_names: tuple[str, ...]
+    reward_names: tuple[str, ...]  # the reward_<name> columns: reward functions, then environments' rewards
     extra_columns: tuple[str, ...]
     num_train_prompts: int
     run_uid: str = ""  # written once when the run is created; part of every cache key
@@ -215,6 +239,8 @@ class RunPlan:
     # Fresh for every start of the run (new or resumed). A resume count repeats when a run folder is
     # restored from a backup, and a cache key built on it would hand back a step that is not on disk.
     session: str = ""
+    # The names in reward_names that environments' get_reward give (TRL names each after its class).
+    environment_rewards: tuple[str, ...] = ()
 
     @property
     def cache_scope(self) -> str:

@@ -59,14 +59,19 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
     backends.check_backend_ready(config)
     task_data = run_task(config)
     funcs = resolve_reward_funcs(config.reward_funcs or task_data.default_rewards, config.run_id)
-    if not funcs:
+    model_path = resolve_model_path(config.model, config.storage_root)
+    environment_rewards: list[str] = []
+    if config.tools or config.environment_factory:  # the toolbox, the data's prompts, the chat template
+        from grpo_flow.workers.rollout.episodes import check_episodes
+
+        environment_rewards = check_episodes(config, task_data, model_path, list(funcs))
+    if not funcs and not environment_rewards:
         raise ValueError(f"reward_funcs: data set {config.dataset!r} has no default rewards; give reward_funcs")
     if config.reward_weights is not None and len(config.reward_weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(config.reward_weights)} values for {len(funcs)} reward functions")
     taken = sorted(REWARD_PREFIX + name for name in funcs if REWARD_PREFIX + name in task_data.extra_columns)
     if taken:
         raise ValueError(f"dataset: columns {taken} clash with the reward columns of the rollout log; rename them")
-    model_path = resolve_model_path(config.model, config.storage_root)
     if Path(model_path).is_dir():  # a hub model not downloaded yet is checked where it loads
         splits = {"train": task_data.train["prompt"], "heldout": task_data.heldout["prompt"]}
         check_chat_prompts(lambda: load_generation_tokenizer(model_path), config.model, splits)
@@ -103,11 +108,12 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
         storage_root=config.storage_root,
         model_path=model_path,
         total_steps=total_steps,
-        reward_names=tuple(funcs),
+        reward_names=(*funcs, *environment_rewards),
         extra_columns=tuple(task_data.extra_columns),
         num_train_prompts=len(task_data.train),
         run_uid=storage.run_uid(),
         session=session,
+        environment_rewards=tuple(environment_rewards),
         **resume,
     )
 
@@ -125,7 +131,7 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
     trained = plan.resume_checkpoint is not None or bool(plan.replay_steps)
     if config.eval_prompts == 0 or (initial and trained):  # the initial policy is gone
         return float("nan")
-    engine = backends.run_workers(config, plan.model_path).rollout[0]
+    engine = backends.run_workers(config).engine_at_current_version()
     task_data = run_task(config)
     total_steps = plan.total_steps
     # Rewards are called as in training; trainer_state says where the policy stands.
@@ -134,8 +140,19 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
         max_steps=total_steps,
         epoch=0.0 if initial else total_steps * config.prompts_per_step / max(1, len(task_data.train)),
     )
+    episodes = None
+    if config.tools or config.environment_factory:  # greedy multi-turn episodes, tools called as in training
+        from grpo_flow.workers.rollout.episodes import EpisodeRunner
+
+        episodes = EpisodeRunner.from_config(config, plan.model_path)
     accuracy = heldout_accuracy(
-        engine, task_data, config.eval_prompts, config.max_completion_length, config.max_prompt_length, state=state
+        engine,
+        task_data,
+        config.eval_prompts,
+        config.max_completion_length,
+        config.max_prompt_length,
+        state=state,
+        episodes=episodes,
     )
     if initial:
         storage.write_initial_eval(accuracy)

@@ -15,10 +15,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # workers/__init__.py's list, top to bottom: a package may import those after it.
-WORKER_PACKAGES = ["backends", "actor", "rollout", "rewards", "data", "state"]
-# The one upward import, lazy and documented in workers/data/__init__.py: building the tiny model
-# records its held-out accuracy with a rollout engine.
-ALLOWED_UPWARD = {("workers/data/tiny_model.py", "workers.rollout")}
+WORKER_PACKAGES = ["backends", "actor", "rollout", "tools", "rewards", "data", "state"]
+# The upward imports, lazy and documented in workers/data/__init__.py: building a tiny model records its
+# held-out accuracy with a rollout engine (tiny-tools: with its tool, in multi-turn episodes).
+ALLOWED_UPWARD = {
+    ("workers/data/tiny_model.py", "workers.rollout"),
+    ("workers/data/tiny_tools.py", "workers.rollout"),
+    ("workers/data/tiny_tools.py", "workers.tools"),
+}
 SUBPACKAGES = ["flows", "tasks", "workers", "schemas", "deployments", "benchmarks"]
 
 

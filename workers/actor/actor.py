@@ -46,6 +46,9 @@ def loss_inputs(rollouts: pa.Table, pad_token_id: int, mask_truncated: bool = Fa
 
     `sampling_per_token_logps` (the rollout engine's log-probs) rides along for the IS correction.
     With `mask_truncated`, completions cut off at the length limit leave the loss, as TRL's option.
+    Multi-turn rows (a logged `tool_mask`) give TRL's `tool_mask`: the loss, its token count and the IS
+    correction cover the model's own tokens only, as in TRL; the tool messages between them are attended
+    to, never trained on.
     """
     prompts = rollouts.column("prompt_token_ids").to_pylist()
     completions = rollouts.column("completion_token_ids").to_pylist()
@@ -55,14 +58,22 @@ def loss_inputs(rollouts: pa.Table, pad_token_id: int, mask_truncated: bool = Fa
     if mask_truncated:
         truncated = torch.tensor([reason == "length" for reason in rollouts.column("finish_reason").to_pylist()])
         completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+    tool_mask = None
+    logged_masks = rollouts.column("tool_mask").to_pylist() if "tool_mask" in rollouts.column_names else []
+    if any(mask is not None for mask in logged_masks):  # a single-turn row's null: every token is the model's
+        rows = [mask if mask is not None else [1] * len(c) for mask, c in zip(logged_masks, completions, strict=True)]
+        tool_mask = pad(rows, 1, "right")  # TRL pads it with 1; the completion mask zeroes the padding
+    loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
     inputs = {
         "prompt_ids": prompt_ids,
         "prompt_mask": pad([[1] * len(p) for p in prompts], 0, "left"),
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
         "advantages": torch.tensor(rollouts.column("advantage").to_pylist(), dtype=torch.float32),
-        "num_items_in_batch": completion_mask.sum().float(),
+        "num_items_in_batch": loss_mask.sum().float(),
     }
+    if tool_mask is not None:
+        inputs["tool_mask"] = tool_mask
     if "sampling_logprobs" in rollouts.column_names:
         sampled = rollouts.column("sampling_logprobs").to_pylist()
         width = completion_ids.size(1)
@@ -82,6 +93,7 @@ PER_ROW = (
     "ref_per_token_logps",
     "importance_sampling_ratio",
     "sampling_per_token_logps",
+    "tool_mask",
 )
 
 
@@ -115,6 +127,7 @@ def micro_batches(inputs: dict[str, torch.Tensor], max_tokens: int | None) -> li
             "old_per_token_logps",
             "ref_per_token_logps",
             "sampling_per_token_logps",
+            "tool_mask",
         ):
             if key in part:
                 part[key] = part[key][:, :keep_completion]
@@ -228,7 +241,7 @@ class Actor:
             inputs["old_per_token_logps"] = trl_objective.old_logprobs(objective, inputs)
         if correct and sampling is not None:
             ratio, extra = trl_objective.importance_sampling_ratio(
-                objective, inputs["old_per_token_logps"], sampling, inputs["completion_mask"]
+                objective, inputs["old_per_token_logps"], sampling, trl_objective.loss_mask(inputs)
             )
             inputs["importance_sampling_ratio"] = ratio
             inputs["sampling_per_token_logps"] = sampling

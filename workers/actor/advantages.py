@@ -65,11 +65,13 @@ def multi_objective_advantages(
 
 def step_advantages(config: Any, per_function: dict[str, list[float | None]]) -> tuple[torch.Tensor, torch.Tensor]:
     """TRL's advantages from each reward function's scores (None: not applicable), weighted and
-    aggregated by the run's reward_weights and multi_objective_aggregation."""
+    aggregated by the run's reward_weights and multi_objective_aggregation. Columns past the reward
+    functions' are environments' rewards (get_reward), weight 1 as in TRL."""
     matrix = torch.tensor(
         [[math.nan if s is None else s for s in scores] for scores in per_function.values()], dtype=torch.float32
     ).T
-    weights = torch.tensor(config.reward_weights or [1.0] * matrix.size(1), dtype=torch.float32)
+    given = list(config.reward_weights or [])
+    weights = torch.tensor(given + [1.0] * (matrix.size(1) - len(given)), dtype=torch.float32)
     return multi_objective_advantages(
         matrix, weights, config.num_generations, config.scale_rewards, config.multi_objective_aggregation
     )

@@ -107,6 +107,11 @@ def train_with_trl(
     args.report_to = ["wandb"] if config.report_to == "wandb" else []
     tokenizer = load_generation_tokenizer(plan.model_path)
     args.reward_weights = config.reward_weights  # TRL's GRPOConfig field, same rule as ours
+    tools: dict[str, Any] = {}
+    if config.tools or config.environment_factory:  # TRL plays the episodes itself, with the same objects
+        from grpo_flow.workers.tools.toolbox import toolbox_for, trl_tool_arguments
+
+        tools = trl_tool_arguments(toolbox_for(config.tools, config.environment_factory, plan.run_id))
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(plan.model_path),
         reward_funcs=reward_funcs,
@@ -114,6 +119,7 @@ def train_with_trl(
         train_dataset=train_dataset,
         processing_class=tokenizer,
         callbacks=[storage_callback(storage, config, plan)],
+        **tools,
     )
     console_progress(trainer, plan.run_id, show_progress)
     output = trainer.train()

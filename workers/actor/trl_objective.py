@@ -77,6 +77,7 @@ def grpo_args(config: GRPOFlowConfig, output_dir: str, device: str | None = None
         importance_sampling_level=config.importance_sampling_level,
         num_iterations=config.num_iterations,
         mask_truncated_completions=config.mask_truncated_completions,
+        max_tool_calling_iterations=config.max_tool_calling_iterations,
         top_entropy_quantile=config.top_entropy_quantile,
         vllm_importance_sampling_correction=config.vllm_importance_sampling_correction,
         vllm_importance_sampling_mode=config.vllm_importance_sampling_mode,
@@ -190,6 +191,12 @@ def importance_sampling_ratio(
     return ratio, metrics
 
 
+def loss_mask(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tokens in the loss: TRL's `completion_mask * tool_mask` (multi-turn), else the completion mask."""
+    mask = inputs["completion_mask"]
+    return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+
+
 def accumulation_normalizer(loss_type: str, part: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> float:
     """The `current_gradient_accumulation_steps` that makes a micro-batch's loss its exact share of the whole
     batch's, for micro-batches of unequal size (TRL assumes equal ones): per-sequence means scale by the
@@ -197,9 +204,7 @@ def accumulation_normalizer(loss_type: str, part: dict[str, torch.Tensor], whole
     if loss_type in ("cispo", "dapo", "vespo"):
         return 1.0
     if loss_type == "bnpo":
-        return float(whole["completion_mask"].sum().clamp(min=1.0)) / float(
-            part["completion_mask"].sum().clamp(min=1.0)
-        )
+        return float(loss_mask(whole).sum().clamp(min=1.0)) / float(loss_mask(part).sum().clamp(min=1.0))
     return whole["completion_ids"].size(0) / part["completion_ids"].size(0)
 
 

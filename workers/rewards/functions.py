@@ -58,6 +58,16 @@ def reverse_digits_partial(completions: list[str], answer: list[str], **kwargs: 
     return scores
 
 
+def final_answer(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+    """1.0 when the completion's last message (a plain completion: its text) is exactly the answer, spaces
+    around it aside: the answer after a multi-turn episode's tool calls."""
+    scores = []
+    for completion, expected in zip(completions, answer, strict=True):
+        text = completion if isinstance(completion, str) else (completion[-1].get("content") or "")
+        scores.append(1.0 if str(text).strip() == str(expected) else 0.0)
+    return scores
+
+
 def gsm8k_accuracy(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
     """1.0 when the completion's final number equals the reference answer."""
     scores = []
@@ -94,6 +104,7 @@ BUILTIN_REWARDS: dict[str, RewardFunc] = {
     "reverse_digits": reverse_digits,
     "reverse_digits_partial": reverse_digits_partial,
     "gsm8k_accuracy": gsm8k_accuracy,
+    "final_answer": final_answer,
     **_environment_rewards(),
 }
 
@@ -377,6 +388,8 @@ def fresh_copy(value: Any) -> Any:
 def reward_inputs(batch: RolloutBatch) -> tuple[list[Any], list[Any]]:
     """Prompts and completions as TRL passes them: strings, or lists of messages for conversational data."""
     prompts = batch.raw_prompt or batch.prompt
+    if batch.completion_messages:  # multi-turn episodes: every turn, tool messages included (TRL's completions)
+        return prompts, batch.completion_messages
     return prompts, trl_completions(prompts, batch.completion)
 
 
@@ -432,6 +445,8 @@ def score_batch(
         "log_extra": lambda column, values: logged_extra.setdefault(str(column), []).extend(values),
         "log_metric": lambda name, value: logged_metrics.setdefault(str(name), []).append(float(value)),
     }
+    if batch.environments:  # each rollout's environment instance, as TRL passes them (environment_factory)
+        kwargs["environments"] = batch.environments
     per_func: dict[str, list[float]] = {}
     seconds: dict[str, float] = {}
     for name, func in funcs.items():

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-Prompt = str | list[dict[str, str]]
+# Text, a conversation, or token ids taken as they are (a multi-turn episode's next turn: workers/rollout/episodes.py).
+Prompt = str | list[dict[str, str]] | list[int]
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,11 @@ class RolloutEngine(Protocol):
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, max_prompt_length: int | None) -> list[int]:
-    """Token ids of a plain or conversational prompt (chat template), truncated from the left."""
-    if isinstance(prompt, str):
+    """Token ids of a plain or conversational prompt (chat template), truncated from the left; token ids
+    are taken as they are."""
+    if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt) and prompt:
+        ids = cast(list[int], prompt)
+    elif isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)

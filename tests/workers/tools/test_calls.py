@@ -1,0 +1,85 @@
+"""Tool calls: whatever goes wrong becomes the tool's message (TRL's `{'error': ...}`), never a failed step."""
+
+import time
+
+import pytest
+
+from grpo_flow.workers.tools.calls import ToolRequest, run_tool_calls, tool_content
+from grpo_flow.workers.tools.toolbox import build_toolbox
+
+HERE = "fixture_tools"
+NAMES = ["add", "shout", "explode", "hang", "spin", "as_dict", "nothing", "image_blocks"]
+
+
+def call(name, **arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@pytest.fixture(scope="module")
+def tools():
+    return {t.name: t for t in build_toolbox([f"{HERE}:{n}" for n in NAMES], None, None).tools}
+
+
+@pytest.mark.parametrize("sandbox", [False, True], ids=["in-process", "sandbox"])
+def test_each_kind_of_failure_is_a_tool_message(tools, sandbox):
+    requests = [
+        call("add", a=2, b=3),  # fine, returns an int: str() of it, as TRL
+        call("explode", reason="boom"),  # raises
+        call("add", a=1),  # a missing argument
+        call("add", a=1, b=2, c=3),  # an unexpected one
+        call("as_dict", key="k"),  # not text: str() of it
+        call("nothing"),
+        call("image_blocks"),  # TRL's multimodal content: refused, episodes are text
+        call("no_such_tool"),
+        {"type": "code_interpreter", "name": "x"},  # not a function call
+        {"type": "function", "function": {"name": "add", "arguments": "[1, 2]"}},  # arguments not an object
+    ]
+    results = run_tool_calls([ToolRequest(r, tools) for r in requests], timeout_s=20, sandbox=sandbox)
+    assert [r.content for r in results[:2]] == ["5", "{'error': 'exploded: boom'}"]
+    assert [r.failed for r in results] == [False, True, True, True, False, False, True, True, True, True]
+    assert "missing 1 required positional argument: 'b'" in results[2].content
+    assert "unexpected keyword argument 'c'" in results[3].content
+    assert results[4].content == "{'k': [1, 2]}" and results[5].content == "None"
+    assert "grpo-flow takes text only" in results[6].content
+    assert results[7].content == "{'error': 'Tool no_such_tool not found.'}"  # TRL's message
+    assert results[8].content == "{'error': 'Unsupported tool call type: code_interpreter'}"
+    assert "must be an object" in results[9].content
+    assert [r.name for r in results[:2]] == ["add", "explode"]
+
+
+def test_a_hanging_sandboxed_tool_is_killed_at_the_timeout(tools):
+    started = time.monotonic()
+    (result,) = run_tool_calls([ToolRequest(call("hang", seconds=60), tools)], timeout_s=1.5, sandbox=True)
+    assert time.monotonic() - started < 20
+    assert result.failed and result.content == "{'error': 'Tool hang did not return within 1.5 s'}"
+
+
+def test_a_tool_busy_in_python_is_stopped_in_process_at_the_timeout(tools):
+    started = time.monotonic()
+    (result,) = run_tool_calls([ToolRequest(call("spin", seconds=60), tools)], timeout_s=0.5, sandbox=False)
+    assert time.monotonic() - started < 5
+    assert result.failed and "did not return within 0.5 s" in result.content
+
+
+def test_a_tool_blocked_in_c_is_left_behind_in_process_and_the_turn_goes_on(tools):
+    started = time.monotonic()
+    results = run_tool_calls(
+        [ToolRequest(call("hang", seconds=30), tools), ToolRequest(call("add", a=1, b=1), tools)],
+        timeout_s=0.5,
+        sandbox=False,
+    )
+    assert time.monotonic() - started < 5
+    assert results[0].failed and results[1].content == "2"
+
+
+def test_sandboxed_tools_cannot_reach_the_network_or_write_outside():
+    import fixture_tools  # noqa: F401  (importable here; the sandbox imports it by path)
+
+    program = ToolRequest(call("shout", text="ok"), {"shout": build_toolbox([f"{HERE}:shout"], None, None).tools[0]})
+    (result,) = run_tool_calls([program], timeout_s=20, sandbox=True)
+    assert result.content == "OK" and not result.failed
+
+
+def test_tool_content_is_trls_text():
+    assert tool_content("x") == "x" and tool_content(3) == "3" and tool_content([1, 2]) == "[1, 2]"
+    assert tool_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "ab"
