@@ -3,6 +3,8 @@
     python -m grpo_flow.benchmarks.engines [--hidden-size 384] [--layers 4] [--prompts 32] [--n 8]
                                  [--max-tokens 32] [--repeats 3] [--dtypes float32,bfloat16]
                                  [--json FILE]
+    python -m grpo_flow.benchmarks.engines --model smollm2-135m [--prompts 4] [--n 8] [--max-tokens 16]
+                                 [--storage-root DIR] [...]
 
 One randomly initialised Qwen2 model (the project's builder), saved once; both engines load it
 with `from_pretrained`. Measured in one invocation:
@@ -17,6 +19,12 @@ with `from_pretrained`. Measured in one invocation:
   over the engine's socket);
 - log-prob agreement: each engine's sampling log-probs against the fp32 actor's for the same
   tokens (TRL's code), max and mean |difference|.
+
+With `--model smollm2-135m` both engines load the real pretrained chat model instead
+(SmolLM2-135M-Instruct, `resolve_model_path`: fetched once and converted under `--storage-root`), on
+`smol_math`'s chat prompts rendered by its template (prompts of up to 128 tokens, the smol-math preset's
+limit); by default the smol-math step's shape (4 prompts x 8 samples of up to 16 tokens), and the
+weight syncs without `checkpoint` (which re-creates the engine: its start is measured already).
 
 Needs the vLLM environment (`grpo setup-vllm`); no GPU.
 """
@@ -49,26 +57,35 @@ def build_model(folder: Path, hidden_size: int, layers: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def prompts(count: int) -> list[str]:
+REAL_MODEL = "smollm2-135m"
+REAL_PROMPT_TOKENS = 128  # the smol-math preset's max_prompt_length
+TINY_PROMPT_TOKENS = 32  # the tiny model holds 64 positions
+
+
+def prompts(count: int, task: str = "last_digit") -> list[Any]:
     from grpo_flow.workers.data.loaders import load_task
 
-    return list(load_task("last_digit").train.select(range(count))["prompt"])
+    return list(load_task(task).train.select(range(count))["prompt"])
 
 
-def timed_generation(engine: Any, batch: list[str], params: Any, repeats: int) -> dict[str, float]:
-    engine.generate(batch, params, 32)  # warm-up: lazy initialisation is not steady-state speed
+def timed_generation(
+    engine: Any, batch: list[Any], params: Any, repeats: int, prompt_tokens: int = TINY_PROMPT_TOKENS
+) -> dict[str, float]:
+    engine.generate(batch, params, prompt_tokens)  # warm-up: lazy initialisation is not steady-state speed
     seconds, tokens = [], 0
     for i in range(repeats):
         started = time.perf_counter()
-        result = engine.generate(batch, replace(params, seed=params.seed + i), 32)
+        result = engine.generate(batch, replace(params, seed=params.seed + i), prompt_tokens)
         seconds.append(time.perf_counter() - started)
         tokens = sum(len(ids) for ids in result.completion_token_ids)
     median = statistics.median(seconds)
     return {"generate_s": median, "tokens": tokens, "tokens_per_s": tokens / median}
 
 
-def agreement(engine: Any, actor: Any, batch: list[str], params: Any) -> dict[str, float]:
-    result = engine.generate(batch, params, 32)
+def agreement(
+    engine: Any, actor: Any, batch: list[Any], params: Any, prompt_tokens: int = TINY_PROMPT_TOKENS
+) -> dict[str, float]:
+    result = engine.generate(batch, params, prompt_tokens)
     actors = actor.completion_logprobs(result.prompt_token_ids, result.completion_token_ids)
     diffs = [
         abs(a - b)
@@ -94,25 +111,41 @@ def sync_seconds(engine: Any, actor: Any, method: str | None, run_dir: Path) -> 
     return statistics.median(seconds)
 
 
-def all_syncs(engine: Any, actor: Any, run_dir: Path) -> dict[str, float]:
-    seconds = {method: sync_seconds(engine, actor, method, run_dir) for method in SYNC_METHODS}
+def all_syncs(engine: Any, actor: Any, run_dir: Path, methods: tuple[str, ...] = SYNC_METHODS) -> dict[str, float]:
+    seconds = {method: sync_seconds(engine, actor, method, run_dir) for method in methods}
     seconds["in memory"] = sync_seconds(engine, actor, None, run_dir)
     return seconds
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        choices=("random-qwen2", REAL_MODEL),
+        default="random-qwen2",
+        help=f"random-qwen2 (default: a randomly initialised Qwen2, --hidden-size/--layers) or {REAL_MODEL}",
+    )
     parser.add_argument("--hidden-size", type=int, default=384)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=None, help=f"default 32; 4 with --model {REAL_MODEL}")
     parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=None, help=f"default 32; 16 with --model {REAL_MODEL}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", type=lambda text: text.split(","), default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--storage-root",
+        default=None,
+        help=f"where {REAL_MODEL} is found or fetched (models/); default: $GRPO_FLOW_STORAGE or grpo-storage",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if not 1 <= args.max_tokens <= 32:
+    real = args.model == REAL_MODEL
+    args.prompts = args.prompts or (4 if real else 32)
+    args.max_tokens = args.max_tokens or (16 if real else 32)
+    if not real and not 1 <= args.max_tokens <= 32:
         parser.error("--max-tokens: 1 to 32 (the model holds 64 positions; prompts take up to 32)")
+    if real and not 1 <= args.max_tokens <= 512:
+        parser.error(f"--max-tokens: 1 to 512 with --model {REAL_MODEL}")
     if not set(args.dtypes) <= {"float32", "bfloat16"}:
         parser.error(f"--dtypes: float32 and/or bfloat16, comma-separated; got {','.join(args.dtypes)}")
 
@@ -129,12 +162,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not os.path.isfile(python):
         parser.error(f"no vLLM environment at {python}: run `grpo setup-vllm` first")
     results: dict[str, Any] = {}
+    prompt_tokens = REAL_PROMPT_TOKENS if real else TINY_PROMPT_TOKENS
+    # The real model's syncs move 540 MB each; `checkpoint` re-creates the engine, whose start is measured.
+    methods = tuple(m for m in SYNC_METHODS if m != "checkpoint") if real else SYNC_METHODS
     with tempfile.TemporaryDirectory(prefix="grpo-flow-engines-") as tmp:
-        folder = Path(tmp) / "model"
-        params_count = build_model(folder, args.hidden_size, args.layers)
-        batch = prompts(args.prompts)
+        if real:
+            from grpo_flow.workers.data.models import resolve_model_path
+
+            storage_root = args.storage_root or os.environ.get("GRPO_FLOW_STORAGE") or "grpo-storage"
+            folder = Path(resolve_model_path(REAL_MODEL, storage_root))
+            params_count = json.loads((folder / "build_info.json").read_text())["parameters"]
+        else:
+            folder = Path(tmp) / "model"
+            params_count = build_model(folder, args.hidden_size, args.layers)
+        batch = prompts(args.prompts, "smol_math" if real else "last_digit")
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=0)
-        config = GRPOFlowConfig(run_id="engines", storage_root=tmp, model=str(folder), max_prompt_length=32)
+        config = GRPOFlowConfig(run_id="engines", storage_root=tmp, model=str(folder), max_prompt_length=prompt_tokens)
         actor = Actor(config, folder)
         actor.load()
 
@@ -142,27 +185,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine: Any = TransformersRolloutEngine(folder)
         engine.load()
         row: dict[str, Any] = {"start_s": time.perf_counter() - started}
-        row.update(timed_generation(engine, batch, params, args.repeats))
-        row["logprobs_vs_actor"] = agreement(engine, actor, batch, params)
-        row["sync_s"] = all_syncs(engine, actor, Path(tmp) / "run")
+        row.update(timed_generation(engine, batch, params, args.repeats, prompt_tokens))
+        row["logprobs_vs_actor"] = agreement(engine, actor, batch, params, prompt_tokens)
+        row["sync_s"] = all_syncs(engine, actor, Path(tmp) / "run", methods)
         results["transformers (fp32)"] = row
 
         for dtype in args.dtypes:
             started = time.perf_counter()
             engine = VLLMProcessEngine(
                 folder,
-                # max_model_len from the model's config: the builder's max_position_embeddings (64)
-                options=VLLMOptions(dtype=dtype),
+                # tiny: max_model_len from the model's config (the builder's max_position_embeddings, 64);
+                # real: prompt + completion, as a grpo-flow run sizes it
+                options=VLLMOptions(dtype=dtype, max_model_len=prompt_tokens + args.max_tokens if real else None),
                 python=python,
                 log_path=Path(tmp) / f"vllm-{dtype}.log",
             )
             try:
                 engine.load()
                 row = {"start_s": time.perf_counter() - started}
-                row.update(timed_generation(engine, batch, params, args.repeats))
-                row["logprobs_vs_actor"] = agreement(engine, actor, batch, params)
+                row.update(timed_generation(engine, batch, params, args.repeats, prompt_tokens))
+                row["logprobs_vs_actor"] = agreement(engine, actor, batch, params, prompt_tokens)
                 if dtype == "float32":
-                    row["sync_s"] = all_syncs(engine, actor, Path(tmp) / "run")
+                    row["sync_s"] = all_syncs(engine, actor, Path(tmp) / "run", methods)
             except EngineProcessError as error:  # reported in its row; the other engines are still measured
                 row = {"error": str(error).splitlines()[0]}
             finally:
@@ -176,10 +220,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any], params_count: int, args: argparse.Namespace) -> None:
-    print(
-        f"\nQwen2 {params_count / 1e6:.1f}M parameters (hidden {args.hidden_size}, {args.layers} layers), CPU; "
-        f"{args.prompts} prompts x n={args.n}, at most {args.max_tokens} new tokens, temperature 1\n"
+    model = (
+        f"SmolLM2-135M-Instruct ({params_count / 1e6:.1f}M parameters), smol_math chat prompts"
+        if args.model == REAL_MODEL
+        else f"Qwen2 {params_count / 1e6:.1f}M parameters (hidden {args.hidden_size}, {args.layers} layers)"
     )
+    print(f"\n{model}, CPU; {args.prompts} prompts x n={args.n}, at most {args.max_tokens} new tokens, temperature 1\n")
     print(f"{'engine':<22}{'start s':>9}{'generate s':>12}{'tokens/s':>11}{'logp diff max':>15}{'mean':>10}")
     for name, row in results.items():
         if "error" in row:

@@ -3,6 +3,7 @@ checkpointing, each measurement in a fresh process.
 
     python -m grpo_flow.benchmarks.memory [--models tiny,qwen0.5b] [--rows 8] [--prompt-tokens 64]
                                 [--completion-tokens 32] [--json FILE]
+    python -m grpo_flow.benchmarks.memory --models smollm2-135m [--storage-root DIR] [--json FILE]
 
 Models:
 - `tiny`: the tiny preset's model (the built one under the default storage root or
@@ -13,6 +14,13 @@ Models:
   vocab 151936, tied embeddings; 494M parameters), saved once to a temporary folder by its own
   process; a batch of `--rows` completions of `--completion-tokens` tokens after prompts of
   `--prompt-tokens` tokens, random token ids.
+- `smollm2-135m`: the real pretrained model (SmolLM2-135M-Instruct, `resolve_model_path`: fetched once
+  and converted under `--storage-root`) with the smol-math preset's actor (LoRA r16 on q/k/v/o and
+  the MLP projections, AdamW over the adapters only) on the preset's batch: 4 prompts x 8
+  completions of 16 tokens after prompts as long as smol_math's longest chat-rendered prompt. Beside
+  the actor step, one smol-math step through the `grpo` flow in a fresh process (`run`): the flow's
+  process then holds the actor, the transformers rollout engine's own copy of the weights and Prefect's
+  client (the ephemeral Prefect server is a process of its own and not counted).
 
 Each measurement is a fresh Python process that loads the project's `Actor` (fp32, AdamW from
 TRL's trainer, TRL's loss) from the folder, as the local backend does, and applies one step
@@ -51,6 +59,8 @@ QWEN_05B_SHAPE = {
     "tie_word_embeddings": True,
 }
 GIB = 1024**3
+REAL_MODEL = "smollm2-135m"
+MODELS = ("tiny", "qwen0.5b", REAL_MODEL)
 LIMIT_GIB = 16
 
 
@@ -109,7 +119,7 @@ def rollouts_table(rows: int, prompt_tokens: int, completion_tokens: int, vocab:
 
 
 def measure_step(
-    model_path: str, rows: int, prompt_tokens: int, completion_tokens: int, checkpointing: bool
+    model_path: str, rows: int, prompt_tokens: int, completion_tokens: int, checkpointing: bool, preset: str = "tiny"
 ) -> dict[str, Any]:
     import torch
 
@@ -120,25 +130,28 @@ def measure_step(
     overrides: dict[str, Any] = {
         "model": model_path,
         "run_id": "memory",
-        "learning_rate": 1e-6,
         "max_completion_length": completion_tokens,
         "max_prompt_length": prompt_tokens,
     }
+    if preset == "tiny":  # the tiny preset's model on other shapes: a small step (smol-math: the preset's own)
+        overrides["learning_rate"] = 1e-6
     if supports_gradient_checkpointing():
         overrides["gradient_checkpointing"] = checkpointing
     elif checkpointing:
         return {"skipped": "this grpo-flow has no gradient_checkpointing config field"}
-    actor = Actor(preset_config("tiny", **overrides), model_path)
+    actor = Actor(preset_config(preset, **overrides), model_path)
     actor.load()
     actor.sampling_matches_actor = True  # as the local backend's fp32 engine: no IS correction pass
     before_step = peak_rss_bytes()  # weights loaded (safetensors pages are mapped in as they are first read)
-    parameters = sum(p.numel() for p in actor.model.parameters())
+    parameters = sum(p.numel() for n, p in actor.model.named_parameters() if "lora_" not in n)
+    trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
     table = rollouts_table(rows, prompt_tokens, completion_tokens, actor.model.config.vocab_size)
     step_started = time.perf_counter()
     metrics = actor.step(0, table)
     step_s = time.perf_counter() - step_started
     return {
         "parameters": parameters,
+        "trainable_parameters": trainable,
         "rows": rows,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -156,15 +169,41 @@ def measure_step(
     }
 
 
+def measure_run(model_path: str, workdir: str) -> dict[str, Any]:
+    """One smol-math step through the `grpo` flow (transformers engine), as `grpo train --preset smol-math
+    --max-steps 1` runs it: the flow process's peak, with the actor and the rollout engine in it."""
+    from grpo_flow.benchmarks.steps import quiet
+
+    quiet()
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.schemas.presets import preset_config
+
+    started = time.perf_counter()
+    config = preset_config(
+        "smol-math", model=model_path, storage_root=workdir, run_id="memory-run", max_steps=1, eval_prompts=0
+    )
+    summary = grpo(config)
+    if summary.get("status") != "completed":
+        raise RuntimeError(f"the smol-math run did not complete: {summary.get('error')}")
+    return {"peak_bytes": peak_rss_bytes(), "process_s": time.perf_counter() - started, "steps": 1}
+
+
 def child_main(args: argparse.Namespace) -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
     if args.child == "build":
         result = build_qwen_shape(Path(args.model_path))
+    elif args.child == "run":
+        result = measure_run(args.model_path, args.workdir)
     else:
         result = measure_step(
-            args.model_path, args.rows, args.prompt_tokens, args.completion_tokens, args.checkpointing
+            args.model_path,
+            args.rows,
+            args.prompt_tokens,
+            args.completion_tokens,
+            args.checkpointing,
+            args.preset,
         )
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -186,6 +225,32 @@ def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def real_model_shape(model_path: str) -> list[str]:
+    """The smol-math preset's step: 4 prompts x 8 completions of 16 tokens after smol_math's longest
+    chat-rendered prompt."""
+    from transformers import AutoTokenizer
+
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers.data.loaders import load_task
+
+    config = preset_config("smol-math")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = load_task(config.dataset).train["prompt"]
+    longest = max(
+        len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for p in prompts
+    )
+    rows = config.prompts_per_step * config.num_generations
+    return [
+        "--rows",
+        str(rows),
+        "--prompt-tokens",
+        str(longest),
+        "--completion-tokens",
+        str(config.max_completion_length),
+    ]
+
+
 def tiny_model(workdir: Path, given: str | None) -> str:
     from grpo_flow.benchmarks.steps import build_tiny_architecture, default_tiny_model
 
@@ -194,7 +259,14 @@ def tiny_model(workdir: Path, given: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny,qwen0.5b", help="comma-separated: tiny, qwen0.5b (default both)")
+    parser.add_argument(
+        "--models", default="tiny,qwen0.5b", help=f"comma-separated: {', '.join(MODELS)} (default: tiny,qwen0.5b)"
+    )
+    parser.add_argument(
+        "--storage-root",
+        default=None,
+        help=f"where {REAL_MODEL} is found or fetched (models/); default: $GRPO_FLOW_STORAGE or grpo-storage",
+    )
     parser.add_argument("--rows", type=int, default=8, help="qwen0.5b: completions in the step (default 8)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="qwen0.5b: prompt tokens per row (default 64)")
     parser.add_argument("--completion-tokens", type=int, default=32, help="qwen0.5b: completion tokens (default 32)")
@@ -202,18 +274,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed each child process")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     # internal: one measurement in this (fresh) process
-    parser.add_argument("--child", choices=("build", "step"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("build", "step", "run"), help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--preset", default="tiny", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child_main(args)
         return {}
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = set(models) - {"tiny", "qwen0.5b"}
+    unknown = set(models) - set(MODELS)
     if unknown:
-        parser.error(f"--models: unknown {sorted(unknown)}; known: tiny, qwen0.5b")
+        parser.error(f"--models: unknown {sorted(unknown)}; known: {', '.join(MODELS)}")
     results: dict[str, Any] = {"gradient_checkpointing_supported": supports_gradient_checkpointing(), "models": {}}
     with tempfile.TemporaryDirectory(prefix="grpo-flow-memory-") as tmp:
         workdir = Path(tmp)
@@ -222,6 +296,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 path = tiny_model(workdir, args.tiny_model)
                 shape = ["--rows", "256", "--prompt-tokens", "7", "--completion-tokens", "2"]  # 32 x 8, `35060=` + 2
                 built: dict[str, Any] = {}
+            elif name == REAL_MODEL:
+                from grpo_flow.workers.data.models import resolve_model_path
+
+                storage_root = args.storage_root or os.environ.get("GRPO_FLOW_STORAGE") or "grpo-storage"
+                path = resolve_model_path(REAL_MODEL, storage_root)
+                shape = [*real_model_shape(path), "--preset", "smol-math"]
+                built = {"run": run_child(["--child", "run", "--model-path", path, "--workdir", tmp], args.timeout)}
             else:
                 path = str(workdir / "qwen2.5-0.5b-shape")
                 built = run_child(["--child", "build", "--model-path", path], args.timeout)
@@ -247,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peaks = [r["peak_bytes"] for k, r in qwen.items() if k.endswith("_gc") and "peak_bytes" in r]
     results["qwen05b_fits_16gib"] = bool(peaks) and max(peaks) < LIMIT_GIB * GIB
     for name, entry in results["models"].items():
-        for key in ("without_gc", "with_gc"):
+        for key in ("without_gc", "with_gc", "run"):
             if "peak_bytes" in entry.get(key, {}):
                 results[f"{name}_{key}_peak_gib"] = entry[key]["peak_bytes"] / GIB
     print_report(results)
@@ -259,26 +340,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def print_report(results: dict[str, Any]) -> None:
     print("\nPeak resident memory of the actor process, one step on CPU (fp32, AdamW), a fresh process each\n")
     print(
-        f"{'model':<12}{'params':>9}{'batch (rows x prompt+completion)':>34}{'grad ckpt':>11}"
+        f"{'model':<14}{'params':>9}{'batch (rows x prompt+completion)':>34}{'grad ckpt':>11}"
         f"{'before step GiB':>16}{'peak GiB':>10}{'step s':>9}"
     )
     for name, entry in results["models"].items():
         if "error" in entry:
-            print(f"{name:<12}  error: {entry['error'][:300]}")
+            print(f"{name:<14}  error: {entry['error'][:300]}")
             continue
         for key in ("without_gc", "with_gc"):
             r = entry.get(key, {})
             if "peak_bytes" not in r:
                 print(
-                    f"{name:<12}{'':>9}{'':>34}{('on' if key == 'with_gc' else 'off'):>11}  "
+                    f"{name:<14}{'':>9}{'':>34}{('on' if key == 'with_gc' else 'off'):>11}  "
                     f"{r.get('skipped') or r.get('error', '')[:300]}"
                 )
                 continue
             batch = f"{r['rows']} x {r['prompt_tokens']}+{r['completion_tokens']}"
             print(
-                f"{name:<12}{r['parameters'] / 1e6:>8.1f}M{batch:>34}{('on' if r['gradient_checkpointing'] else 'off'):>11}"
+                f"{name:<14}{r['parameters'] / 1e6:>8.1f}M{batch:>34}{('on' if r['gradient_checkpointing'] else 'off'):>11}"
                 f"{r['peak_before_step_bytes'] / GIB:>16.2f}{r['peak_bytes'] / GIB:>10.2f}{r['step_s']:>9.1f}"
+                + (
+                    f"  LoRA: {r['trainable_parameters'] / 1e6:.1f}M trainable"
+                    if r.get("trainable_parameters", 0) and r["trainable_parameters"] < r["parameters"]
+                    else ""
+                )
             )
+        run = entry.get("run")
+        if run is not None:
+            if "peak_bytes" in run:
+                print(
+                    f"{name:<14}one smol-math step through the grpo flow (actor + transformers engine + Prefect "
+                    f"client, one process): peak {run['peak_bytes'] / GIB:.2f} GiB in {run['process_s']:.0f} s"
+                )
+            else:
+                print(f"{name:<14}the grpo flow's step: {run.get('error', '')[:300]}")
     if "qwen0.5b" in results["models"]:
         print(f"\nQwen2.5-0.5B-shape step within {LIMIT_GIB} GiB: {'yes' if results['qwen05b_fits_16gib'] else 'NO'}")
 

