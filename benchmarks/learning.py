@@ -1,17 +1,29 @@
 """Learning, side by side with TRL: held-out accuracy against step and against seconds.
 
-    python -m grpo_flow.benchmarks.learning [--tasks last_digit reverse_digits] [--seeds 3] [--first-seed 0]
+    python -m grpo_flow.benchmarks.learning [--tasks last_digit reverse_digits digit_lookup smol_math] [--seeds 3]
+        [--first-seed 0]
         [--sides trl grpo_flow [trl_resampled]] [--steps N] [--eval-every K] [--eval-prompts 200]
         [--json FILE] [--png FILE] [--storage-root DIR]
 
-For each task, TRL's GRPOTrainer and grpo-flow start from the same model (the project's tiny
-model after the task's format warm start, built once and loaded by both with
+For each task, TRL's GRPOTrainer and grpo-flow start from the same model (the task's preset's: the
+project's tiny model after the task's format warm start, or for `smol_math` SmolLM2-135M-Instruct,
+fetched once and converted; made once under the storage root and loaded by both with
 `from_pretrained`) and train with the task's preset: the same reward functions, learning rate
 and schedule, prompts per step, generations, completion length, temperature, loss, beta and
 number of steps, once per seed (seeds 0, 1, ...; each side gets the same seed). TRL is handed
 the training prompts in the order grpo-flow's run with that seed visits them
 (`grpo_flow.tasks.rollout.step_prompt_indices`) and told not to shuffle, so at every step both sides
-train on the same 32 prompts.
+train on the same prompts.
+
+`smol_math` (preset `smol-math`) trains LoRA adapters: TRL gets the peft LoraConfig grpo-flow's actor
+builds from the preset, its chat prompts are rendered by the model's template on both sides, and
+the weight copies are the adapters, merged into the base weights for scoring.
+
+The tool task (`digit_lookup`, preset `tiny-tools`) plays multi-turn episodes: TRL is given the
+environment class (and tools) that grpo-flow's run resolves from the preset's paths, the same
+`max_tool_calling_iterations` and the same token budget (`max_completion_length`, model and tool
+tokens alike, on both sides), and its held-out accuracy is that of greedy episodes with the tool.
+Prompts are compared by `prompt_id` (chat prompts are lists of messages).
 
 Held-out accuracy is measured the same way for both: every `--eval-every` steps the policy's
 weights are copied in memory (a TRL callback; a hook after each grpo-flow step), with the
@@ -64,6 +76,10 @@ import grpo_flow.flows  # noqa: E402,F401  Prefect's recorder batched before its
 TASKS: dict[str, dict[str, Any]] = {
     "last_digit": {"preset": "tiny", "steps": 60, "eval_every": 5},
     "reverse_digits": {"preset": "reverse", "steps": 600, "eval_every": 25},
+    # Multi-turn episodes with a tool: TRL's GRPOTrainer gets the same environment_factory (and tools).
+    "digit_lookup": {"preset": "tiny-tools", "steps": 120, "eval_every": 10},
+    # The real pretrained chat model with LoRA (its held-out split has 100 prompts).
+    "smol_math": {"preset": "smol-math", "steps": 30, "eval_every": 5},
 }
 # The GRPO fields both sides are given (grpo-flow's names; benchmarks/trl_side.py maps them to TRL's).
 SHARED_FIELDS = (
@@ -76,6 +92,7 @@ SHARED_FIELDS = (
     "lr_scheduler_type",
     "loss_type",
     "beta",
+    "max_tool_calling_iterations",
 )
 # trl_resampled is the control: TRL with the same prompts, step by step, as `trl` and `grpo_flow` at that
 # seed, but drawing its samples from another seed (seed + RESAMPLE_OFFSET). How far it lands from `trl`
@@ -163,6 +180,35 @@ def clone(weights: dict[str, Any]) -> dict[str, Any]:
     return {name: tensor.detach().clone() for name, tensor in weights.items()}
 
 
+def policy_copy(model: Any, lora: bool) -> dict[str, Any]:
+    """A copy of the policy's weights for scoring later: with LoRA the adapters alone (a few MB, where
+    a full copy of SmolLM2 is 540 MB per evaluation), merged by `LoraMerge` when scored."""
+    if not lora:
+        return clone(model.state_dict())
+    from peft import get_peft_model_state_dict
+
+    return clone(get_peft_model_state_dict(model))
+
+
+class LoraMerge:
+    """Full weights from an adapter copy: the preset's LoRA actor, its adapters set to the copy, merged
+    by the actor's own `policy_state_dict` (what grpo-flow's rollout engines get)."""
+
+    def __init__(self, config: Any, model_path: str) -> None:
+        from grpo_flow.workers.actor.actor import Actor
+
+        self.actor = Actor(config, model_path)
+        self.actor.load()
+
+    def __call__(self, adapter: dict[str, Any]) -> dict[str, Any]:
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.actor.model, adapter)
+        if result.unexpected_keys:
+            raise ValueError(f"adapter keys the preset's LoRA model has no place for: {result.unexpected_keys[:3]}")
+        return self.actor.policy_state_dict()
+
+
 def planned_order(task: Any, seed: int, steps: int, prompts_per_step: int) -> list[int]:
     """Train rows in the order a grpo-flow run with `seed` visits them, one step's prompts after another."""
     from grpo_flow.tasks.rollout import step_prompt_indices
@@ -172,9 +218,10 @@ def planned_order(task: Any, seed: int, steps: int, prompts_per_step: int) -> li
 
 
 def planned_prompts(task: Any, seed: int, steps: int, prompts_per_step: int) -> list[list[str]]:
-    """Each step's distinct prompts, sorted: what a side's observed prompts are checked against."""
+    """Each step's distinct prompts (by prompt_id: chat prompts are lists), sorted: what a side's observed
+    prompts are checked against."""
     order = planned_order(task, seed, steps, prompts_per_step)
-    prompts = task.train.select(order)["prompt"]
+    prompts = task.train.select(order)["prompt_id"]
     return [sorted(set(prompts[i : i + prompts_per_step])) for i in range(0, len(order), prompts_per_step)]
 
 
@@ -193,6 +240,7 @@ def run_trl(
     at: list[int],
     workdir: Path,
     sampling_seed: int | None = None,
+    peft_config: Any = None,
 ) -> SideRun:
     """TRL's GRPOTrainer on the prompts of grpo-flow's run with `seed`, in that order; its own seed (which
     its sampling draws from) is `sampling_seed`, `seed` unless given."""
@@ -211,19 +259,20 @@ def run_trl(
             scores = func(**kwargs)
             per_call.append(sum(scores) / len(scores))
             if first:
-                run.prompts.append(sorted(set(kwargs["prompts"])))
+                run.prompts.append(sorted(set(kwargs["prompt_id"])))
             return scores
 
         return reward
 
     funcs = reward_funcs(task)
+    tools = trl_tools(work)
 
     class CopyWeights(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.global_step in at:
                 seconds = clock.elapsed()
                 with clock.paused():
-                    run.snapshots[state.global_step] = (seconds, clone(kwargs["model"].state_dict()))
+                    run.snapshots[state.global_step] = (seconds, policy_copy(kwargs["model"], peft_config is not None))
 
     clock = PausableClock()
     args = grpo_config(
@@ -236,13 +285,25 @@ def run_trl(
     dataset = task.train.select(planned_order(task, seed, steps, work["prompts_per_step"]))
     recorded_funcs = [recorded(f, i == 0) for i, f in enumerate(funcs.values())]
     with other_cpu(run):
-        trainer = grpo_trainer(model_path, recorded_funcs, args, dataset, callbacks=[CopyWeights()])
+        trainer = grpo_trainer(
+            model_path, recorded_funcs, args, dataset, callbacks=[CopyWeights()], peft_config=peft_config, **tools
+        )
         trainer.train()
     run.wall_s = clock.elapsed()
     # One mean per function per step: the step's total reward is their sum (weights 1, as both sides use).
     per_step = len(funcs)
     run.rewards = [sum(per_call[i : i + per_step]) for i in range(0, len(per_call), per_step)]
     return run
+
+
+def trl_tools(work: dict[str, Any]) -> dict[str, Any]:
+    """The preset's tools and environment factories as TRL's GRPOTrainer takes them (the objects grpo-flow's
+    run resolves from the same paths); nothing for a task without tools."""
+    from grpo_flow.workers.tools.toolbox import build_toolbox, trl_tool_arguments
+
+    if not (work["tools"] or work["environment_factory"]):
+        return {}
+    return trl_tool_arguments(build_toolbox(work["tools"], work["environment_factory"], None))
 
 
 def run_grpo_flow(model_path: str, preset: str, steps: int, seed: int, at: list[int], workdir: Path) -> SideRun:
@@ -269,7 +330,7 @@ def run_grpo_flow(model_path: str, preset: str, steps: int, seed: int, at: list[
             seconds = clock.elapsed()
             with clock.paused():
                 actor = backends.run_workers(step_config).actor.server.actor  # the local backend's, in this process
-                run.snapshots[step] = (seconds, clone(actor.policy_state_dict()))
+                run.snapshots[step] = (seconds, policy_copy(actor.model, step_config.use_lora))
 
     clock = PausableClock()
     with other_cpu(run), StepClock(after_step=copy_weights).watch():
@@ -280,7 +341,7 @@ def run_grpo_flow(model_path: str, preset: str, steps: int, seed: int, at: list[
     storage = RunStorage(config.storage_root, config.run_id)
     run.rewards = [float(r) for r in storage.read_metrics().column("reward").to_pylist()]
     run.prompts = [
-        sorted(set(storage.read_rollouts(step).column("prompt").to_pylist())) for step in range(1, steps + 1)
+        sorted(set(storage.read_rollouts(step).column("prompt_id").to_pylist())) for step in range(1, steps + 1)
     ]
     return run
 
@@ -340,15 +401,22 @@ def benchmark_task(
     """The sides' runs of one task, each seed's curve scored; `summarize` adds the figures."""
     from grpo_flow.schemas.presets import PRESETS, preset_config
     from grpo_flow.workers.data.loaders import load_task
-    from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+    from grpo_flow.workers.data.models import ensure_builtin_model
+    from grpo_flow.workers.rollout.episodes import EpisodeRunner
     from grpo_flow.workers.rollout.heldout import heldout_accuracy
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
     preset = TASKS[name]["preset"]
     work = preset_config(preset).model_dump()
-    model_path = str(ensure_tiny_model(storage_root, PRESETS[preset]["model"]))
+    model_path = str(ensure_builtin_model(storage_root, PRESETS[preset]["model"]))
     task = load_task(name)
     at = eval_steps(steps, every)
+    config = preset_config(preset)
+    peft_config = None
+    if config.use_lora:
+        from grpo_flow.workers.actor.trl_objective import lora_config
+
+        peft_config = lora_config(config)  # the LoraConfig grpo-flow's actor builds from the preset
     runs: dict[str, list[SideRun]] = {side: [] for side in sides}
     for seed in seeds:  # the sides alternate, so a slower minute of the machine hits each
         for side in sides:
@@ -357,20 +425,25 @@ def benchmark_task(
                 runs[side].append(run_grpo_flow(model_path, preset, steps, seed, at, workdir))
             else:
                 resample = RESAMPLE_OFFSET if side == "trl_resampled" else 0
-                runs[side].append(run_trl(model_path, task, work, steps, seed, at, workdir, seed + resample))
+                run = run_trl(model_path, task, work, steps, seed, at, workdir, seed + resample, peft_config)
+                runs[side].append(run)
 
     engine = TransformersRolloutEngine(model_path)
     engine.load()
+    merged: Any = LoraMerge(config, model_path) if config.use_lora else (lambda weights: weights)
+    episodes = EpisodeRunner.from_config(config, model_path) if config.tools or config.environment_factory else None
 
     def accuracy() -> float:
-        return heldout_accuracy(engine, task, eval_prompts, work["max_completion_length"], work["max_prompt_length"])
+        return heldout_accuracy(
+            engine, task, eval_prompts, work["max_completion_length"], work["max_prompt_length"], episodes=episodes
+        )
 
     start = accuracy()
     result: dict[str, Any] = {
         "preset": preset,
         "steps": steps,
         "eval_every": every,
-        "eval_prompts": eval_prompts,
+        "eval_prompts": min(eval_prompts, len(task.heldout)),
         "start_model_sha256": hashlib.sha256((Path(model_path) / "model.safetensors").read_bytes()).hexdigest(),
         "start_accuracy": start,
         "work": {k: work[k] for k in SHARED_FIELDS},
@@ -383,7 +456,7 @@ def benchmark_task(
             curve = [[0, 0.0, start]]
             for step in sorted(run.snapshots):
                 seconds, weights = run.snapshots[step]
-                engine.load_state_dict(weights, step)
+                engine.load_state_dict(merged(weights), step)
                 curve.append([step, seconds, accuracy()])
             planned = planned_prompts(task, run.seed, steps, work["prompts_per_step"])
             result["runs"][side].append(
@@ -560,11 +633,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--storage-root",
         type=Path,
         default=None,
-        help="where the tiny models are found or built (models/); default: a fresh temporary folder",
+        help="where the models are found or made (models/: the tiny ones built, smollm2-135m fetched and "
+        "converted); default: a fresh temporary folder",
     )
     args = parser.parse_args(argv)
     # transformers' deprecation notices about TrainingArguments fields TRL sets, once per run: noise here.
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is experimental in TRL 1.16
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
         parser.error(f"--tasks: unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")

@@ -75,9 +75,11 @@ def grpo_trainer(
     train_dataset: Any,
     callbacks: list | None = None,
     peft_config: Any = None,
+    **tools: Any,
 ) -> Any:
     """TRL's GRPOTrainer on a local model folder, loaded in fp32 with its tokenizer padding on the left;
-    `peft_config`: peft's LoraConfig with LoRA (TRL wraps the model)."""
+    `peft_config`: peft's LoraConfig with LoRA (TRL wraps the model); `tools`: its `tools=` and
+    `environment_factory=`, when the task has them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import GRPOTrainer
@@ -90,6 +92,7 @@ def grpo_trainer(
         processing_class=AutoTokenizer.from_pretrained(model_path, padding_side="left"),
         callbacks=callbacks,
         peft_config=peft_config,
+        **tools,
     )
     # With the progress bar off, transformers prints every log dict (the end-of-training summary): noise
     # between the benchmarks' own lines.

@@ -38,6 +38,20 @@ def test_learning_benchmark_writes_both_sides_figures_and_the_plot(prefect_serve
     assert png.stat().st_size > 10_000
 
 
+def test_the_tool_task_runs_trl_with_the_same_environment_and_prompts(prefect_server, storage_root, tmp_path):
+    """digit_lookup: TRL's GRPOTrainer gets the preset's environment_factory and turn limit; both sides train
+    on the same prompts (compared by prompt_id) and are scored by the same greedy episodes."""
+    out = tmp_path / "tools.json"
+    main(["--tasks", "digit_lookup", "--steps", "2", "--eval-every", "1", "--eval-prompts", "8", "--seeds", "1"]
+         + ["--storage-root", str(storage_root), "--json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())["digit_lookup"]
+    assert result["preset"] == "tiny-tools" and result["same_prompts_every_step"] is True
+    assert result["config_differences"] == {}  # max_tool_calling_iterations included
+    for side in ("trl", "grpo_flow"):
+        (run,) = result["runs"][side]
+        assert [point[0] for point in run["curve"]] == [0, 1, 2] and len(run["train_reward"]) == 2
+
+
 def test_learning_benchmark_refuses_bad_options_before_loading_anything(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--tasks", "gsm8k"])
