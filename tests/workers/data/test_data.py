@@ -441,5 +441,3 @@ def test_a_data_file_that_is_empty_malformed_or_missing_is_named_in_one_line(tmp
         with pytest.raises(ValueError) as raised:
             data.load_custom_task(name, load=lambda *a, name=name, **k: pytest.fail(f"{name} reached the loader"))
         assert str(raised.value) == message
-
-
