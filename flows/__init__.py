@@ -1,34 +1,30 @@
 """Prefect flows: `grpo` (a run) and its per-step subflow `grpo-step`, `evaluate`, `grpo-simple`;
 the `grpo` CLI.
 
-Importing this package sets these in the environment, unless it already says otherwise;
-both must be set before Prefect starts its ephemeral server (at the first flow run), which is
-why this happens at import.
+Importing this package sets these in the environment, unless it already says otherwise; both
+must be set before Prefect starts its ephemeral server (at the first flow run), which is why this
+happens at import.
 
-- Prefect's task-run recorder batches its writes (up to 100 events a transaction, at least once
-  a second). Prefect 3.8's default, one transaction per event, held up the next step's first
-  API call by about 2 s on every step (benchmarks/orchestration.py --unbatched-recorder). For a
-  `prefect server start`, export the same variables in its shell (deployments/local_server.py
-  does).
+- The task-run recorder batches its writes (up to 100 events a transaction, at least once a
+  second). With Prefect's default of one transaction per event, the next step's first API call
+  waits for the recorder to catch up. For a `prefect server start`, export the same variables in
+  its shell (deployments/local_server.py does).
 - With no PREFECT_API_URL (the ephemeral server) and no database of your own, the ephemeral
-  server keeps its database in memory. On its default SQLite file, one step subflow in three to
-  six stalled for 2 s: the server creates a subflow's tracking task run in a transaction that
-  reads before it writes, and SQLite fails that at once ("database is locked", HTTP 503, and
-  Prefect's client retries after a fixed 2 s) whenever another of the server's connections
-  (its task-run recorder, event persister, a log or artifact write) committed in between. For
-  an in-memory database Prefect keeps a pool of exactly one connection, so the server's
-  transactions run one after another and none can fail another. The ephemeral server's records
-  then last as long as the process (the run's storage root keeps everything; the UI needs
-  `prefect server start` anyway). Set PREFECT_API_DATABASE_CONNECTION_URL to keep them.
+  server keeps its database in memory. On a SQLite file, the server creates a subflow's tracking
+  task run in a transaction that reads before it writes; SQLite fails it at once ("database is
+  locked", HTTP 503, retried by the client after a fixed delay) whenever another of the server's
+  connections committed in between. For an in-memory database Prefect keeps a pool of exactly
+  one connection, so the server's transactions run one after another and none can fail another.
+  The ephemeral server's records then last as long as the process (the run's storage root keeps
+  everything; the UI needs `prefect server start` anyway). Set PREFECT_API_DATABASE_CONNECTION_URL
+  to keep them.
 - On that in-memory database the server's event persister is off
-  (PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED=false, unless set): it stored every event
-  (three per task run) for an event feed that nothing can open and that ends with the process,
-  at about 20 ms of server CPU per training step, taken from the step's torch threads on a
-  small machine (benchmarks/vs_trl.py). Task runs, flow runs, states and artifacts are recorded
-  as before (the task-run recorder reads the same events from the server's message bus).
-- PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120: Prefect waits 20 s for its ephemeral
-  server by default, which a busy 2-core machine overran twice (`Timed out while attempting to
-  connect to ephemeral Prefect API server`); it answers in ~3-8 s when idle, ~14 s on a fresh database.
+  (PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED=false, unless set): it stores every event for
+  an event feed that nothing can open and that ends with the process, and its CPU comes out of
+  the step's torch threads on a small machine. Task runs, flow runs, states and artifacts are
+  recorded as usual (the task-run recorder reads the same events from the server's message bus).
+- PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120: Prefect's default wait for its ephemeral
+  server is shorter than a fresh database takes to start on a busy small machine.
 - PREFECT_SERVER_ANALYTICS_ENABLED=false: offline, the server's telemetry logs an error at start.
 """
 

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# The graceful stop waits this long for the step under way; then the process stops at once, so it
-# is gone within ~10 s of a Ctrl-C whatever the step is doing.
+# The graceful stop waits this long for the step under way; then the process stops at once, so a
+# Ctrl-C ends it in seconds whatever the step is doing.
 GRACE_S = 6.0
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

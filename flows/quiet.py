@@ -69,8 +69,8 @@ def quiet_prefect_run(storage_root: str | os.PathLike) -> Path:
 
 def route_prefect_console(path: Path) -> None:
     """Every Prefect handler that writes to the terminal is replaced by one that appends to `path`."""
-    # Prefect installs its console handlers (setup_logging) when prefect.main is imported, which a bare
-    # `import prefect` no longer does; routing them before that would be undone by it.
+    # Prefect installs its console handlers (setup_logging) when prefect.main is imported, which
+    # a bare `import prefect` does not; routing them before that would be undone by it.
     import prefect.main  # noqa: F401
 
     path = path.resolve()

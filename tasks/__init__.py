@@ -17,7 +17,7 @@ def with_retries(task: T, retries: int, retry_delay_seconds: float) -> T:
 
     The retry counts come from the config (`generate_retries`, ...), so the flow asks for these
     variants at every step; building one runs Prefect's `Task.__init__`, which reads and hashes the
-    function's source (about 1 ms each, three per step).
+    function's source.
     """
     return _retry_variant(task, retries, float(retry_delay_seconds))
 

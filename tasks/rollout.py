@@ -397,9 +397,9 @@ def commit_rollouts(config: GRPOFlowConfig, plan: RunPlan, step: int) -> str:
     return str(RunStorage(plan.storage_root, plan.run_id).commit_rollouts(step, config.num_rollout_workers))
 
 
-# One task run for three stages of the design (each its own task run before): none of them has a
-# reason to be retried or shown apart, and each task run costs Prefect ~6 ms and three events per
-# step. The stages are in the task run's name and in its log line, with their times.
+# One task run for three stages of the design: none of them has a reason to be retried or shown
+# apart, and every task run costs Prefect time and events on each step. The stages are in the task
+# run's name and in its log line, with their times.
 @task(
     name="log-rollouts",
     task_run_name="log-rollouts-step-{step}: compute-advantages, write-rollouts, commit-rollouts",

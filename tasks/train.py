@@ -100,7 +100,7 @@ def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int) -> dict[st
 
 
 # Metrics and the step's artifact in one task run: the artifact is a view of the row just
-# written, and a task run of its own cost each step ~6 ms and three events. The artifact is
+# written, and a task run of its own would cost each step time and events. The artifact is
 # written on the artifact thread (tasks/observability.py), so the step does not wait for the API.
 @task(
     name="log-metrics",

@@ -325,8 +325,8 @@ class VLLMOptions:
     max_lora_rank: int = 16
     dtype: str = "auto"
     seed: int = 0
-    # None: eager on CPU (for small models torch.compile costs 18 s of start and buys no throughput
-    # there, see the README), vLLM's default (compiled, CUDA graphs) on a GPU.
+    # None: eager on CPU (for small models torch.compile lengthens the start and buys no throughput
+    # there, docs/benchmarks.md), vLLM's default (compiled, CUDA graphs) on a GPU.
     enforce_eager: bool | None = None
     kv_cache_memory_bytes: int | None = None  # CPU only; None: VLLM_CPU_KVCACHE_SPACE, else CPU_KV_CACHE_BYTES
 
@@ -442,8 +442,8 @@ class VLLMRolloutEngine:
         )
 
     def _warm_up(self) -> None:
-        """One token from a one-token prompt: vLLM's lazy initialisation (about 2 s in eager mode on CPU) is
-        paid at start, and a model the engine cannot run fails here, before any training step."""
+        """One token from a one-token prompt: vLLM's lazy initialisation is paid at start, and a model the
+        engine cannot run fails here, before any training step."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         token = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
