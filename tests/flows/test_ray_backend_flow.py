@@ -78,11 +78,11 @@ def test_an_engine_and_then_the_actor_killed_mid_run_heal_and_the_run_ends_with_
     def call(self, method, *args):
         calls[(self.name, method)] += 1
         if kill_at.get((self.name, method)) == calls[(self.name, method)]:
-            pid = self.ready()["pid"]  # the worker's own answer (the dashboard's state API is off in tests)
+            pid = original(self, "ready")["pid"]  # the worker's own answer (the dashboard's state API is off in tests)
             ref = getattr(self.handle, method).remote(*args)
             os.kill(pid, signal.SIGKILL)  # while the call is in flight
             killed.append((self.name, pid))
-            return self.get(ref)
+            return self.ray.get(ref)
         return original(self, method, *args)
 
     monkeypatch.setattr(ray_backend.RayHandle, "call", call)
@@ -173,11 +173,11 @@ def test_vllm_engines_on_ray_actors_generate_and_heal_when_the_engine_or_its_act
         kill = {2: "engine_pid", 4: "pid"}.get(calls[(self.name, method)]) if method == "generate" else None
         if kill is None:
             return original(self, method, *args)
-        answers.append(self.ready())  # the worker's own answer: its process, its engine's process
+        answers.append(original(self, "ready"))  # the worker's own answer: its process, its engine's process
         ref = getattr(self.handle, method).remote(*args)
         os.kill(answers[-1][kill], signal.SIGKILL)  # while the call is in flight
         killed.append(answers[-1][kill])
-        return self.get(ref)
+        return self.ray.get(ref)
 
     monkeypatch.setattr(ray_backend.RayHandle, "call", call)
     summary = grpo(ray_config(ray_cluster, storage_root, "ray-vllm-killed", weight_sync_method="volume", **VLLM_RUN))

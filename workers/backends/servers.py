@@ -177,7 +177,12 @@ class RolloutServer:
         return None if self.engine.model is None else self.engine.policy_version
 
     def ready(self, marker: str | None = None) -> dict[str, Any]:
-        return {"policy_version": self.held_version(), "engine": type(self.engine).__name__, **where(marker)}
+        return {
+            "policy_version": self.held_version(),
+            "engine": type(self.engine).__name__,
+            "engine_pid": getattr(self.engine, "pid", None),  # an engine in a process of its own
+            **where(marker),
+        }
 
     def initial(self) -> int:
         """The initial model (version 0): what a new worker holds. A dead engine process starts again."""

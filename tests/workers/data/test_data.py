@@ -222,8 +222,17 @@ def test_hub_set_in_another_format_is_a_clear_error():
 
 
 def test_load_task_knows_its_names_and_refuses_others():
-    assert KNOWN_TASKS == ("last_digit", "reverse_digits", "smol_math", "gsm8k", "math", "math500", "mbpp")
-    known = "known: last_digit, reverse_digits, smol_math, gsm8k, math, math500, mbpp"
+    assert KNOWN_TASKS == (
+        "last_digit",
+        "reverse_digits",
+        "digit_lookup",
+        "smol_math",
+        "gsm8k",
+        "math",
+        "math500",
+        "mbpp",
+    )
+    known = "known: last_digit, reverse_digits, digit_lookup, smol_math, gsm8k, math, math500, mbpp"
     with pytest.raises(ValueError, match=f"unknown task 'nope'; {known}"):
         load_task("nope")
 
