@@ -71,9 +71,14 @@ def smollm2_cache():
     from grpo_flow.workers.data.gguf_model import ModelSourceError
     from grpo_flow.workers.data.models import ensure_builtin_model
 
+    import fcntl
+
     root = Path(os.environ.get("GRPO_FLOW_TEST_MODELS") or Path.home() / ".cache" / "grpo-flow" / "test-models")
+    root.mkdir(parents=True, exist_ok=True)
     try:
-        ensure_builtin_model(root, "smollm2-135m")
+        with (root / ".fetch.lock").open("w") as lock:  # xdist workers: one fetches, the other waits for it
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            ensure_builtin_model(root, "smollm2-135m")
     except ModelSourceError as error:
         if os.environ.get("GRPO_FLOW_TEST_EVERYTHING"):  # CI: every test must run
             pytest.fail(f"smollm2-135m could not be fetched: {error}")
@@ -109,6 +114,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # subprocesses) share one from the environment, never the user's ~/.ray/auth_token.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", __import__("secrets").token_hex(32))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one token per xdist worker: each cleans up its own Ray processes only
+    os.environ["RAY_AUTH_TOKEN"] = __import__("secrets").token_hex(32)
 RAY_MARKER = "GRPO_FLOW_TEST_RAY_CLUSTER"  # in the environment of every process of a test cluster
 
 

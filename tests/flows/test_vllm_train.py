@@ -49,7 +49,9 @@ def orphaned_engines(wait_s: float = 10.0) -> list[int]:
 
 
 def engine_processes(parent: int | None = None) -> list[int]:
-    """PIDs of vLLM engine processes (`-m grpo_flow.workers.rollout.vllm_server`), optionally of one parent."""
+    """PIDs of vLLM engine processes (`-m grpo_flow.workers.rollout.vllm_server`), optionally of one parent;
+    under xdist only those started from this worker (they inherit its PYTEST_XDIST_WORKER)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
     found = []
     for proc in os.listdir("/proc"):
         if not proc.isdigit():
@@ -59,7 +61,13 @@ def engine_processes(parent: int | None = None) -> list[int]:
             ppid = int(open(f"/proc/{proc}/stat").read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"grpo_flow.workers.rollout.vllm_server" in cmdline and (parent is None or ppid == parent):
+        if b"grpo_flow.workers.rollout.vllm_server" not in cmdline or (parent is not None and ppid != parent):
+            continue
+        try:
+            environ = open(f"/proc/{proc}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if worker is None or f"PYTEST_XDIST_WORKER={worker}".encode() in environ:
             found.append(int(proc))
     return found
 
