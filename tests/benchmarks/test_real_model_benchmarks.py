@@ -27,25 +27,6 @@ def test_vs_trl_runs_trl_and_grpo_flow_on_the_smol_math_work(prefect_server, sto
     assert result["ratio_transformers"] > 0 and "ratio_vllm" not in result
 
 
-@pytest.mark.real_model
-@pytest.mark.slow
-def test_learning_trains_both_sides_with_the_presets_lora_on_smol_math(
-    prefect_server, storage_root, smollm2_path, tmp_path
-):
-    """TRL gets the LoraConfig grpo-flow's actor builds; both sides' adapter copies are merged and scored."""
-    from grpo_flow.benchmarks.learning import main
-
-    out = tmp_path / "learning.json"
-    argv = ["--tasks", "smol_math", "--steps", "1", "--eval-every", "1", "--eval-prompts", "4", "--seeds", "1"]
-    main([*argv, "--storage-root", str(storage_root), "--json", str(out)])
-    result = json.loads(out.read_text())["smol_math"]
-    assert result["preset"] == "smol-math" and result["eval_prompts"] == 4
-    assert result["same_prompts_every_step"] is True and result["config_differences"] == {}
-    for side in ("trl", "grpo_flow"):
-        (run,) = result["runs"][side]
-        assert [point[0] for point in run["curve"]] == [0, 1] and len(run["train_reward"]) == 1
-
-
 def test_vs_trl_refuses_an_unknown_side_or_no_steps_before_loading(capsys):
     with pytest.raises(SystemExit) as stopped:
         vs_trl.main(["--model", "smollm2-135m", "--sides", "trl", "verl"])

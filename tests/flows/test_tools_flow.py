@@ -200,18 +200,24 @@ def calls_per_step(storage: RunStorage, calls: Path) -> dict[int, int]:
     return counted
 
 
+@pytest.fixture(scope="module")
+def unbroken_tool_run(prefect_server, storage_root, tools_model, tmp_path_factory):
+    """The run both kill points are compared with, and the tool calls it made."""
+    baseline = tmp_path_factory.mktemp("tools-kill") / "baseline.calls"
+    done = train(storage_root, "tools-kill-base", baseline, *KILL_RUN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return RunStorage(storage_root, "tools-kill-base"), baseline
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fail_at, redone", [("actor@3:kill", set()), ("score@3:kill", {3})])
 def test_a_killed_multi_turn_run_resumes_to_the_same_weights_without_calling_tools_again(
-    prefect_server, storage_root, tools_model, tmp_path, fail_at, redone
+    unbroken_tool_run, storage_root, tmp_path, fail_at, redone
 ):
     """actor@3: step 3's rollouts are logged, the actor has not stepped; score@3: its tools ran, nothing is
     logged. Either way the resumed run ends with the unbroken run's weights, and a logged step's tools never
     run again (only step 3 of score@3, never logged before the kill, calls them a second time)."""
-    baseline = tmp_path / "baseline.calls"
-    done = train(storage_root, f"tools-kill-base-{fail_at[:5]}", baseline, *KILL_RUN)
-    assert done.returncode == 0, done.stderr[-3000:]
-    unbroken = RunStorage(storage_root, f"tools-kill-base-{fail_at[:5]}")
+    unbroken, baseline = unbroken_tool_run
 
     run_id = f"tools-kill-{fail_at[:5]}"
     before, after = tmp_path / "before.calls", tmp_path / "after.calls"
