@@ -6,7 +6,8 @@
 - `<!-- generated: cli-reference -->` becomes every subcommand and option of `grpo_flow.flows.cli.make_parser()`.
 - `<!-- generated: packages -->` becomes the module map: each package's and module's docstring summary.
 - `<!-- generated: markers -->` becomes the table of pytest markers declared in `pyproject.toml`.
-- `benchmarks/learning.png` is published as `assets/learning.png` for the benchmarks page.
+- `benchmarks/learning.png` and `benchmarks/learning-smol-math.png` are published under `assets/` for the
+  benchmarks page.
 
 The functions are plain, so tests/docs can call them too.
 """
@@ -26,7 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # document this checkout's grpo_flow, whatever else is installed
     sys.path.insert(0, str(REPO))
 MARKER = re.compile(r"<!--\s*generated:\s*([a-z-]+)\s*-->")
-EXTRA_FILES = {"assets/learning.png": REPO / "benchmarks" / "learning.png"}
+EXTRA_FILES = {
+    "assets/learning.png": REPO / "benchmarks" / "learning.png",
+    "assets/learning-smol-math.png": REPO / "benchmarks" / "learning-smol-math.png",
+}
 
 
 # -- markdown helpers ----------------------------------------------------------------------------
