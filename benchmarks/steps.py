@@ -178,6 +178,16 @@ class ApiCounter:
         }
 
 
+def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` in a new Python process (spawned), its result returned: a side measured this way
+    inherits nothing from the sides before it (their freed memory, threads, a Prefect server or engine)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
 def median_of(values: dict[int, float], steps: range | list[int]) -> float:
     chosen = [values[s] for s in steps if s in values]
     return statistics.median(chosen) if chosen else float("nan")

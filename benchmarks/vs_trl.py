@@ -35,7 +35,8 @@ on its PeftModel; see `TRL_GENERATION` for why), grpo-flow with its transformers
 grpo-flow with its vLLM engine (fp32, its own process). Besides each side's step, its generation
 seconds and tokens per second.
 
-Each side's first step is a warm-up and is left out of its median (a 1-step run reports its one step). grpo-flow's step time
+Each side runs in a process of its own, one after another. Each side's first step is a warm-up and is
+left out of its median (a 1-step run reports its one step). grpo-flow's step time
 is measured around each step (its `grpo-step` subflow call, or with `step_subflows` off the step in
 the run's own flow run; grpo-flow runs both shapes), so it includes Prefect's orchestration;
 its phases come from the run's Parquet metrics; TRL's phases come from timing wrappers put
@@ -54,6 +55,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+from grpo_flow.benchmarks.steps import in_fresh_process
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -290,16 +293,19 @@ def run_grpo_flow(
     config: Any = None,
 ) -> dict[str, Any]:
     """grpo-flow's side: the tiny work (tiny_config) unless given a config."""
+    from grpo_flow.benchmarks.steps import StepClock, median_of
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.workers.state.storage import RunStorage
 
     config = config or tiny_config(model_path, steps, workdir, step_subflows, rollout_engine)
-    summary = grpo(config)
+    with StepClock().watch() as clock:
+        summary = grpo(config)
     if summary.get("status") != "completed":
         raise RuntimeError(f"grpo-flow run {config.run_id}: {summary.get('error')}")
     storage = RunStorage(config.storage_root, config.run_id)
     metrics_all = storage.read_metrics().to_pandas()
     metrics = metrics_all.iloc[1:] if len(metrics_all) > 1 else metrics_all  # a 1-step run: its one step
+    steady = list(metrics["step"].astype(int))
     phase_columns = {
         "generate": "time/generate_s",
         "score": "time/score_s",
@@ -307,7 +313,7 @@ def run_grpo_flow(
         "sync weights": "time/sync_s",
     }
     phases = {name: float(metrics[col].fillna(0).median()) for name, col in phase_columns.items() if col in metrics}
-    step = float(summary["median_step_seconds"])
+    step = median_of(clock.subflow_seconds(), steady)  # around each step's call, as TRL's side times its steps
     phases["logging + orchestration (the rest)"] = step - sum(phases.values())
     tokens = float((metrics["completions/mean_length"] * metrics["num_completions"]).mean())
     return {
@@ -474,17 +480,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_path, params = build_shared_model(workdir / "model", args.hidden_size, args.layers)
         if params < 5_000_000:
             parser.error(f"the model has {params} parameters; the comparison needs at least 5M")
-        trl = run_trl(model_path, args.steps, workdir)
-        ours = run_grpo_flow(model_path, args.steps, workdir)
+        # Each side in a process of its own: none inherits what the sides before it left behind.
+        trl = in_fresh_process(run_trl, model_path, args.steps, workdir)
+        ours = in_fresh_process(run_grpo_flow, model_path, args.steps, workdir)
         if args.engine == "vllm":
             sides = {
                 "TRL, transformers": trl,
                 "grpo-flow, transformers": ours,
                 "TRL, vLLM colocate": run_trl_in_vllm_env(model_path, args.steps, workdir),
-                "grpo-flow, vLLM": run_grpo_flow(model_path, args.steps, workdir, rollout_engine="vllm"),
+                "grpo-flow, vLLM": in_fresh_process(run_grpo_flow, model_path, args.steps, workdir, True, "vllm"),
             }
         else:
-            flat = run_grpo_flow(model_path, args.steps, workdir, step_subflows=False)
+            flat = in_fresh_process(run_grpo_flow, model_path, args.steps, workdir, False)
     for side in [trl, ours, *(sides.values() if args.engine == "vllm" else [flat])]:
         side.pop("prompts", None)  # checked only with --model smollm2-135m, where TRL gets grpo-flow's order
     if args.engine == "vllm":
@@ -514,6 +521,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def run_real_side(side: str, model_path: str, steps: int, workdir: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """One side of the real-model comparison (real_main runs each in a process of its own)."""
+    if side == "trl":
+        return run_trl(model_path, steps, workdir, spec=spec)
+    if side == "trl_batching":  # transformers' continuous batching (paged attention) in TRL
+        return run_trl(model_path, steps, workdir, spec=spec, more_args={"use_transformers_continuous_batching": True})
+    if side == "trl_vllm":
+        return run_trl_in_vllm_env(model_path, steps, workdir, spec)
+    engine = "vllm" if side == "grpo_flow_vllm" else "transformers"
+    config = real_config(model_path, steps, workdir, engine)
+    try:
+        return run_grpo_flow(model_path, steps, workdir, config=config)
+    except Exception as error:  # reported in its row (no vLLM environment, say); the others still run
+        if engine != "vllm":
+            raise
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+
+
 def real_main(args: argparse.Namespace) -> dict[str, Any]:
     """--model smollm2-135m: TRL and grpo-flow (transformers, vLLM) on the smol-math preset's work."""
     from grpo_flow.benchmarks.learning import config_differences, trl_args_for
@@ -529,22 +554,7 @@ def real_main(args: argparse.Namespace) -> dict[str, Any]:
         spec = real_spec(steps)
         for side in sides:
             print(f"{REAL_LABELS[side]} ...", flush=True)
-            if side == "trl":
-                results[side] = run_trl(model_path, steps, workdir, spec=spec)
-            elif side == "trl_batching":  # transformers' continuous batching (paged attention) in TRL
-                batching = {"use_transformers_continuous_batching": True}
-                results[side] = run_trl(model_path, steps, workdir, spec=spec, more_args=batching)
-            elif side == "trl_vllm":
-                results[side] = run_trl_in_vllm_env(model_path, steps, workdir, spec)
-            else:
-                engine = "vllm" if side == "grpo_flow_vllm" else "transformers"
-                config = real_config(model_path, steps, workdir, engine)
-                try:
-                    results[side] = run_grpo_flow(model_path, steps, workdir, config=config)
-                except Exception as error:  # reported in its row (no vLLM environment, say); the others still run
-                    if engine != "vllm":
-                        raise
-                    results[side] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+            results[side] = in_fresh_process(run_real_side, side, model_path, steps, workdir, spec)
         work_config = real_config(model_path, steps, workdir, "transformers")
         differences = config_differences(work_config, trl_args_for(work_config.model_dump(), steps))
     planned = [sorted(set(spec_prompts)) for spec_prompts in planned_prompt_ids(spec)]

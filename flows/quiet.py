@@ -107,14 +107,16 @@ def _writes_to_terminal(handler: logging.Handler) -> bool:
 
 @contextlib.contextmanager
 def quiet_libraries() -> Iterator[None]:
-    """No transformers progress bars ("Loading weights", "Writing model shards") or advisory
+    """No transformers or datasets progress bars ("Loading weights", "Map"), no transformers advisory
     warnings, no hub-client retry warnings and no library FutureWarnings, for the block; then as before."""
+    from datasets.utils import logging as datasets_logging
     from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
-    bars = hf_logging.is_progress_bar_enabled()
+    bars, dataset_bars = hf_logging.is_progress_bar_enabled(), datasets_logging.is_progress_bar_enabled()
     verbosity, hub_verbosity = hf_logging.get_verbosity(), hub_logging.get_verbosity()
     hf_logging.disable_progress_bar()
+    datasets_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     hub_logging.set_verbosity_error()  # the hub client logs each retry of a request as a warning
     try:
@@ -126,3 +128,5 @@ def quiet_libraries() -> Iterator[None]:
         hub_logging.set_verbosity(hub_verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+        if dataset_bars:
+            datasets_logging.enable_progress_bar()

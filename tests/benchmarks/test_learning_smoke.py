@@ -11,6 +11,7 @@ from grpo_flow.benchmarks.learning import eval_steps, main
 KEYS = {"trl_gain", "grpo_flow_gain", "trl_final", "grpo_flow_final", "trl_wall_s", "grpo_flow_wall_s"}
 
 
+@pytest.mark.slow
 def test_learning_benchmark_writes_both_sides_figures_and_the_plot(prefect_server, storage_root, tmp_path):
     out, png = tmp_path / "learning.json", tmp_path / "learning.png"
     out.write_text(json.dumps({"another_task": {"kept": True}}))

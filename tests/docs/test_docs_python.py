@@ -13,6 +13,7 @@ import pytest
 from docs_markdown import KNOWN_DIRECTIVES, ROOT, code_blocks, doc_files, python_blocks
 
 PAGES = [path for path in doc_files() if python_blocks(path)]
+SLOW_PAGES = {"docs/tools.md"}  # its example trains the tiny-tools preset until it uses its tool
 
 
 def test_directives_are_known_and_stand_before_python_blocks():
@@ -37,7 +38,15 @@ def test_every_python_block_compiles():
             compile(block.code, block.where, "exec")
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(
+            p, id=str(p.relative_to(ROOT)), marks=[pytest.mark.slow] if str(p.relative_to(ROOT)) in SLOW_PAGES else []
+        )
+        for p in PAGES
+    ],
+)
 def test_the_python_examples_of_a_page_run(page, prefect_server, storage_root, tmp_path, monkeypatch):
     (storage_root / "models").mkdir(exist_ok=True)
     (tmp_path / "grpo-storage").mkdir()

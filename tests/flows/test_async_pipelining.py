@@ -45,6 +45,7 @@ def test_rows_are_one_step_stale_and_corrected(unbroken, storage_root):
         assert storage.rollout_dir(step + 1).stat().st_mtime <= storage.metrics_path(step).stat().st_mtime
 
 
+@pytest.mark.slow
 def test_a_failed_async_run_resumes_to_the_unbroken_runs_weights(unbroken, storage_root):
     broken = preset_config("tiny", run_id="async-resumed", storage_root=str(storage_root), **FIELDS)
     with pytest.raises(Exception, match="injected failure at stage 'actor' of step 3"):

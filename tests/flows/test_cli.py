@@ -104,6 +104,7 @@ def test_unknown_run_and_step_are_refused(tmp_path, capsys):
     assert "no runs" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_simple_mode_prints_its_run_line_a_progress_bar_and_the_summary_only(storage_root, tmp_path):
     """TRL's trainer prints every log dict (its PrinterCallback, or its progress bar's `write`); a run does not."""
     env = {"PREFECT_HOME": str(tmp_path / "prefect-home")}
@@ -122,6 +123,7 @@ def test_simple_mode_prints_its_run_line_a_progress_bar_and_the_summary_only(sto
     assert bar[-1].startswith("simple-bar: 100%") and "2/2" in bar[-1] and "reward=" in bar[-1], bar[-3:]
 
 
+@pytest.mark.slow
 def test_train_then_list_then_read_rollouts(tmp_path):
     """The user path: a short run through the CLI on its own ephemeral Prefect server."""
     root = tmp_path / "store"
@@ -219,6 +221,7 @@ def test_checks_load_no_model_torch_or_prefect(tmp_path):
     assert done.stdout.split("\n")[0] == "2 []", done.stderr
 
 
+@pytest.mark.slow
 def test_the_resume_hint_is_shown_only_for_a_run_that_exists(prefect_server, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
@@ -495,6 +498,7 @@ def test_a_python_api_run_that_needs_its_objects_is_refused_at_once_by_resume_ev
     assert needs_evaluation(storage) == (None, f"it was started from the Python API with {held} Python process holds")
 
 
+@pytest.mark.slow
 def test_wandb_without_a_login_is_said_once_and_the_summary_counts_what_it_did_not_get(storage_root, tmp_path):
     """Exit 0, no warning, nothing logged to wandb before (issue 30, item 5)."""
     env = {

@@ -98,6 +98,7 @@ def test_test_reward_shows_the_failing_function_and_refuses_bad_names(tmp_path, 
     assert "--column: 'oops' is not name=value" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_checkpoints_lists_each_with_its_verification(prefect_server, tmp_path, capsys):
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.schemas.presets import preset_config
@@ -126,6 +127,7 @@ def test_checkpoints_lists_each_with_its_verification(prefect_server, tmp_path, 
     assert main(["checkpoints", "nobody", "--storage-root", str(tmp_path)]) == 2
 
 
+@pytest.mark.slow
 def test_clear_cache_deletes_the_cached_model_which_the_next_use_rebuilds(tmp_path, capsys, monkeypatch):
     path = ensure_tiny_model(tmp_path)
     assert main(["clear-cache", "--model", "tiny", "--storage-root", str(tmp_path), "--dry-run"]) == 0

@@ -129,6 +129,7 @@ def test_storage_root_falls_back_to_the_environment(monkeypatch):
     assert split_parameters({"preset": "tiny", "storage_root": "/x"})[1] == {"storage_root": "/x"}
 
 
+@pytest.mark.slow
 def test_the_wrapper_runs_the_grpo_flow_under_the_run_id(prefect_server, storage_root, tmp_path):
     from prefect.client.orchestration import get_client
     from grpo_flow.workers.data.tiny_model import ensure_tiny_model

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Runs in a fresh interpreter, so `import flows` meets an environment with no Prefect server or database.
@@ -52,6 +54,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_in_memory_server_records_runs_without_an_event_store(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")

@@ -69,6 +69,7 @@ def server_processes(parent_pid):
     return found
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_after_the_step_marks_the_run_interrupted_and_it_resumes(prefect_server, storage_root, tmp_path):
     env = cli_env(tmp_path, own_server=True)
     storage = RunStorage(storage_root, "ctrl-c")
@@ -122,6 +123,7 @@ def test_ctrl_c_stops_after_the_step_marks_the_run_interrupted_and_it_resumes(pr
 
 
 @pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGTERM, signal.SIGINT]], ids=["step-overruns", "twice"])
+@pytest.mark.slow
 def test_a_step_that_does_not_end_or_a_second_signal_stops_at_once(prefect_server, storage_root, tmp_path, signals):
     run_id = f"at-once-{len(signals)}"
     started = tmp_path / "reward-started"
@@ -143,6 +145,7 @@ def test_a_step_that_does_not_end_or_a_second_signal_stops_at_once(prefect_serve
     assert summary["last_step"] == 0 and summary["interrupted_by"] == "SIGTERM"
 
 
+@pytest.mark.slow
 def test_a_reward_that_never_returns_fails_the_step_naming_it_and_the_run_resumes(
     prefect_server, storage_root, tmp_path
 ):
@@ -173,6 +176,7 @@ def test_a_reward_that_never_returns_fails_the_step_naming_it_and_the_run_resume
     assert storage.read_summary()["status"] == "completed" and storage.logged_steps() == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_raising_reward_fails_the_run_in_one_line_its_traceback_in_prefects_log(
     prefect_server, storage_root, tmp_path
 ):

@@ -11,6 +11,8 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here talks to a `prefect server start` of its own
+
 
 @contextlib.contextmanager
 def running_prefect_server(home, database_url=None):

@@ -65,10 +65,10 @@ def uninterrupted(prefect_server, storage_root):
 @pytest.mark.parametrize(
     "fail_at, resumes_from",
     [
-        ("generate@5:kill", 3),  # during generation
-        ("actor@5:kill", 3),  # rollouts of step 5 logged, the actor has not stepped
-        ("checkpoint@6:kill", 3),  # checkpoint files staged, not committed
-        ("checkpointed@6:kill", 6),  # just after a checkpoint
+        ("generate@5:kill", 3),  # during generation (the fast tier's kill test)
+        pytest.param("actor@5:kill", 3, marks=pytest.mark.slow),  # rollouts of step 5 logged, the actor has not stepped
+        pytest.param("checkpoint@6:kill", 3, marks=pytest.mark.slow),  # checkpoint files staged, not committed
+        pytest.param("checkpointed@6:kill", 6, marks=pytest.mark.slow),  # just after a checkpoint
     ],
 )
 def test_a_killed_run_resumes_to_the_same_weights_and_rows(uninterrupted, storage_root, fail_at, resumes_from):
@@ -104,6 +104,7 @@ def six_steps(prefect_server, storage_root):
     return RunStorage(storage_root, "six-baseline")
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_and_truncated_rollouts_are_set_aside_and_redone(six_steps, storage_root, caplog):
     config = small_config(storage_root, "damaged")
     with pytest.raises(Exception, match="injected failure"):
@@ -145,6 +146,7 @@ def test_replaced_workers_heal_and_the_run_ends_where_it_would_have(six_steps, s
     assert_same_weights(final_weights(RunStorage(storage_root, "healed"), 6), final_weights(six_steps, 6))
 
 
+@pytest.mark.slow
 def test_a_prefect_retry_of_the_failed_flow_run_resumes_at_the_failed_step(
     six_steps, storage_root, tmp_path, monkeypatch
 ):
@@ -186,6 +188,7 @@ def test_changing_a_training_field_on_resume_is_refused_unless_allowed(six_steps
     assert storage.logged_steps() == list(range(1, 8))
 
 
+@pytest.mark.slow
 def test_a_resume_applies_a_changed_learning_rate_and_goes_on_over_a_longer_schedule(prefect_server, storage_root):
     """The checkpoint's optimizer and scheduler state held the old rate (and, for a linear schedule at its
     end, 0): a resumed run trained at the rate it recorded as changed, and step 5 at 0."""
@@ -210,6 +213,7 @@ def test_a_resume_applies_a_changed_learning_rate_and_goes_on_over_a_longer_sche
 
 
 # -- hardening (issue 15): backups, two writers, damaged earlier steps, max_steps ------------------------
+@pytest.mark.slow
 def test_a_run_restored_from_a_backup_resumes_to_the_same_weights(uninterrupted, storage_root, tmp_path):
     """Reported: a run folder restored from a backup, then resumed, failed with "run 'X' has no rollouts
     for step 5" and left `.step-000005.staging` behind. The backup's resume count came back with it, so
@@ -235,6 +239,7 @@ def test_a_run_restored_from_a_backup_resumes_to_the_same_weights(uninterrupted,
     assert not list((storage.run_dir / "rollouts").glob(".*"))  # no staging leftover
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_first_and_a_killed_writers_lock_is_taken_over(
     prefect_server, storage_root
 ):
@@ -314,6 +319,7 @@ def test_a_damaged_earlier_step_is_named_by_every_reader_and_set_aside_by_verify
     assert shown.returncode == 1 and "the rollouts of step 2 are moved to quarantine/" in shown.stderr
 
 
+@pytest.mark.slow
 def test_a_resume_sets_a_damaged_earlier_step_aside_and_cleans_killed_writers_files(damaged_copy):
     """Resuming needs only the steps after its checkpoint; one before it is moved aside, named, and the
     run goes on. A temporary file of a writer killed mid-write (its pid gone) is removed at the start."""

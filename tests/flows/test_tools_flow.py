@@ -105,6 +105,7 @@ def test_a_multi_turn_run_logs_episodes_with_the_models_tokens_masked_in(prefect
 
 
 @pytest.mark.parametrize("mode", ["dynamic_sampling", "one_step_off"])
+@pytest.mark.slow
 def test_episodes_with_dynamic_sampling_and_one_step_off_pipelining(prefect_server, storage_root, tools_model, mode):
     fields = {"dynamic_sampling": True} if mode == "dynamic_sampling" else {"max_staleness": 1}
     storage = run(storage_root, f"tools-{mode.replace('_', '-')}", max_steps=2, **fields)

@@ -257,6 +257,7 @@ print("trained:", summary["status"], summary["steps_completed"])
 """
 
 
+@pytest.mark.slow
 def test_a_python_api_run_prints_only_what_the_script_prints(storage_root, tmp_path):
     """The README's example as a script, on its own ephemeral Prefect server, as a user runs it."""
     import os

@@ -101,7 +101,9 @@ def train_with_trl(
     from grpo_flow.workers.actor.trl_objective import grpo_args
 
     storage = RunStorage(plan.storage_root, plan.run_id)
-    args = grpo_args(config, tempfile.mkdtemp(prefix="grpo-flow-simple-"))
+    # The run's own storage holds what it logs; TRL's output_dir (save_strategy "no") holds nothing kept.
+    output_dir = tempfile.TemporaryDirectory(prefix="grpo-flow-simple-")
+    args = grpo_args(config, output_dir.name)
     args.max_steps = plan.total_steps
     args.logging_steps = 1
     args.report_to = ["wandb"] if config.report_to == "wandb" else []
@@ -122,5 +124,6 @@ def train_with_trl(
         **tools,
     )
     console_progress(trainer, plan.run_id, show_progress)
-    output = trainer.train()
+    with output_dir:
+        output = trainer.train()
     return {k: float(v) for k, v in output.metrics.items() if isinstance(v, (int, float))}

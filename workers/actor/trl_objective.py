@@ -114,14 +114,17 @@ def make_objective(model: Any, tokenizer: Any, config: GRPOFlowConfig) -> Any:
     def unused_reward(completions: list, **kwargs: Any) -> list[float | None]:  # rewards are scored by grpo-flow
         return [0.0] * len(completions)
 
-    objective = GRPOTrainer(
-        model=model,
-        reward_funcs=unused_reward,
-        args=grpo_args(config, tempfile.mkdtemp(prefix="grpo-flow-trl-"), device=next(model.parameters()).device.type),
-        train_dataset=Dataset.from_dict({"prompt": [""]}),
-        processing_class=tokenizer,
-        peft_config=lora_config(config) if config.use_lora else None,
-    )
+    # The trainer never saves or reports (save_strategy "no", report_to "none"): its output_dir only has to
+    # exist while it is built.
+    with tempfile.TemporaryDirectory(prefix="grpo-flow-trl-") as output_dir:
+        objective = GRPOTrainer(
+            model=model,
+            reward_funcs=unused_reward,
+            args=grpo_args(config, output_dir, device=next(model.parameters()).device.type),
+            train_dataset=Dataset.from_dict({"prompt": [""]}),
+            processing_class=tokenizer,
+            peft_config=lora_config(config) if config.use_lora else None,
+        )
     objective.current_gradient_accumulation_steps = 1
     return objective
 
