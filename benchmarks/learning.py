@@ -32,9 +32,10 @@ clock paused, and after the runs every copy is scored by the project's own held-
 prompts, the task's 0/1 accuracy reward). Scoring after the runs matters: the scoring engine
 seeds torch's global RNG, which TRL's sampling draws from.
 
-Seconds are wall-clock from the start of a side's run (model load included; Prefect's
-ephemeral server is started beforehand, as a long-lived server would be) to the end of each
-step, less the paused copies. Gain is final held-out accuracy minus the start model's; gain
+Every run is a process of its own, the sides alternating seed by seed. Seconds are wall-clock
+from the start of a side's run (model load included; the libraries imported and Prefect's
+ephemeral server started beforehand, as a long-lived server would be) to the end of each step,
+less the paused copies. Gain is final held-out accuracy minus the start model's; gain
 per minute divides it by the run's wall time. Mean and spread (sample standard deviation)
 over seeds, and every seed's curve, go to the JSON. `--json` merges into an existing file: other
 tasks are kept, and runs of the same task and set-up (steps, evaluation, start model) are pooled
@@ -67,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_flow.benchmarks.steps import quiet
+from grpo_flow.benchmarks.steps import in_fresh_process, quiet
 
 quiet()  # before Prefect is first imported
 import grpo_flow.flows  # noqa: E402,F401  Prefect's recorder batched before its server starts (flows/__init__.py)
@@ -346,6 +347,37 @@ def run_grpo_flow(model_path: str, preset: str, steps: int, seed: int, at: list[
     return run
 
 
+def side_run(
+    side: str,
+    task_name: str,
+    model_path: str,
+    preset: str,
+    work: dict[str, Any],
+    steps: int,
+    seed: int,
+    at: list[int],
+    workdir: Path,
+    peft_config: Any,
+) -> dict[str, Any]:
+    """One side's run with one seed, as SideRun's fields; benchmark_task runs each in a process of its own,
+    so none inherits what the runs before it left behind. The libraries are imported, and for grpo-flow
+    Prefect's server started, before the run's clock starts."""
+    import trl  # noqa: F401
+
+    from grpo_flow.flows.grpo import grpo  # noqa: F401
+    from grpo_flow.workers.data.loaders import load_task
+
+    # transformers' deprecation notices about TrainingArguments fields TRL sets: noise here.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    if side == "grpo_flow":
+        start_prefect()
+        run = run_grpo_flow(model_path, preset, steps, seed, at, workdir)
+    else:
+        resample = RESAMPLE_OFFSET if side == "trl_resampled" else 0
+        run = run_trl(model_path, load_task(task_name), work, steps, seed, at, workdir, seed + resample, peft_config)
+    return vars(run)
+
+
 def start_prefect() -> None:
     """Prefect's ephemeral server starts with the first flow run of a process (seconds); started here so
     no run's clock counts it."""
@@ -421,12 +453,8 @@ def benchmark_task(
     for seed in seeds:  # the sides alternate, so a slower minute of the machine hits each
         for side in sides:
             print(f"[{name}] seed {seed}: {LABELS[side]} ...", flush=True)
-            if side == "grpo_flow":
-                runs[side].append(run_grpo_flow(model_path, preset, steps, seed, at, workdir))
-            else:
-                resample = RESAMPLE_OFFSET if side == "trl_resampled" else 0
-                run = run_trl(model_path, task, work, steps, seed, at, workdir, seed + resample, peft_config)
-                runs[side].append(run)
+            args = (side, name, model_path, preset, work, steps, seed, at, workdir, peft_config)
+            runs[side].append(SideRun(**in_fresh_process(side_run, *args)))
 
     engine = TransformersRolloutEngine(model_path)
     engine.load()
@@ -657,7 +685,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="grpo-flow-learning-") as tmp:
         workdir = Path(tmp)
         storage_root = args.storage_root or workdir / "storage"
-        start_prefect()
         for name in args.tasks:
             steps = args.steps or TASKS[name]["steps"]
             every = min(args.eval_every or TASKS[name]["eval_every"], steps)

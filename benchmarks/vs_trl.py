@@ -297,6 +297,8 @@ def run_grpo_flow(
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.workers.state.storage import RunStorage
 
+    # transformers' deprecation notice for a method TRL's objective calls: TRL's to fix, not this report's.
+    warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6", category=FutureWarning)
     config = config or tiny_config(model_path, steps, workdir, step_subflows, rollout_engine)
     with StepClock().watch() as clock:
         summary = grpo(config)

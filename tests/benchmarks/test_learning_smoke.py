@@ -39,6 +39,7 @@ def test_learning_benchmark_writes_both_sides_figures_and_the_plot(prefect_serve
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_the_tool_task_runs_trl_with_the_same_environment_and_prompts(prefect_server, storage_root, tmp_path):
     """digit_lookup: TRL's GRPOTrainer gets the preset's environment_factory and turn limit; both sides train
     on the same prompts (compared by prompt_id) and are scored by the same greedy episodes."""
