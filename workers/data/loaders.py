@@ -22,10 +22,11 @@ TRL style), plus the names of its default rewards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -227,6 +228,21 @@ def gsm8k_answer(solution: str) -> str:
     return solution.split("####")[-1].strip().replace(",", "")
 
 
+@contextlib.contextmanager
+def without_progress_bars() -> Iterator[None]:
+    """datasets' "Map" and "Filter" bars off while a loader converts rows: it is not something a user
+    asked to watch. Then as before."""
+    from datasets.utils import logging as datasets_logging
+
+    shown = datasets_logging.is_progress_bar_enabled()
+    datasets_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            datasets_logging.enable_progress_bar()
+
+
 def gsm8k_rows(split: Dataset, prefix: str) -> Dataset:
     """Map hub rows (`question`, `answer`) to conversational prompts plus the extracted answer."""
 
@@ -237,7 +253,8 @@ def gsm8k_rows(split: Dataset, prefix: str) -> Dataset:
             "answer": gsm8k_answer(row["answer"]),
         }
 
-    rows = split.map(convert, with_indices=True, remove_columns=split.column_names)
+    with without_progress_bars():
+        rows = split.map(convert, with_indices=True, remove_columns=split.column_names)
     # `map` keeps a replaced column (`answer`) where it was; the order every task uses instead:
     return rows.select_columns(["prompt_id", "prompt", "answer"])
 
@@ -363,11 +380,13 @@ def math_rows(split: Dataset, prefix: str, subject_column: str = "type") -> Data
             "subject": row[subject_column],
         }
 
-    rows = split.map(convert, with_indices=True, remove_columns=split.column_names)
+    with without_progress_bars():
+        rows = split.map(convert, with_indices=True, remove_columns=split.column_names)
     rows = rows.select_columns(["prompt_id", "prompt", "answer", "level", "subject"])  # MATH-500 has `answer` first
     # `level` is all None in a split of unleveled rows, which Arrow would type as null.
-    rows = rows.cast_column("level", Value("int64"))
-    return rows.filter(lambda answer: answer is not None, input_columns="answer")
+    with without_progress_bars():
+        rows = rows.cast_column("level", Value("int64"))
+        return rows.filter(lambda answer: answer is not None, input_columns="answer")
 
 
 def build_math(load: HubLoader | None = None) -> TaskData:
@@ -406,7 +425,8 @@ def build_math500(load: HubLoader | None = None) -> TaskData:
     }
     train = math_rows(train_split, "math-train")
     if overlap:
-        train = train.filter(lambda prompt_id: prompt_id not in overlap, input_columns="prompt_id")
+        with without_progress_bars():
+            train = train.filter(lambda prompt_id: prompt_id not in overlap, input_columns="prompt_id")
     return TaskData("math500", train, heldout, DEFAULT_REWARDS["math500"], "math_accuracy")
 
 
@@ -436,7 +456,8 @@ def mbpp_rows(split: Dataset) -> Dataset:
         }
 
     kept = ("task_id", "test_list", "test_setup_code", "challenge_test_list")
-    rows = split.map(convert, remove_columns=[c for c in split.column_names if c not in kept])
+    with without_progress_bars():
+        rows = split.map(convert, remove_columns=[c for c in split.column_names if c not in kept])
     return rows.select_columns(["prompt_id", "prompt", *kept])
 
 

@@ -450,3 +450,16 @@ def test_a_data_file_that_is_empty_malformed_or_missing_is_named_in_one_line(tmp
         with pytest.raises(ValueError) as raised:
             data.load_custom_task(name, load=lambda *a, name=name, **k: pytest.fail(f"{name} reached the loader"))
         assert str(raised.value) == message
+
+
+def test_converting_rows_draws_no_progress_bar_and_leaves_datasets_bars_as_they_were(capfd):
+    from datasets.utils import logging as datasets_logging
+
+    datasets_logging.enable_progress_bar()
+    split = Dataset.from_dict({"question": ["What is 1 + 1?"] * 3, "answer": ["1 + 1 = 2\n#### 2"] * 3})
+    rows = data.gsm8k_rows(split, "q")
+    assert rows["answer"] == ["2", "2", "2"]
+    assert "Map" not in capfd.readouterr().err
+    assert datasets_logging.is_progress_bar_enabled()
+    split.map(lambda row: row)  # datasets' own call, outside a loader, still shows its bar
+    assert "Map" in capfd.readouterr().err
