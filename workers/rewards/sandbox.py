@@ -20,7 +20,8 @@ is in force), the strongest that works on the machine, from this ladder:
    that is down: no connection can leave, not even to the host's 127.0.0.1), a mount
    namespace in which the whole tree is remounted read-only except the working dir and a
    private `/dev/shm`, and the parent's home, the temp dir and `/run` are covered by empty
-   tmpfs mounts (re-exposing only the interpreter's own paths and the working dir), and a PID
+   tmpfs mounts (re-exposing only the interpreter's own paths, the working dir and the caller's
+   `visible_paths`, read-only), and a PID
    namespace with its own `/proc` (the host's processes, and so their environments, are not
    visible; killing its first process kills every process in it). Privileges are then
    dropped before the user's code runs:
@@ -226,11 +227,12 @@ def libc():
     return ctypes, lib, call
 
 
-def needed_paths(workdir):
-    """The interpreter's own directories and the working dir: they stay visible under hidden dirs."""
+def needed_paths(workdir, visible):
+    """The interpreter's own directories, the working dir and the caller's `visible` paths: they stay
+    visible (read-only) under hidden dirs."""
     paths = {workdir, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(os.path.realpath(sys.executable)), os.path.dirname(sys.executable)}
-    for entry in sys.path:
+    for entry in [*sys.path, *visible]:
         if os.path.isfile(entry):
             paths.add(os.path.dirname(entry))
         elif os.path.isdir(entry):
@@ -240,7 +242,7 @@ def needed_paths(workdir):
     return [p for p in real if not any(p.startswith(q.rstrip("/") + "/") for q in real if q != p)]
 
 
-def kernel_fs(workdir, hidden):
+def kernel_fs(workdir, hidden, visible):
     ctypes, lib, call = libc()
     c = ctypes
 
@@ -268,7 +270,7 @@ def kernel_fs(workdir, hidden):
 
     # Nothing done here may reach the host's mount table.
     mount(None, "/", None, MS_REC | MS_PRIVATE, None)
-    keep = needed_paths(workdir)
+    keep = needed_paths(workdir, visible)
     for path in hidden:
         if not os.path.isdir(path) or path in keep:
             continue
@@ -428,7 +430,7 @@ def guard_network_and_exec():
 def isolate():
     try:
         if CFG["fs"] == "kernel":
-            kernel_fs(CFG["workdir"], CFG["hide"])
+            kernel_fs(CFG["workdir"], CFG["hide"], CFG["visible"])
         if CFG["drop"] == "uid":
             drop_to_uid(CFG["uid"], CFG["gid"])
             check_no_capabilities()
@@ -787,6 +789,7 @@ def _execute(
     python: str,
     site_packages: bool,
     hidden: Sequence[str],
+    visible: Sequence[str] = (),
 ) -> SandboxResult:
     """Run one program under `plan`; every process it started is dead when this returns."""
     uid = _UID_POOL.acquire() if plan.uses_uid else None
@@ -814,6 +817,7 @@ def _execute(
                 "uid": uid,
                 "gid": uid,
                 "hide": list(hidden),
+                "visible": list(visible),
                 "rlimits": _rlimits(plan, limits),
                 "status_fd": status_write,
             }
@@ -952,6 +956,7 @@ class LocalSandbox:
         python: str | None = None,
         mode: Literal["auto", "python-guard"] = "auto",
         hidden_paths: Sequence[str] | None = None,
+        visible_paths: Sequence[str] = (),
         site_packages: bool = True,
     ) -> None:
         if mode not in ("auto", "python-guard"):
@@ -963,6 +968,9 @@ class LocalSandbox:
         self.hidden_paths = tuple(
             os.path.realpath(p) for p in (default_hidden_paths() if hidden_paths is None else hidden_paths)
         )
+        # Inside hidden dirs, these stay visible (read-only), as the interpreter's own paths do: the
+        # import paths of a program that imports the caller's code (a tool given by its module path).
+        self.visible_paths = tuple(os.path.realpath(p) for p in visible_paths)
         self.site_packages = site_packages
 
     @property
@@ -989,6 +997,7 @@ class LocalSandbox:
             python=self.python,
             site_packages=self.site_packages,
             hidden=self.hidden_paths,
+            visible=self.visible_paths,
         )
 
     def run_batch(

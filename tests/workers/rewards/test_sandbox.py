@@ -284,3 +284,31 @@ def test_run_batch_runs_in_parallel_and_keeps_order():
     assert [r.stdout for r in results] == ["0\n", "1\n", "2\n", "echo\n"]
     assert elapsed < 2.8  # three one-second programs at once: one after another takes over 3 s
     assert batch.run_batch([]) == []
+
+
+def test_visible_paths_stay_readable_and_read_only_inside_a_hidden_folder(tmp_path):
+    if LocalSandbox(LIMITS).plan.fs != "kernel":
+        pytest.skip("only the kernel namespaces hide folders; the Python guard hides none")
+    shown, other = tmp_path / "shown", tmp_path / "other"  # under the temp dir, which the sandbox hides
+    for folder in (shown, other):
+        folder.mkdir()
+        folder.chmod(0o755)
+        (folder / "data.txt").write_text(folder.name)
+        (folder / "data.txt").chmod(0o644)
+    tmp_path.chmod(0o755)
+    code = (
+        "for path in ({shown!r}, {other!r}):\n"
+        "    try:\n"
+        "        print(open(path).read())\n"
+        "    except OSError as error:\n"
+        "        print('unreadable', error.errno)\n"
+        "try:\n"
+        "    open({shown!r}, 'w').write('changed')\n"
+        "except OSError as error:\n"
+        "    print('write refused', error.errno)\n"
+    ).format(shown=str(shown / "data.txt"), other=str(other / "data.txt"))
+    result = LocalSandbox(LIMITS, visible_paths=[shown]).run(code)
+    assert result.ok, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "shown" and lines[1].startswith("unreadable") and lines[2].startswith("write refused")
+    assert (shown / "data.txt").read_text() == "shown"

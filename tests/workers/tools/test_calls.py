@@ -83,3 +83,18 @@ def test_sandboxed_tools_cannot_reach_the_network_or_write_outside():
 def test_tool_content_is_trls_text():
     assert tool_content("x") == "x" and tool_content(3) == "3" and tool_content([1, 2]) == "[1, 2]"
     assert tool_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "ab"
+
+
+def test_a_tool_module_in_a_folder_the_sandbox_hides_is_imported_there(tmp_path, monkeypatch):
+    """A project under the home or temp dir (both hidden in the sandbox): its folder, found on the
+    import path, stays visible to the sandboxed program."""
+    (tmp_path / "project_tools.py").write_text(
+        'def loud(text: str) -> str:\n    """Shout.\n\n    Args:\n        text: what to shout\n    """\n'
+        "    return text.upper() + '!'\n"
+    )
+    for path in (tmp_path, tmp_path / "project_tools.py"):
+        path.chmod(0o755)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tool = build_toolbox(["project_tools:loud"], None, None).tools[0]
+    (result,) = run_tool_calls([ToolRequest(call("loud", text="hi"), {"loud": tool})], timeout_s=20, sandbox=True)
+    assert (result.content, result.failed) == ("HI!", False)
