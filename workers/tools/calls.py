@@ -188,25 +188,18 @@ def sandbox_paths() -> list[str]:
     return [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
 
 
-def visible_in_sandbox() -> list[str]:
-    """What the sandboxed program imports from, kept visible (read-only) where the sandbox hides the home
-    and temp dirs: this process's import path (the working dir a tool module was found in, included) and
-    the folder grpo_flow comes from (an editable install's checkout is not on the import path)."""
-    import os
-
-    import grpo_flow
-
-    return [*sandbox_paths(), os.path.dirname(os.path.dirname(os.path.realpath(grpo_flow.__file__)))]
-
-
 def call_in_sandbox(calls: Sequence[tuple[str, dict[str, Any]]], timeout_s: float) -> list[tuple[str, bool]]:
     """(content, failed) for each (path, arguments), each call a sandboxed program of its own."""
     from grpo_flow.workers.rewards.sandbox import LocalSandbox, SandboxLimits
+    from grpo_flow.workers.state.source import package_files
 
-    sandbox = LocalSandbox(
-        SandboxLimits(timeout_s=timeout_s, cpu_s=max(1.0, timeout_s)), visible_paths=visible_in_sandbox()
-    )
-    program = SANDBOX_PROGRAM.format(paths=sandbox_paths())
+    paths = sandbox_paths()
+    # What the program imports from stays visible, read-only, where the sandbox hides the home and temp
+    # dirs: this process's import path (the working dir a tool module was found in, included) and
+    # grpo_flow's own files, which an editable install does not put on the import path.
+    visible = [*paths, *map(str, package_files(["schemas", "workers"]).values())]
+    sandbox = LocalSandbox(SandboxLimits(timeout_s=timeout_s, cpu_s=max(1.0, timeout_s)), visible_paths=visible)
+    program = SANDBOX_PROGRAM.format(paths=paths)
     stdins = [json.dumps({"path": path, "arguments": arguments}) for path, arguments in calls]  # parsed from JSON
     runs = sandbox.run_batch([program] * len(calls), stdins=stdins)
     answers = []
