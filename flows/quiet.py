@@ -109,18 +109,18 @@ def _writes_to_terminal(handler: logging.Handler) -> bool:
 def quiet_libraries() -> Iterator[None]:
     """No transformers or datasets progress bars ("Loading weights", "Map"), no transformers advisory
     warnings, no hub-client retry warnings and no library FutureWarnings, for the block; then as before."""
-    from datasets.utils import logging as datasets_logging
     from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
-    bars, dataset_bars = hf_logging.is_progress_bar_enabled(), datasets_logging.is_progress_bar_enabled()
+    from grpo_flow.workers.data.loaders import without_progress_bars
+
+    bars = hf_logging.is_progress_bar_enabled()
     verbosity, hub_verbosity = hf_logging.get_verbosity(), hub_logging.get_verbosity()
     hf_logging.disable_progress_bar()
-    datasets_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     hub_logging.set_verbosity_error()  # the hub client logs each retry of a request as a warning
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), without_progress_bars():
             warnings.filterwarnings("ignore", category=FutureWarning)
             yield
     finally:
@@ -128,5 +128,3 @@ def quiet_libraries() -> Iterator[None]:
         hub_logging.set_verbosity(hub_verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-        if dataset_bars:
-            datasets_logging.enable_progress_bar()

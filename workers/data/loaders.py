@@ -382,9 +382,8 @@ def math_rows(split: Dataset, prefix: str, subject_column: str = "type") -> Data
 
     with without_progress_bars():
         rows = split.map(convert, with_indices=True, remove_columns=split.column_names)
-    rows = rows.select_columns(["prompt_id", "prompt", "answer", "level", "subject"])  # MATH-500 has `answer` first
-    # `level` is all None in a split of unleveled rows, which Arrow would type as null.
-    with without_progress_bars():
+        rows = rows.select_columns(["prompt_id", "prompt", "answer", "level", "subject"])  # MATH-500: `answer` first
+        # `level` is all None in a split of unleveled rows, which Arrow would type as null.
         rows = rows.cast_column("level", Value("int64"))
         return rows.filter(lambda answer: answer is not None, input_columns="answer")
 
