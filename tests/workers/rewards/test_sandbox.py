@@ -38,11 +38,17 @@ def any_sandbox(request, sandbox, guard_sandbox):
     return sandbox if request.param == "auto" else guard_sandbox
 
 
-def live_processes_with(marker: str) -> list[int]:
-    """Live (not zombie) processes whose command line holds `marker`."""
+def live_processes_with(marker: str, descendants_only: bool = False) -> list[int]:
+    """Live (not zombie) processes whose command line holds `marker`; with `descendants_only`, those this
+    test started (not another pytest-xdist worker's sandboxes)."""
+    import psutil
+
+    mine = {child.pid for child in psutil.Process().children(recursive=True)} if descendants_only else None
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        if mine is not None and int(entry.name) not in mine:
             continue
         try:
             cmdline = Path(entry.path, "cmdline").read_bytes()
@@ -121,7 +127,7 @@ def test_a_fork_bomb_is_contained_and_leaves_nothing_behind(sandbox):
     started = time.monotonic()
     worker.start()
     while not done.is_set():  # the number of sandbox processes while the bomb runs
-        peak = max(peak, len(live_processes_with("grpo-sandbox-")))
+        peak = max(peak, len(live_processes_with("grpo-sandbox-", descendants_only=True)))
         time.sleep(0.02)
     worker.join()
     elapsed = time.monotonic() - started
