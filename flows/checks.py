@@ -16,7 +16,7 @@ import os
 import re
 import socket
 import tempfile
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -41,11 +41,12 @@ def check_before_start(
     registered_rewards: Collection[str] = (),
     registered_dataset: bool = False,
     tool_objects: Mapping[str, Any] | None = None,
+    dataset_columns: Sequence[str] | None = None,
 ) -> None:
     """Everything about `config` that can be checked before anything loads. `registered_rewards`:
     the names GRPOFlowTrainer registers for this run (`registered:<name>`), taken as they are;
-    `registered_dataset`: it registers the data set too; `tool_objects`: the tools and environment
-    factories it registers, by name."""
+    `registered_dataset`: it registers the data set too, whose columns are `dataset_columns`;
+    `tool_objects`: the tools and environment factories it registers, by name."""
     check_storage_root(config.storage_root)
     if config.dataset.startswith("registered:") and not registered_dataset:
         raise StartCheckError(
@@ -54,9 +55,9 @@ def check_before_start(
             "pass the data set to GRPOFlowTrainer, or name a file or hub id as 'hf:<path or id>'",
         )
     if config.dataset.startswith("hf:"):
-        check_local_or_hub("dataset", config.dataset.removeprefix("hf:"), "data set", folder_only=False)
+        dataset_columns = check_data_set(config.dataset.removeprefix("hf:"))
     environment_rewards = check_tools(config, tool_objects)
-    check_rewards(config, registered_rewards, owned_by_environment=bool(environment_rewards))
+    check_rewards(config, registered_rewards, bool(environment_rewards), dataset_columns)
     if config.backend == "local":
         check_model(config.model, config.storage_root)
         check_device(config)
@@ -164,10 +165,48 @@ def check_storage_root(root: str | os.PathLike) -> None:
         ) from None
 
 
-def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = (), owned_by_environment: bool = False) -> None:
+def check_data_set(value: str) -> list[str] | None:
+    """An `hf:` data set (`value`, without `hf:`) that can load: a local one has a `prompt` column, read
+    from its schema or first rows. Returns a local one's columns; None for a hub id (found out where it
+    loads, with the network) or where the first rows cannot tell."""
+    from grpo_flow.workers.data.loaders import data_columns
+
+    if check_local_or_hub("dataset", value, "data set", folder_only=False) != "local":
+        return None
+    columns = data_columns(Path(value).expanduser())
+    if columns is not None and "prompt" not in columns:
+        raise StartCheckError("dataset", f"{value!r} has no 'prompt' column (columns: {', '.join(columns) or 'none'})")
+    return columns
+
+
+def check_reward_columns(funcs: Mapping[str, Any], columns: Sequence[str], dataset: str) -> None:
+    """Each reward function's required keyword parameters (besides prompts, completions and the rest of
+    what every reward is called with) name columns of the data set: rewards get its other columns as keywords
+    (not `prompt` or `prompt_id`), so a missing one would fail the first step."""
+    from grpo_flow.workers.rewards.functions import columns_read
+
+    passed = set(columns) - {"prompt", "prompt_id"}
+    for name, func in funcs.items():
+        missing = [column for column in columns_read(func) if column not in passed]
+        if missing:
+            listed = ", ".join(repr(column) for column in missing)
+            raise StartCheckError(
+                "reward_funcs",
+                f"{name} needs the column{'s' if len(missing) > 1 else ''} {listed}, which data set {dataset!r} "
+                f"lacks (columns: {', '.join(columns)})",
+            )
+
+
+def check_rewards(
+    config: GRPOFlowConfig,
+    registered: Collection[str] = (),
+    owned_by_environment: bool = False,
+    columns: Sequence[str] | None = None,
+) -> None:
     """Reward names resolve (built-ins, `module:function` imports), and reward_weights has one weight
     per function, the data set's default ones included. `owned_by_environment`: an environment's
-    get_reward is a reward source, so reward_funcs may be left empty (TRL's rule)."""
+    get_reward is a reward source, so reward_funcs may be left empty (TRL's rule). `columns`: the data
+    set's, where known before it loads, which the functions' keyword parameters must name."""
     from grpo_flow.workers.data.loaders import DEFAULT_REWARDS
     from grpo_flow.workers.rewards.functions import check_distinct_reward_names, resolve_reward_funcs
 
@@ -183,9 +222,12 @@ def check_rewards(config: GRPOFlowConfig, registered: Collection[str] = (), owne
     checkable = [name for name in names if name.removeprefix("registered:") not in registered]
     try:
         check_distinct_reward_names(names)  # the registered ones too, which resolve only at train()
-        resolve_reward_funcs(checkable)
+        funcs = resolve_reward_funcs(checkable)
     except ValueError as error:
         raise StartCheckError("reward_funcs", str(error).partition(": ")[2] or str(error)) from None
+    if columns is not None:
+        own = config.dataset.startswith("hf:")  # else the Python API's train_dataset
+        check_reward_columns(funcs, columns, config.dataset.removeprefix("hf:") if own else "train_dataset")
     if config.reward_weights is not None and len(config.reward_weights) != len(names):
         raise StartCheckError(
             "reward_weights",

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from grpo_flow.flows.cli_common import UsageError, named_run, quiet_prefect
 from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
-from grpo_flow.schemas.presets import PRESETS
+from grpo_flow.schemas.presets import PRESETS, preset_fields
 
 DEFAULT_STORAGE_ROOT = os.environ.get("GRPO_FLOW_STORAGE", "grpo-storage")
 
@@ -46,7 +46,8 @@ def is_list_field(annotation: Any) -> bool:
 
 def option_help(field: Any, preset_value: Any = None) -> tuple[str, str]:
     """An option's metavar and help line: the field's description, its allowed values and its default
-    (and `preset_value`, what `grpo train` without --preset runs with, where it differs)."""
+    (and `preset_value`, what `grpo train` runs a tiny model with when no --preset is given: the tiny
+    preset's value, where it differs)."""
     annotation = field.annotation
     kinds = [annotation]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None
@@ -74,7 +75,7 @@ def option_help(field: Any, preset_value: Any = None) -> tuple[str, str]:
     extra = f"default: {default}"
     if preset_value is not None and preset_value != field.default:
         shown = str(preset_value).lower() if isinstance(preset_value, bool) else preset_value
-        extra += f"; the tiny preset, used without --preset: {shown}"
+        extra += f"; a tiny model without --preset: {shown}"
     extra += f"; {', '.join(bounds)}" if bounds else ""
     return metavar, f"{field.description or ''} ({extra})".replace("%", "%%")
 
@@ -108,13 +109,27 @@ def parse_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def build_config(preset: str, overrides: dict[str, Any]) -> GRPOFlowConfig:
-    if preset not in PRESETS:
+def build_config(preset: str | None, overrides: dict[str, Any]) -> GRPOFlowConfig:
+    """The preset's fields (see schemas/presets.py preset_fields) with the options given over them; without a
+    preset, GRPOFlowConfig's defaults, which are TRL's."""
+    if preset is not None and preset not in PRESETS:
         raise UsageError(f"--preset: unknown preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
     try:
-        return GRPOFlowConfig(**{**PRESETS[preset], **overrides})
+        return GRPOFlowConfig(**(preset_fields(preset, overrides) if preset is not None else overrides))
     except ValidationError as error:
         raise UsageError(cli_problems(error)) from None
+
+
+def starting_preset(preset: str | None, overrides: dict[str, Any]) -> str | None:
+    """--preset; without it, `tiny` for the project's own tiny models (the model given, or the default one),
+    which TRL's defaults (a learning rate of 1e-6, 512-token completions) would teach nothing in a quick run;
+    for any other model none: it starts from GRPOFlowConfig's defaults, which are TRL's."""
+    from grpo_flow.workers.data.models import BUILTIN_MODELS
+
+    if preset is not None:
+        return preset
+    builtin = BUILTIN_MODELS.get(overrides.get("model", GRPOFlowConfig.model_fields["model"].default))
+    return "tiny" if builtin is not None and builtin.source == "built" else None
 
 
 def cli_problems(error: ValidationError) -> str:
@@ -145,6 +160,7 @@ def steps_count(text: str) -> int:
 def command_train(args: argparse.Namespace) -> int:
     quiet_prefect(args.verbose)  # before Prefect is first imported: its settings are read then
     from grpo_flow.flows.checks import StartCheckError, absolute_local_paths, check_before_start
+    from grpo_flow.flows.start_line import new_run_sources, settings_line
 
     overrides = absolute_local_paths(parse_overrides(args))  # as config.json keeps them: absolute
     from grpo_flow.workers.state.storage import RunStorage
@@ -161,8 +177,11 @@ def command_train(args: argparse.Namespace) -> int:
             )
         if existing:
             config = resume_config(RunStorage(args.storage_root, overrides["run_id"]), overrides, args)
+            settings = settings_line(config, dict.fromkeys(overrides, "option"), unlisted="the run's config")
         else:
-            config = build_config(args.preset or "tiny", overrides)
+            preset = starting_preset(args.preset, overrides)
+            config = build_config(preset, overrides)
+            settings = settings_line(config, new_run_sources(preset, PRESETS.get(preset or "", {}), overrides))
         check_before_start(config)
     except StartCheckError as error:
         raise UsageError(f"--{error.field.replace('_', '-')}: {error.message}") from None
@@ -193,7 +212,7 @@ def command_train(args: argparse.Namespace) -> int:
     if args.simple_mode:
         if existing:
             raise UsageError(f"--simple-mode: run {config.run_id!r} exists; simple mode does not resume")
-        return run_simple_mode(config, args)
+        return run_simple_mode(config, args, settings)
     from grpo_flow.flows.ephemeral_server import ServerStartError, start_ephemeral_server
     from grpo_flow.flows.quiet import log_path_for, quiet_prefect_run
 
@@ -204,10 +223,12 @@ def command_train(args: argparse.Namespace) -> int:
         give_back_cli_lock(config)  # nothing started: leave nothing behind
         print(f"grpo train: {error}", file=sys.stderr)
         return 1
-    return train_run(config, args, bool(existing), log_path)
+    return train_run(config, args, bool(existing), log_path, settings)
 
 
-def train_run(config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, log_path: Any) -> int:
+def train_run(
+    config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, log_path: Any, settings: str = ""
+) -> int:
     """The grpo flow on a thread, Ctrl-C and SIGTERM handled (flows/interrupt.py); the outcome in a few lines."""
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.flows.interrupt import exit_status, resume_command, run_until_signalled, stop_signal_number
@@ -216,6 +237,8 @@ def train_run(config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, 
     storage = RunStorage(config.storage_root, config.run_id or "")
     what = "resuming run" if existing else "run"
     print(f"grpo-flow: {what} {config.run_id} ({config.model}, {config.dataset})", flush=True)
+    if settings:
+        print(settings, flush=True)
     try:
         try:
             state = run_until_signalled(
@@ -319,11 +342,13 @@ def give_back_cli_lock(config: GRPOFlowConfig) -> None:
         pass
 
 
-def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
+def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace, settings: str = "") -> int:
     """TRL's own GRPOTrainer loop in the `grpo-simple` flow, writing to the same storage layout."""
     from grpo_flow.flows.simple import grpo_simple
 
     print(f"grpo-flow: run {config.run_id} in simple mode (TRL's GRPOTrainer loop)", flush=True)
+    if settings:
+        print(settings, flush=True)
     try:
         summary = grpo_simple(config, show_progress=not args.no_progress)
     except Exception as error:
@@ -709,7 +734,11 @@ def make_parser() -> argparse.ArgumentParser:
         "Each field's allowed values and default are shown with it; `none` sets an optional field to None.",
     )
     train.add_argument(
-        "--preset", default=None, metavar="{" + ",".join(sorted(PRESETS)) + "}", help="a preset config (default: tiny)"
+        "--preset",
+        default=None,
+        metavar="{" + ",".join(sorted(PRESETS)) + "}",
+        help="a preset config (default: tiny for the project's tiny models, none for any other model, which starts from "
+        "the defaults below, TRL's)",
     )
     train.add_argument("--resume", action="store_true", help="require --run-id to name an existing run, and resume it")
     train.add_argument(

@@ -24,12 +24,12 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, closing, nullcontext
 from typing import Any, TextIO
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Cancelled
 from prefect.utilities.annotations import quote
@@ -39,6 +39,7 @@ from grpo_flow.flows.interrupt import interrupted_summary, resume_command, stop_
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import RunPlan
 from grpo_flow.tasks.observability import (
+    USER_FACING,
     artifact_writes_allowed,
     artifact_writes_paused,
     create_run_progress,
@@ -79,6 +80,23 @@ def in_background(function: Any, *args: Any) -> Future:
     future = executor.submit(context.run, function, *args)
     executor.shutdown(wait=False)
     return future
+
+
+def no_signal_warning(rows: Sequence[Mapping[str, Any]], steps: int) -> str | None:
+    """The warning when in each of the first `steps` rows a run trained every group's rewards tied (TRL's
+    `frac_reward_zero_std` 1.0: zero advantages, no learning signal), given once, as the `steps`-th row
+    comes; None otherwise (and always for `steps` 0)."""
+    if steps == 0 or len(rows) != steps:
+        return None
+    if not all(float(row.get("frac_reward_zero_std", math.nan)) >= 1.0 for row in rows):
+        return None
+    first, last = rows[0]["step"], rows[-1]["step"]
+    where = f"steps {first}-{last}" if last > first else f"step {first}"
+    return (
+        f"{where}: no learning signal: 0 % of groups had rewards that differ (frac_reward_zero_std 1.0), so every "
+        "advantage is 0 and the policy does not move; try more completions per prompt (--num-generations), a "
+        "softer reward that gives partial credit, or a higher --temperature"
+    )
 
 
 class StepProgress:
@@ -174,6 +192,9 @@ class RunLoop:
         """A step's metrics row; returns the policy version the rollout workers hold after it."""
         self.handed_over = row.pop("next_rollout_stats", None)
         self.rows.append(row)
+        warning = no_signal_warning(self.rows, self.config.no_signal_warning_steps)
+        if warning is not None:
+            get_run_logger().warning(warning, extra={USER_FACING: True})
         self.step_walls.append(time.perf_counter() - self._step_started)
         publish(update_run_progress, self.progress_artifact, row["step"], self.plan.total_steps)
         self.progress.update(row["step"], row)

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from grpo_flow.flows.checks import StartCheckError, absolute_local_paths, check_before_start
+from grpo_flow.flows.checks import StartCheckError, absolute_local_paths, check_before_start, check_reward_columns
 from grpo_flow.schemas.config import GRPOFlowConfig, InvalidConfigError, describe_validation_error
 
 
@@ -213,9 +213,16 @@ class GRPOFlowTrainer:
         except ValidationError as error:
             raise InvalidConfigError(describe_validation_error(error)) from None
         # Reward paths, weights, model path, storage root.
+        columns = train_dataset.column_names if train_dataset is not None else None
         check_before_start(
-            self.config, self.reward_objects, registered_dataset=self.task is not None, tool_objects=self.tool_objects
+            self.config,
+            self.reward_objects,
+            registered_dataset=self.task is not None,
+            tool_objects=self.tool_objects,
+            dataset_columns=columns,
         )
+        if columns is not None:  # the functions given as objects, which check_before_start takes by name
+            check_reward_columns(self.reward_objects, columns, "train_dataset")
         if self.config.run_id is None:
             from grpo_flow.schemas.config import new_run_id
 

@@ -30,6 +30,7 @@ WeightSyncMethod = Literal["reload", "volume", "direct", "checkpoint", "lora"]
 RolloutEngine = Literal["transformers", "vllm"]
 VLLMMode = Literal["colocate", "server"]  # TRL's names for where a vLLM engine runs
 VLLMDtype = Literal["auto", "float32", "bfloat16", "float16"]
+StringPrompts = Literal["raw", "user_message"]
 # The LoRA ranks a vLLM engine can be started with (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # GPU types Modal accepts in `gpu=` (https://modal.com/docs/guide/gpu); a count is given separately.
@@ -110,6 +111,7 @@ NON_TRAINING_FIELDS = frozenset(
         "step_subflows",
         "reward_timeout_s",
         "max_no_reward_steps",
+        "no_signal_warning_steps",
     }
 )
 
@@ -181,6 +183,17 @@ class GRPOFlowConfig(BaseModel):
         default=None,
         description="Weights for each reward function. If `None`, all rewards are weighted equally with weight "
         "`1.0` (TRL's rule).",
+    )
+    string_prompts: StringPrompts = Field(
+        default="raw",
+        description="How a prompt given as a plain string reaches the model. `raw`, TRL's rule: the text as it is, "
+        "untemplated (only a prompt given as a list of messages is rendered with the model's chat template). "
+        '`user_message`: each string becomes one user message, `[{"role": "user", "content": ...}]`, '
+        "exactly as if the data set held it so, rendered with the chat template; reward functions then get "
+        "prompts and completions as messages, as TRL gives them for conversational data. Named after what it "
+        "acts on (string prompts; message prompts are left as they are), its values after what each string "
+        "becomes; TRL has no such option, so its rule is the default. A chat model given string prompts with "
+        "`raw` gets a warning at the start.",
     )
 
     # Tools and environments (TRL names): multi-turn episodes
@@ -356,7 +369,7 @@ class GRPOFlowConfig(BaseModel):
     max_prompt_length: int | None = Field(
         default=512, ge=1, description="Prompts longer than this many tokens are truncated from the left."
     )
-    max_completion_length: int = Field(default=256, ge=1, description="Maximum length of the generated completion.")
+    max_completion_length: int = Field(default=512, ge=1, description="Maximum length of the generated completion.")
     temperature: float = Field(default=1.0, gt=0, description="Temperature for sampling.")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling probability mass, in (0, 1].")
 
@@ -465,6 +478,13 @@ class GRPOFlowConfig(BaseModel):
         ge=1,
         description="Steps in a row in which every completion got no reward (every function returned None for "
         "every sample) before the run fails; the first such step prints a warning naming the functions.",
+    )
+    no_signal_warning_steps: int = Field(
+        default=3,
+        ge=0,
+        description="Warn once when in each of the first N steps a run trains, every group's rewards tie "
+        "(`frac_reward_zero_std` 1.0: zero advantages, so the policy does not move), saying what to try. 0: "
+        "no warning.",
     )
 
     # Modal backend (the seeds' option names); ignored by the local backend
@@ -678,7 +698,7 @@ class GRPOFlowConfig(BaseModel):
 # (tests/schemas/test_config_groups.py checks that every field is in exactly one group and the README agrees).
 CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
     "Run": ("run_id", "storage_root", "backend", "device"),
-    "Model and data": ("model", "dataset", "reward_funcs", "reward_weights"),
+    "Model and data": ("model", "dataset", "reward_funcs", "reward_weights", "string_prompts"),
     "Tools and environments": (
         "tools",
         "environment_factory",
@@ -757,6 +777,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
         "retry_delay_seconds",
         "reward_timeout_s",
         "max_no_reward_steps",
+        "no_signal_warning_steps",
     ),
     "Modal backend": (
         "modal_actor_gpu",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from grpo_flow.schemas.config import GRPOFlowConfig
+from pydantic import TypeAdapter, ValidationError
+
+from grpo_flow.schemas.config import LORA_OPTIONS, GRPOFlowConfig
 
 # Named starting points: each preset's fields over GRPOFlowConfig's defaults (`preset_config` applies them,
 # then any overrides). `grpo train --preset NAME`, the Python API and the `grpo/<preset>` deployments use them.
@@ -165,8 +168,31 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset_config(name: str, **overrides: Any) -> GRPOFlowConfig:
-    """The preset's config with `overrides` applied; raises KeyError naming the known presets."""
+def preset_fields(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The preset's fields with `overrides` over them; raises KeyError naming the known presets.
+
+    Overrides that turn LoRA off (`use_lora` false) take the preset's LoRA options with them: those came
+    with the preset, not from the user, whose own LoRA options are still refused without use_lora."""
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-    return GRPOFlowConfig(**{**PRESETS[name], **overrides})
+    preset = PRESETS[name]
+    if turns_off("use_lora", overrides):
+        preset = {field: value for field, value in preset.items() if field not in LORA_OPTIONS}
+    return {**preset, **overrides}
+
+
+def turns_off(field: str, overrides: Mapping[str, Any]) -> bool:
+    """`overrides` sets the boolean `field` to false, in any spelling pydantic takes (`false`, `0`, `no`,
+    False); a value it refuses is left for the config's own check to name."""
+    if field not in overrides:
+        return False
+    try:
+        return not TypeAdapter(bool).validate_python(overrides[field])
+    except ValidationError:
+        return False
+
+
+def preset_config(name: str, **overrides: Any) -> GRPOFlowConfig:
+    """The preset's config with `overrides` applied (see `preset_fields`); raises KeyError naming the known
+    presets."""
+    return GRPOFlowConfig(**preset_fields(name, overrides))

@@ -18,7 +18,7 @@ from grpo_flow.schemas.records import REWARD_PREFIX, RunPlan
 from grpo_flow.tasks.observability import USER_FACING
 from grpo_flow.workers import backends
 from grpo_flow.workers.rewards.task import run_task
-from grpo_flow.workers.rollout.base import check_chat_prompts, load_generation_tokenizer
+from grpo_flow.workers.rollout.base import check_chat_prompts, load_generation_tokenizer, string_prompts_warning
 from grpo_flow.workers.rollout.heldout import heldout_accuracy
 from grpo_flow.workers.state.lock import hold_run_lock, release_run_lock, release_run_locks_of
 from grpo_flow.workers.state.resume import (
@@ -75,6 +75,7 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
     if Path(model_path).is_dir():  # a hub model not downloaded yet is checked where it loads
         splits = {"train": task_data.train["prompt"], "heldout": task_data.heldout["prompt"]}
         check_chat_prompts(lambda: load_generation_tokenizer(model_path), config.model, splits)
+        warn_of_string_prompts(config, model_path, task_data.train[0]["prompt"])
         if config.use_lora and config.lora_target_modules:
             check_lora_targets(model_path, config.lora_target_modules)
     total_steps = config.total_steps(len(task_data.train))
@@ -116,6 +117,16 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
         environment_rewards=tuple(environment_rewards),
         **resume,
     )
+
+
+def warn_of_string_prompts(config: GRPOFlowConfig, model_path: str, prompt: Any) -> None:
+    """Plain-string prompts (`prompt`: the first) on a chat model under TRL's rule (string_prompts raw): one
+    warning on the terminal at the start, since the model then sees text without its chat template."""
+    if config.string_prompts != "raw" or not isinstance(prompt, str):
+        return
+    message = string_prompts_warning(load_generation_tokenizer(model_path), config.model)
+    if message is not None:
+        get_run_logger().warning(message, extra={USER_FACING: True})
 
 
 @task(name="evaluate-heldout", cache_policy=NO_CACHE)

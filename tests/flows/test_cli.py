@@ -283,7 +283,7 @@ def test_help_shows_each_option_with_its_allowed_values_and_default_grouped_as_t
     assert "--loss-type {grpo,dapo,dr_grpo,bnpo,cispo,sapo,luspo,vespo}" in flat
     assert "(default: dapo)" in flat and "--use-lora {true,false}" in flat and "(default: false)" in flat
     assert (
-        "--learning-rate X" in flat and "(default: 1e-06; the tiny preset, used without --preset: 0.005; > 0)" in flat
+        "--learning-rate X" in flat and "(default: 1e-06; a tiny model without --preset: 0.005; > 0)" in flat
     )
     assert "--num-generations N" in flat
     assert "(default: 600.0; > 0)" in flat  # reward_timeout_s

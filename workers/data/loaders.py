@@ -23,11 +23,12 @@ TRL style), plus the names of its default rewards.
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -607,6 +608,22 @@ def task_from_dataset(
     return TaskData(name, train, heldout, tuple(default_rewards), accuracy_reward, accuracy_function=accuracy_function)
 
 
+def with_user_messages(task: TaskData) -> TaskData:
+    """The task with each plain-string prompt as one user message (`string_prompts="user_message"`): the data
+    set as if it had held `[{"role": "user", "content": prompt}]`. A task whose prompts are messages already
+    is returned as it is."""
+    if task.train.features["prompt"] != Value("string"):
+        return task
+
+    def wrap(row: dict) -> dict:
+        return {"prompt": user_prompt(row["prompt"])}
+
+    with without_progress_bars():
+        train = task.train.map(wrap, keep_in_memory=True)
+        heldout = task.heldout.map(wrap, keep_in_memory=True, features=train.features)
+    return replace(task, train=train, heldout=heldout)
+
+
 def check_unique_ids(name: str, splits: Iterable[tuple[str, Iterable[Any]]]) -> None:
     """Prompt ids name rows in logs across both splits, so they must be present and unique."""
     seen: dict[str, str] = {}
@@ -652,6 +669,61 @@ def check_data_file(path: Path, label: str | None = None) -> None:
             rows += 1
     if rows == 0:
         raise ValueError(f"{label}: the file has no rows (only blank lines)")
+
+
+# A JSON lines file's columns are read from this many rows before a run starts; the rest at its load.
+COLUMN_CHECK_ROWS = 100
+
+
+def data_columns(path: Path) -> list[str] | None:
+    """The columns of a local data file or `save_to_disk` folder (its train split), from its schema or its
+    first rows, so in well under a second whatever its size; None where that cannot tell (a `.json` file
+    holding one document, a folder of a kind load_custom_task reads otherwise)."""
+    if path.is_dir():
+        if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+            return None
+        loaded = load_from_disk(str(path))  # memory-mapped: the schema, not the rows
+        split = loaded.get("train") if isinstance(loaded, DatasetDict) else loaded
+        return None if split is None else list(split.column_names)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    if path.suffix == ".arrow":
+        import pyarrow as pa
+
+        for open_ipc in (pa.ipc.open_stream, pa.ipc.open_file):  # `datasets` writes the stream format
+            try:
+                with pa.memory_map(str(path)) as source:
+                    return list(open_ipc(source).schema.names)
+            except pa.ArrowInvalid:
+                continue
+        return None
+    with open(path, encoding="utf-8", errors="replace", newline="") as handle:
+        if path.suffix == ".csv":
+            return next(csv.reader(handle), [])
+        return json_lines_columns(handle)
+
+
+def json_lines_columns(lines: Iterable[str]) -> list[str] | None:
+    """The keys of the first COLUMN_CHECK_ROWS JSON objects, one a line, in order of first appearance; None
+    when a line is not one JSON object (a file holding one JSON document)."""
+    columns: dict[str, None] = {}
+    rows = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(row, dict):
+            return None
+        columns.update(dict.fromkeys(row))
+        rows += 1
+        if rows == COLUMN_CHECK_ROWS:
+            break
+    return list(columns)
 
 
 def load_custom_task(

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_flow.schemas.records import RolloutBatch
+from grpo_flow.schemas.records import REWARD_CALL_NAMES, RolloutBatch
 from grpo_flow.workers.data.loaders import extract_final_number
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -168,6 +168,23 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
             raise ValueError(f"reward_funcs[{index}]: {name!r} is neither callable nor a reward environment")
         funcs[attr] = func
     return funcs
+
+
+def columns_read(func: RewardFunc) -> list[str]:
+    """The keyword parameters `func` requires (no default) beyond the ones every reward is called with
+    (prompts, completions, ...): the data set columns it cannot run without."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature Python can read
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        parameter.name
+        for parameter in parameters
+        if parameter.kind in kinds
+        and parameter.default is inspect.Parameter.empty
+        and parameter.name not in REWARD_CALL_NAMES
+    ]
 
 
 def import_reward_module(module_name: str) -> Any:

@@ -16,18 +16,31 @@ from grpo_flow.workers.data.loaders import (
     cached_task,
     load_custom_task,
     load_task,
+    with_user_messages,
 )
 from grpo_flow.workers.rewards.functions import resolve_reward_funcs, reward_key
 
 
 def run_task(config: Any) -> TaskData:
     """The task a run trains and evaluates on (`config`: its GRPOFlowConfig): `load_task(config.dataset)`,
-    with an `hf:` data set's held-out prompts and accuracy reward as its accuracy_reward says."""
-    if not config.dataset.startswith("hf:"):
-        return load_task(config.dataset)
-    entry = accuracy_entry(config)
-    fraction = HELDOUT_FRACTION if entry and config.eval_prompts else 0.0
-    return _load_scored_task(config.dataset, fraction, entry)
+    with an `hf:` data set's held-out prompts and accuracy reward as its accuracy_reward says, and its
+    plain-string prompts as user messages where config.string_prompts says so."""
+    entry, fraction = None, 0.0
+    if config.dataset.startswith("hf:"):
+        entry = accuracy_entry(config)
+        fraction = HELDOUT_FRACTION if entry and config.eval_prompts else 0.0
+    if config.string_prompts == "user_message":
+        return _user_message_task(config.dataset, fraction, entry)
+    return _dataset_task(config.dataset, fraction, entry)
+
+
+def _dataset_task(dataset: str, fraction: float, accuracy: str | None) -> TaskData:
+    return _load_scored_task(dataset, fraction, accuracy) if dataset.startswith("hf:") else load_task(dataset)
+
+
+@cached_task
+def _user_message_task(dataset: str, fraction: float, accuracy: str | None) -> TaskData:
+    return with_user_messages(_dataset_task(dataset, fraction, accuracy))
 
 
 def accuracy_entry(config: Any) -> str | None:

@@ -123,6 +123,18 @@ def check_chat_prompts(load_tokenizer: Callable[[], Any], model: str, splits: di
                 ) from None
 
 
+def string_prompts_warning(tokenizer: Any, model: str) -> str | None:
+    """What a user of a chat model with plain-string prompts is told at the start (None for a model without a
+    chat template): TRL's rule, which leaves the strings untemplated, and the option that templates them."""
+    if tokenizer.chat_template is None:
+        return None
+    return (
+        f"dataset: the prompts are plain strings and model {model!r} has a chat template; as in TRL, a string "
+        "prompt goes to the model as raw text without it (only a list of messages is rendered with the chat "
+        "template): --string-prompts user_message (string_prompts='user_message') sends each as a user message"
+    )
+
+
 def load_generation_tokenizer(model_path: str | Path) -> Any:
     """The model's tokenizer as generation needs it: prompts padded on the left, a pad token (EOS if none)."""
     from transformers import AutoTokenizer
