@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -74,8 +75,11 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
         raise ValueError(f"dataset: columns {taken} clash with the reward columns of the rollout log; rename them")
     if Path(model_path).is_dir():  # a hub model not downloaded yet is checked where it loads
         splits = {"train": task_data.train["prompt"], "heldout": task_data.heldout["prompt"]}
-        check_chat_prompts(lambda: load_generation_tokenizer(model_path), config.model, splits)
-        warn_of_string_prompts(config, model_path, task_data.train[0]["prompt"])
+        load = functools.partial(load_generation_tokenizer, model_path)
+        check_chat_prompts(load, config.model, splits)
+        warning = string_prompts_warning(config.string_prompts, task_data.train[0]["prompt"], load, config.model)
+        if warning is not None:  # on the terminal, once, at the start
+            get_run_logger().warning(warning, extra={USER_FACING: True})
         if config.use_lora and config.lora_target_modules:
             check_lora_targets(model_path, config.lora_target_modules)
     total_steps = config.total_steps(len(task_data.train))
@@ -117,16 +121,6 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
         environment_rewards=tuple(environment_rewards),
         **resume,
     )
-
-
-def warn_of_string_prompts(config: GRPOFlowConfig, model_path: str, prompt: Any) -> None:
-    """Plain-string prompts (`prompt`: the first) on a chat model under TRL's rule (string_prompts raw): one
-    warning on the terminal at the start, since the model then sees text without its chat template."""
-    if config.string_prompts != "raw" or not isinstance(prompt, str):
-        return
-    message = string_prompts_warning(load_generation_tokenizer(model_path), config.model)
-    if message is not None:
-        get_run_logger().warning(message, extra={USER_FACING: True})
 
 
 @task(name="evaluate-heldout", cache_policy=NO_CACHE)

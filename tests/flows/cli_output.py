@@ -14,3 +14,9 @@ SUMMARY_ROWS = [
 ]
 # Simple mode (TRL's loop) evaluates nothing held out before and after RL.
 SIMPLE_MODE_SUMMARY_ROWS = [row for row in SUMMARY_ROWS if not row.endswith(" RL")]
+
+
+def summary_lines(stdout: str) -> list[str]:
+    """The summary's lines of `grpo train`'s output: what is left once the `grpo-flow: ...` lines before it
+    (the run line, the settings line) are taken out."""
+    return [line for line in stdout.splitlines() if not line.startswith("grpo-flow: ")]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from cli_output import SIMPLE_MODE_SUMMARY_ROWS, SUMMARY_ROWS  # tests/flows/cli_output.py
+from cli_output import SIMPLE_MODE_SUMMARY_ROWS, SUMMARY_ROWS, summary_lines  # tests/flows/cli_output.py
 from grpo_flow.flows.cli import build_config, main, make_parser, parse_overrides
 
 
@@ -114,11 +114,13 @@ def test_simple_mode_prints_its_run_line_a_progress_bar_and_the_summary_only(sto
     assert quiet.stderr == ""
     lines = quiet.stdout.splitlines()
     assert lines[0] == "grpo-flow: run simple-quiet in simple mode (TRL's GRPOTrainer loop)"
-    assert [line.split("  ")[0] for line in lines[1:]] == SIMPLE_MODE_SUMMARY_ROWS
-    assert lines[3].split() == ["steps", "2", "/", "2"]
+    assert lines[1].startswith("grpo-flow: settings: learning_rate 0.005 (preset tiny); ")
+    summary = summary_lines(quiet.stdout)
+    assert [line.split("  ")[0] for line in summary] == SIMPLE_MODE_SUMMARY_ROWS
+    assert summary[2].split() == ["steps", "2", "/", "2"]
     shown = run_cli(*common, "--run-id", "simple-bar", env_extra=env)
     assert shown.returncode == 0, shown.stderr[-3000:]
-    assert shown.stdout.splitlines()[1:] and "{'loss'" not in shown.stdout + shown.stderr
+    assert summary_lines(shown.stdout) and "{'loss'" not in shown.stdout + shown.stderr
     bar = shown.stderr.replace("\r", "\n").splitlines()
     assert bar[-1].startswith("simple-bar: 100%") and "2/2" in bar[-1] and "reward=" in bar[-1], bar[-3:]
 
@@ -148,8 +150,14 @@ def test_train_then_list_then_read_rollouts(tmp_path):
     assert trained.stderr == ""
     lines = trained.stdout.splitlines()
     assert lines[0] == "grpo-flow: run cli-run (tiny, last_digit)"
-    assert [line.split("  ")[0] for line in lines[1:]] == SUMMARY_ROWS
-    assert lines[3].split() == ["steps", "2", "/", "2"]
+    assert lines[1] == (
+        "grpo-flow: settings: learning_rate 0.005 (preset tiny); LoRA off (every weight trains) (default); "
+        "max_completion_length 2 (preset tiny); rollout_engine transformers (default); "
+        "prompts x generations 32 x 8 (preset tiny)"
+    )
+    summary = summary_lines(trained.stdout)
+    assert [line.split("  ")[0] for line in summary] == SUMMARY_ROWS
+    assert summary[2].split() == ["steps", "2", "/", "2"]
     assert " train --preset tiny --max-steps 2 " in (root / "logs" / "prefect.log").read_text()
 
     listed = run_cli("runs", "--storage-root", str(root))
@@ -282,9 +290,7 @@ def test_help_shows_each_option_with_its_allowed_values_and_default_grouped_as_t
     flat = " ".join(help_text.split())  # argparse wraps the text
     assert "--loss-type {grpo,dapo,dr_grpo,bnpo,cispo,sapo,luspo,vespo}" in flat
     assert "(default: dapo)" in flat and "--use-lora {true,false}" in flat and "(default: false)" in flat
-    assert (
-        "--learning-rate X" in flat and "(default: 1e-06; a tiny model without --preset: 0.005; > 0)" in flat
-    )
+    assert "--learning-rate X" in flat and "(default: 1e-06; a tiny model without --preset: 0.005; > 0)" in flat
     assert "--num-generations N" in flat
     assert "(default: 600.0; > 0)" in flat  # reward_timeout_s
     headings = [line[:-1] for line in help_text.splitlines() if line.endswith(" (config fields):")]
@@ -415,7 +421,7 @@ def test_a_run_on_relative_paths_resumes_from_another_folder_and_refuses_changed
         "--accuracy-reward", "last_digit", "--eval-prompts", "4", "--run-id", "paths", *common, env_extra=env, cwd=here,
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
-    shown = dict(line.split("  ", 1) for line in first.stdout.splitlines()[1:])
+    shown = dict(line.split("  ", 1) for line in summary_lines(first.stdout))
     assert float(shown["held-out accuracy, before RL"]) >= 0  # measured with --accuracy-reward (item 4)
     assert "held-out accuracy, random init" not in shown  # the tiny model's, on last_digit: not this data's
     stored = json.loads((storage_root / "runs" / "paths" / "config.json").read_text())
@@ -515,7 +521,7 @@ def test_wandb_without_a_login_is_said_once_and_the_summary_counts_what_it_did_n
     assert trained.returncode == 0, trained.stderr[-3000:]
     warnings = [line for line in trained.stderr.splitlines() if line.startswith("grpo-flow: warning: wandb:")]
     assert len(warnings) == 1 and "step 1's metrics were not delivered (UsageError: " in warnings[0], trained.stderr
-    shown = {name: value.strip() for name, value in (line.split("  ", 1) for line in trained.stdout.splitlines()[1:])}
+    shown = {name: value.strip() for name, value in (line.split("  ", 1) for line in summary_lines(trained.stdout))}
     assert shown["wandb"] == "2 step(s) not delivered; all are in metrics/"
     summary = json.loads((storage_root / "runs" / "unlogged" / "summary.json").read_text())
     assert summary["wandb_steps_not_delivered"] == 2

@@ -123,15 +123,19 @@ def check_chat_prompts(load_tokenizer: Callable[[], Any], model: str, splits: di
                 ) from None
 
 
-def string_prompts_warning(tokenizer: Any, model: str) -> str | None:
-    """What a user of a chat model with plain-string prompts is told at the start (None for a model without a
-    chat template): TRL's rule, which leaves the strings untemplated, and the option that templates them."""
-    if tokenizer.chat_template is None:
+def string_prompts_warning(
+    string_prompts: str, prompt: Prompt, load_tokenizer: Callable[[], Any], model: str
+) -> str | None:
+    """What a user of a chat model with plain-string prompts is told at the start, under TRL's rule
+    (`string_prompts` raw): that the strings go untemplated, and the option that templates them. None for
+    message prompts, `user_message`, or a model without a chat template. `prompt`: the data set's first;
+    the tokenizer is loaded only for a string one."""
+    if string_prompts != "raw" or not isinstance(prompt, str) or load_tokenizer().chat_template is None:
         return None
     return (
         f"dataset: the prompts are plain strings and model {model!r} has a chat template; as in TRL, a string "
-        "prompt goes to the model as raw text without it (only a list of messages is rendered with the chat "
-        "template): --string-prompts user_message (string_prompts='user_message') sends each as a user message"
+        "prompt goes to the model as raw text, without the template (only a list of messages is rendered with "
+        "it): --string-prompts user_message (string_prompts='user_message') sends each as a user message"
     )
 
 

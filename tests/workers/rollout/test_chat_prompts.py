@@ -35,3 +35,40 @@ def test_a_role_the_template_refuses_is_named_with_its_split_and_row():
             "chat",
             {"train": [chat("user")], "heldout": [chat("user"), chat("user"), chat("banana")]},
         )
+
+
+def test_string_prompts_on_a_chat_model_get_a_warning_with_trls_rule():
+    """A chat model given plain strings saw them untemplated, silently (issue 34)."""
+    from grpo_flow.workers.rollout.base import string_prompts_warning
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = STRICT_TEMPLATE
+    warning = string_prompts_warning("raw", "12=", lambda: tokenizer, "my-chat-model")
+    assert warning == (
+        "dataset: the prompts are plain strings and model 'my-chat-model' has a chat template; as in TRL, a string "
+        "prompt goes to the model as raw text, without the template (only a list of messages is rendered with it): "
+        "--string-prompts user_message (string_prompts='user_message') sends each as a user message"
+    )
+    assert string_prompts_warning("raw", "12=", build_tokenizer, "tiny") is None  # no chat template
+    not_loaded = lambda: pytest.fail("loaded a tokenizer")  # noqa: E731
+    assert string_prompts_warning("user_message", "12=", not_loaded, "m") is None
+    assert string_prompts_warning("raw", chat("user"), not_loaded, "m") is None
+
+
+@pytest.mark.parametrize("preset", ["tiny", "reverse", "tiny-tools", "smol-math"])
+def test_the_offline_presets_get_no_string_prompts_warning(preset):
+    """Their chat models get messages (smol_math, digit_lookup); the tiny models (`tiny`, `tiny-reverse`),
+    saved with build_tokenizer's tokenizer, have no chat template."""
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers.data.tiny_model import TINY_MODELS
+    from grpo_flow.workers.rewards.task import run_task
+    from grpo_flow.workers.rollout.base import string_prompts_warning
+
+    config = preset_config(preset)
+    prompt = run_task(config).train[0]["prompt"]
+
+    def load():
+        assert config.model in TINY_MODELS, "only a string prompt loads the tokenizer"
+        return build_tokenizer()
+
+    assert string_prompts_warning(config.string_prompts, prompt, load, config.model) is None
