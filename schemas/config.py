@@ -241,7 +241,8 @@ class GRPOFlowConfig(BaseModel):
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Maximum gradient norm (for gradient clipping).")
     gradient_checkpointing: bool = Field(
-        default=False, description="Recompute activations in the backward pass: less memory, more compute."
+        default=False,
+        description="Recompute activations in the backward pass: less memory, more compute. (TRL defaults to on.)",
     )
     max_tokens_per_microbatch: int | None = Field(
         default=None,
@@ -272,7 +273,7 @@ class GRPOFlowConfig(BaseModel):
         description="Number of training steps. If `-1`, derived from `num_train_epochs` and the data set size.",
     )
     num_train_epochs: float = Field(
-        default=1.0, gt=0, description="Passes over the training prompts, used when `max_steps` is -1."
+        default=1.0, gt=0, description="Passes over the training prompts, used when `max_steps` is -1. (TRL: 3.)"
     )
     seed: int = Field(
         default=42,
@@ -447,7 +448,9 @@ class GRPOFlowConfig(BaseModel):
     sync_weights_every: int = Field(
         default=1, ge=1, description="Publish the actor's weights to the rollout workers every N steps."
     )
-    save_steps: int = Field(default=50, ge=1, description="Write a checkpoint every N steps (and at the last step).")
+    save_steps: int = Field(
+        default=50, ge=1, description="Write a checkpoint every N steps (and at the last step). (TRL: 500.)"
+    )
     save_total_limit: int | None = Field(
         default=None, ge=1, description="Keep only the newest N checkpoints (TRL's name); None keeps all."
     )

@@ -37,9 +37,10 @@ def parse(argv: list[str]):
 
 def check_train_options(args) -> None:
     """The options of a `grpo train` line make a config (a renamed value of a Literal fails here)."""
-    from grpo_flow.flows.cli import build_config, parse_overrides
+    from grpo_flow.flows.cli import build_config, parse_overrides, starting_preset
 
-    build_config(args.preset or "tiny", parse_overrides(args))
+    overrides = parse_overrides(args)
+    build_config(starting_preset(args.preset, overrides), overrides)
     if args.fail_at:
         from grpo_flow.workers.state.faults import parse_fail_at
 
