@@ -122,8 +122,8 @@ def build_config(preset: str | None, overrides: dict[str, Any]) -> GRPOFlowConfi
 
 def starting_preset(preset: str | None, overrides: dict[str, Any]) -> str | None:
     """--preset; without it, `tiny` for the project's own tiny models (the model given, or the default one),
-    which TRL's defaults (a learning rate of 1e-6, 512-token completions) would teach nothing in a quick run;
-    for any other model none: it starts from GRPOFlowConfig's defaults, which are TRL's."""
+    the settings they were made to learn with; for any other model none: it starts from GRPOFlowConfig's
+    defaults, which are TRL's."""
     from grpo_flow.workers.data.models import BUILTIN_MODELS
 
     if preset is not None:
@@ -226,9 +226,7 @@ def command_train(args: argparse.Namespace) -> int:
     return train_run(config, args, bool(existing), log_path, settings)
 
 
-def train_run(
-    config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, log_path: Any, settings: str = ""
-) -> int:
+def train_run(config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, log_path: Any, settings: str) -> int:
     """The grpo flow on a thread, Ctrl-C and SIGTERM handled (flows/interrupt.py); the outcome in a few lines."""
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.flows.interrupt import exit_status, resume_command, run_until_signalled, stop_signal_number
@@ -237,8 +235,7 @@ def train_run(
     storage = RunStorage(config.storage_root, config.run_id or "")
     what = "resuming run" if existing else "run"
     print(f"grpo-flow: {what} {config.run_id} ({config.model}, {config.dataset})", flush=True)
-    if settings:
-        print(settings, flush=True)
+    print(settings, flush=True)
     try:
         try:
             state = run_until_signalled(
@@ -342,13 +339,12 @@ def give_back_cli_lock(config: GRPOFlowConfig) -> None:
         pass
 
 
-def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace, settings: str = "") -> int:
+def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace, settings: str) -> int:
     """TRL's own GRPOTrainer loop in the `grpo-simple` flow, writing to the same storage layout."""
     from grpo_flow.flows.simple import grpo_simple
 
     print(f"grpo-flow: run {config.run_id} in simple mode (TRL's GRPOTrainer loop)", flush=True)
-    if settings:
-        print(settings, flush=True)
+    print(settings, flush=True)
     try:
         summary = grpo_simple(config, show_progress=not args.no_progress)
     except Exception as error:
