@@ -54,6 +54,21 @@ def test_a_model_of_your_own_starts_from_trls_defaults_not_the_tiny_preset(tmp_p
         assert config.use_lora is False and config.max_steps == -1
 
 
+def test_the_python_api_starts_a_model_of_your_own_from_trls_defaults_too(tmp_path):
+    from datasets import Dataset
+
+    from grpo_flow.flows.trainer import GRPOFlowTrainer
+
+    mine = tmp_path / "my-model"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    data = Dataset.from_dict({"prompt": ["1=", "2="], "answer": ["1", "2"]})
+    trainer = GRPOFlowTrainer(
+        model=str(mine), reward_funcs=["last_digit"], train_dataset=data, storage_root=str(tmp_path)
+    )
+    assert {name: getattr(trainer.config, name) for name in TRL_DEFAULTS} == trl_defaults()
+
+
 def test_the_tiny_models_without_a_preset_start_from_the_tiny_preset_and_a_preset_wins():
     tiny = {name: PRESETS["tiny"][name] for name in ("learning_rate", "max_completion_length")}
     for argv in ((), ("--model", "tiny"), ("--model", "tiny-reverse"), ("--model", "tiny", "--dataset", "hf:x.jsonl")):
