@@ -157,26 +157,39 @@ def test_a_run_on_a_model_of_your_own_has_trls_defaults_and_says_so(storage_root
 
 @pytest.mark.slow
 def test_string_prompts_on_a_chat_model_get_one_warning_or_go_as_user_messages(storage_root, tmp_path):
-    """`tiny-tools` has a chat template: plain-string prompts reach it untemplated (TRL's rule), which the run
-    now says once at its start; `--string-prompts user_message` templates them, as if the data held messages."""
+    """A chat model (the tiny model given a chat template) got plain-string prompts untemplated, TRL's rule,
+    silently: the run now says so once at its start; `--string-prompts user_message` templates them, as if
+    the data held messages."""
+    from transformers import AutoTokenizer
+
+    from grpo_flow.workers.data.models import resolve_model_path
     from grpo_flow.workers.state.storage import RunStorage
 
+    chat_model = tmp_path / "chat-model"
+    shutil.copytree(resolve_model_path("tiny", storage_root), chat_model)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tokenizer.save_pretrained(chat_model)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{n}=", "answer": str(n % 10)}) + "\n" for n in range(100, 120)))
     (tmp_path / "flat_rewards.py").write_text("def same(completions, **kwargs):\n    return [1.0] * len(completions)\n")
     common = [
-        "train", "--model", "tiny-tools", "--dataset", "hf:data.jsonl", "--reward-funcs", "flat_rewards:same",
-        "--max-steps", "1", "--prompts-per-step", "4", "--eval-prompts", "0", "--no-signal-warning-steps", "0",
-        "--storage-root", str(storage_root), "--no-progress",
+        "train", "--model", str(chat_model), "--dataset", "hf:data.jsonl", "--reward-funcs", "flat_rewards:same",
+        "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "2",
+        "--eval-prompts", "0", "--storage-root", str(tmp_path / "store"), "--no-progress",
     ]  # fmt: skip
     env = {"PREFECT_HOME": str(tmp_path / "prefect-home")}
     raw = cli(*common, "--run-id", "strings-raw", cwd=tmp_path, env_extra=env)
     assert raw.returncode == 0, raw.stderr[-3000:]
     warned = [line for line in raw.stderr.splitlines() if line.startswith("grpo-flow: warning: ")]
     assert warned == [
-        "grpo-flow: warning: dataset: the prompts are plain strings and model 'tiny-tools' has a chat template; as "
-        "in TRL, a string prompt goes to the model as raw text, without the template (only a list of messages is "
-        "rendered with it): --string-prompts user_message (string_prompts='user_message') sends each as a user message"
+        f"grpo-flow: warning: dataset: the prompts are plain strings and model '{chat_model}' has a chat template; "
+        "as in TRL, a string prompt goes to the model as raw text, without the template (only a list of messages "
+        "is rendered with it): --string-prompts user_message (string_prompts='user_message') sends each as a user "
+        "message"
     ]
     wrapped = cli(
         *common, "--run-id", "strings-wrapped", "--string-prompts", "user_message", cwd=tmp_path, env_extra=env
@@ -184,7 +197,7 @@ def test_string_prompts_on_a_chat_model_get_one_warning_or_go_as_user_messages(s
     assert wrapped.returncode == 0, wrapped.stderr[-3000:]
     assert "grpo-flow: warning" not in wrapped.stderr
     prompts = {
-        run: RunStorage(storage_root, run).read_rollouts(1, columns=["prompt"])["prompt"].to_pylist()
+        run: RunStorage(tmp_path / "store", run).read_rollouts(1, columns=["prompt"])["prompt"].to_pylist()
         for run in ("strings-raw", "strings-wrapped")
     }
     assert all(prompt.endswith("=") and "<|" not in prompt for prompt in prompts["strings-raw"])
