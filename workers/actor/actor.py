@@ -172,9 +172,9 @@ class Actor:
         # Whether the rollout engine's log-probs equal this actor's at the same weights (see
         # sampling_matches_actor); otherwise the IS correction applies to every step. Set in load().
         self.sampling_matches_actor = False
-        # Padded tokens per micro-batch in every pass over a step's rows (the config's, else sized from the
-        # device's total memory in load()).
-        self.max_tokens_per_microbatch = config.max_tokens_per_microbatch
+        # Padded tokens per micro-batch in every pass over a step's rows: the config's, else sized from the
+        # device's total memory. Set in load().
+        self.max_tokens_per_microbatch = 0
 
     @property
     def loaded(self) -> bool:
@@ -204,10 +204,9 @@ class Actor:
             raise ValueError(
                 f"top_p/vllm_importance_sampling_correction: {truncated_sampling_message(self.config.top_p)}"
             )
-        if self.config.max_tokens_per_microbatch is None:
-            info = memory.model_info_from_config(model.config.to_dict())
-            total = memory.device_total_memory(self.device)
-            self.max_tokens_per_microbatch = memory.default_microbatch_tokens(self.config, info, total)
+        self.max_tokens_per_microbatch = self.config.max_tokens_per_microbatch or memory.default_microbatch_tokens(
+            self.config, memory.model_info_from_config(model.config.to_dict()), memory.device_total_memory(self.device)
+        )
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The scheduler counts optimizer steps: num_iterations per step. max_steps may be -1 (epochs);
