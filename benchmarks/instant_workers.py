@@ -125,6 +125,7 @@ class InstantActor:
             "learning_rate": self.config.learning_rate,
             "actor/tokens_per_second": 0.0,
             "actor/micro_batches": 1.0,
+            "actor/max_tokens_per_microbatch": 512.0,
             "entropy": 0.0,
             "clip_ratio/low_mean": 0.0,
             "clip_ratio/low_min": 0.0,

@@ -163,10 +163,25 @@ def measure_step(
         "threads": torch.get_num_threads(),
         "peak_before_step_bytes": before_step,
         "peak_bytes": peak_rss_bytes(),
+        "micro_batches": metrics["actor/micro_batches"],
+        "max_tokens_per_microbatch": metrics["actor/max_tokens_per_microbatch"],
+        "estimate_bytes": actor_estimate(actor.config),
         "step_s": step_s,
         "process_s": time.perf_counter() - started,
         "loss": metrics["loss"],
     }
+
+
+def actor_estimate(config: Any) -> int:
+    """workers/actor/memory.py's estimate of the actor's part of a step (the rollout engine is not in this
+    process): what `grpo train` states before loading, less the engine."""
+    from grpo_flow.workers.actor import memory
+
+    info = memory.read_model_info(config.model, config.storage_root)
+    if info is None:
+        raise RuntimeError(f"{config.model}: no config.json to estimate from")
+    parts = memory.estimate_step_memory(config, info, memory.machine_memory()[0])
+    return parts["total"] - parts["engine"]
 
 
 def measure_run(model_path: str, workdir: str) -> dict[str, Any]:
@@ -251,6 +266,21 @@ def real_model_shape(model_path: str) -> list[str]:
     ]
 
 
+def completions_sweep(path: str, counts: list[int], timeout: float) -> dict[str, Any]:
+    """The smol-math preset's actor step (LoRA, the default micro-batch budget) at each number of completions
+    per step, each in a fresh process: the peak flattens once a step is more than one micro-batch."""
+    shape = real_model_shape(path)
+    prompt_tokens, completion_tokens = shape[shape.index("--prompt-tokens") + 1], shape[-1]
+    return {
+        str(count): run_child(
+            ["--child", "step", "--model-path", path, "--preset", "smol-math", "--rows", str(count)]
+            + ["--prompt-tokens", prompt_tokens, "--completion-tokens", completion_tokens],
+            timeout,
+        )
+        for count in counts
+    }
+
+
 def tiny_model(workdir: Path, given: str | None) -> str:
     from grpo_flow.benchmarks.steps import build_tiny_architecture, default_tiny_model
 
@@ -271,6 +301,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="qwen0.5b: prompt tokens per row (default 64)")
     parser.add_argument("--completion-tokens", type=int, default=32, help="qwen0.5b: completion tokens (default 32)")
     parser.add_argument("--tiny-model", default=None, help="the tiny preset's built model folder")
+    parser.add_argument(
+        "--completions",
+        default="",
+        help=f"{REAL_MODEL} only: instead of the preset's step with and without gradient checkpointing and the "
+        "flow's step, its actor step at each of these numbers of completions per step (e.g. 32,64,128,256)",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed each child process")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     # internal: one measurement in this (fresh) process
@@ -301,6 +337,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
                 storage_root = args.storage_root or os.environ.get("GRPO_FLOW_STORAGE") or "grpo-storage"
                 path = resolve_model_path(REAL_MODEL, storage_root)
+                if args.completions:
+                    counts = [int(c) for c in args.completions.split(",")]
+                    results["models"][name] = {"completions": completions_sweep(path, counts, args.timeout)}
+                    continue
                 shape = [*real_model_shape(path), "--preset", "smol-math"]
                 built = {"run": run_child(["--child", "run", "--model-path", path, "--workdir", tmp], args.timeout)}
             else:
@@ -374,8 +414,26 @@ def print_report(results: dict[str, Any]) -> None:
                 )
             else:
                 print(f"{name:<14}the grpo flow's step: {run.get('error', '')[:300]}")
+    for name, entry in results["models"].items():
+        if "completions" in entry:
+            print_sweep(name, entry["completions"])
     if "qwen0.5b" in results["models"]:
         print(f"\nQwen2.5-0.5B-shape step within {LIMIT_GIB} GiB: {'yes' if results['qwen05b_fits_16gib'] else 'NO'}")
+
+
+def print_sweep(name: str, sweep: dict[str, Any]) -> None:
+    print(f"\n{name}, smol-math's actor step (LoRA) by completions per step, the default micro-batch budget:\n")
+    print(
+        f"{'completions':>11}{'micro-batches':>15}{'tokens each':>13}{'peak GiB':>10}{'estimate GiB':>14}{'est/peak':>10}"
+    )
+    for count, r in sweep.items():
+        if "peak_bytes" not in r:
+            print(f"{count:>11}  {r.get('error', '')[:300]}")
+            continue
+        print(
+            f"{count:>11}{r['micro_batches']:>15.0f}{r['max_tokens_per_microbatch']:>13.0f}{r['peak_bytes'] / GIB:>10.2f}"
+            f"{r['estimate_bytes'] / GIB:>14.2f}{r['estimate_bytes'] / r['peak_bytes']:>10.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ def check_before_start(
     if config.backend == "local":
         check_model(config.model, config.storage_root)
         check_device(config)
+        check_memory(config)
 
 
 def check_device(config: GRPOFlowConfig) -> None:
@@ -71,6 +72,31 @@ def check_device(config: GRPOFlowConfig) -> None:
         raise StartCheckError(
             "device", "'cuda', but this machine has no CUDA GPU (nvidia-smi finds none); use cpu or auto"
         )
+
+
+def check_memory(config: GRPOFlowConfig) -> None:
+    """A local CPU run whose step's estimated peak (workers/actor/memory.py) exceeds the memory available now,
+    refused before anything loads, naming what shrinks it. A GPU actor's memory is the GPU's: not checked here."""
+    from grpo_flow.workers.actor import memory
+    from grpo_flow.workers.backends.vllm_env import has_cuda
+
+    if config.device == "cuda" or (config.device == "auto" and has_cuda()):
+        return
+    info = memory.read_model_info(config.model, config.storage_root)
+    if info is None:  # a hub model not downloaded yet: its shape is known where it loads
+        return
+    total, available = memory.machine_memory()
+    parts = memory.estimate_step_memory(config, info, total)
+    if parts["total"] <= available:
+        return
+    options = (("use_lora", config.use_lora), ("gradient_checkpointing", config.gradient_checkpointing))
+    field = next((name for name, on in options if not on), "max_tokens_per_microbatch")  # the first that shrinks it
+    raise StartCheckError(
+        field,
+        f"a step needs about {parts['total'] / memory.GIB:.1f} GiB ({memory.describe(parts)}) and "
+        f"{available / memory.GIB:.1f} GiB is available; shrink it with use_lora, gradient_checkpointing, fewer "
+        "completions per step (prompts_per_step x num_generations) or a smaller max_tokens_per_microbatch",
+    )
 
 
 def check_tools(config: GRPOFlowConfig, objects: Mapping[str, Any] | None = None) -> list[str]:

@@ -125,6 +125,14 @@ class FieldRuleError(ValueError):
         super().__init__(f"{'/'.join(self.fields)}: {message}")
 
 
+def truncated_sampling_message(top_p: float) -> str:
+    return (
+        f"top_p {top_p} with the importance-sampling correction: the rollout engine logs log-probs of the "
+        "top-p-truncated distribution and the actor those of the full one, so the IS ratio is scaled by the kept "
+        "mass (TRL #6789); set top_p 1, or vllm_importance_sampling_correction false"
+    )
+
+
 class GRPOFlowConfig(BaseModel):
     """Everything a run needs, validated once at the edge (CLI, Python API, Prefect parameters)."""
 
@@ -247,9 +255,11 @@ class GRPOFlowConfig(BaseModel):
     max_tokens_per_microbatch: int | None = Field(
         default=None,
         ge=1,
-        description="Gradient accumulation: split each optimizer step into micro-batches of at most this many "
-        "padded prompt+completion tokens (at least one completion each). The update equals the whole batch's. "
-        "None: one micro-batch.",
+        description="Gradient accumulation: split each optimizer step, and the passes that compute old and "
+        "reference log-probs, into micro-batches of at most this many padded prompt+completion tokens (at least one "
+        "completion each). The update equals the whole batch's. None: sized from the total memory of the actor's "
+        "device (a GPU's, else the machine's): the tokens whose activations take an eighth of it, rounded down to "
+        "a power of two; each step row states it (actor/max_tokens_per_microbatch).",
     )
     use_lora: bool = Field(default=False, description="Train LoRA adapters (peft) instead of every weight.")
     lora_r: int | None = Field(default=None, ge=1, description="LoRA rank (default 16 with use_lora).")
@@ -638,6 +648,10 @@ class GRPOFlowConfig(BaseModel):
                 f"vllm_importance_sampling_clip_min ({self.vllm_importance_sampling_clip_min}) must be <= "
                 f"vllm_importance_sampling_clip_max ({self.vllm_importance_sampling_clip_max})",
             )
+        if self.top_p < 1 and self.vllm_importance_sampling_correction and self.engine_logprobs_can_differ:
+            raise FieldRuleError(
+                ("top_p", "vllm_importance_sampling_correction"), truncated_sampling_message(self.top_p)
+            )
         if self.backend == "modal" and self.vllm_mode == "colocate" and self.rollout_engine == "vllm":
             raise FieldRuleError(
                 ("vllm_mode", "backend"),
@@ -680,6 +694,13 @@ class GRPOFlowConfig(BaseModel):
         """The max_lora_rank a vLLM engine starts with: the smallest rank vLLM allows that holds lora_r."""
         rank = self.lora_r or 16
         return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+    @property
+    def engine_logprobs_can_differ(self) -> bool:
+        """Whether the rollout engine's log-probs can differ from the actor's, as far as the config tells, so the
+        IS correction applies: vLLM, an engine in a Modal container, a bf16 actor, or rows sampled a step back
+        (max_staleness 1). A GPU actor's default bf16 is known where it loads (Actor.load checks it there)."""
+        return self.rollout_engine == "vllm" or self.backend == "modal" or self.bf16 is True or self.max_staleness > 0
 
     @property
     def completions_per_step(self) -> int:

@@ -80,3 +80,24 @@ def test_an_accuracy_reward_is_checked_before_a_run_starts(tmp_path):
         check_before_start(config(tmp_path, dataset=data, accuracy_reward="nope"))
     with pytest.raises(StartCheckError, match="^accuracy_reward: is for hf: data sets; 'last_digit' scores held-out"):
         check_before_start(config(tmp_path, accuracy_reward="last_digit"))
+
+
+def test_a_step_that_cannot_fit_the_memory_available_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    from transformers import LlamaConfig
+
+    from grpo_flow.workers.actor import memory
+
+    model = tmp_path / "model"
+    LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9).save_pretrained(
+        model
+    )
+    monkeypatch.setattr(memory, "machine_memory", lambda: (24 * memory.GIB, 1 * memory.GIB))
+    with pytest.raises(StartCheckError) as caught:
+        check_before_start(config(tmp_path, model=str(model)))
+    assert caught.value.field == "use_lora"
+    assert caught.value.message.startswith("a step needs about ")
+    assert "1.0 GiB is available; shrink it with use_lora, gradient_checkpointing, fewer completions per step" in (
+        caught.value.message
+    )
+    monkeypatch.setattr(memory, "machine_memory", lambda: (24 * memory.GIB, 20 * memory.GIB))
+    check_before_start(config(tmp_path, model=str(model)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from grpo_flow.schemas.config import GRPOFlowConfig
-from grpo_flow.workers.actor import trl_objective
+from grpo_flow.schemas.config import GRPOFlowConfig, truncated_sampling_message
+from grpo_flow.workers.actor import memory, trl_objective
 
 
 class StaleActorError(RuntimeError):
@@ -99,9 +100,10 @@ PER_ROW = (
 
 def micro_batches(inputs: dict[str, torch.Tensor], max_tokens: int | None) -> list[dict[str, torch.Tensor]]:
     """Rows split in order into micro-batches of at most `max_tokens` padded tokens (one row at least),
-    each trimmed to its own padding; `num_items_in_batch` stays the whole batch's."""
+    each trimmed to its own padding; `num_items_in_batch` stays the whole batch's. A batch within the
+    budget is one micro-batch: the batch itself, untrimmed."""
     rows = inputs["completion_ids"].size(0)
-    if max_tokens is None:
+    if max_tokens is None or rows * (inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)) <= max_tokens:
         return [inputs]
     prompt_lengths = inputs["prompt_mask"].sum(1).tolist()
     completion_lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in inputs["completion_mask"]]
@@ -138,6 +140,16 @@ def micro_batches(inputs: dict[str, torch.Tensor], max_tokens: int | None) -> li
     return parts
 
 
+def by_parts(
+    compute: Callable[[dict[str, torch.Tensor]], torch.Tensor], parts: list[dict[str, torch.Tensor]], width: int
+) -> torch.Tensor:
+    """Per-token values (rows x completion tokens) computed one micro-batch at a time, each right-padded with
+    zeros to the whole batch's `width`, in row order."""
+    return torch.cat(
+        [torch.nn.functional.pad(compute(part), (0, width - part["completion_ids"].size(1))) for part in parts]
+    )
+
+
 def sampling_matches_actor(config: GRPOFlowConfig, actor_bf16: bool) -> bool:
     """Whether the rollout engine's log-probs equal the actor's at the same weights, so the IS correction
     has nothing to correct: only the local backend's fp32 transformers engine (the actor's own code on
@@ -160,6 +172,9 @@ class Actor:
         # Whether the rollout engine's log-probs equal this actor's at the same weights (see
         # sampling_matches_actor); otherwise the IS correction applies to every step. Set in load().
         self.sampling_matches_actor = False
+        # Padded tokens per micro-batch in every pass over a step's rows: the config's, else sized from the
+        # device's total memory. Set in load().
+        self.max_tokens_per_microbatch = 0
 
     @property
     def loaded(self) -> bool:
@@ -181,6 +196,17 @@ class Actor:
         self.objective = trl_objective.make_objective(model, self.tokenizer, self.config)
         self.model = self.objective.model  # the PeftModel with use_lora
         self.sampling_matches_actor = sampling_matches_actor(self.config, bool(self.objective.args.bf16))
+        if (
+            self.config.top_p < 1
+            and self.config.vllm_importance_sampling_correction
+            and not self.sampling_matches_actor
+        ):
+            raise ValueError(
+                f"top_p/vllm_importance_sampling_correction: {truncated_sampling_message(self.config.top_p)}"
+            )
+        self.max_tokens_per_microbatch = self.config.max_tokens_per_microbatch or memory.default_microbatch_tokens(
+            self.config, memory.model_info_from_config(model.config.to_dict()), memory.device_total_memory(self.device)
+        )
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The scheduler counts optimizer steps: num_iterations per step. max_steps may be -1 (epochs);
@@ -214,9 +240,13 @@ class Actor:
                 "advantage": [0.0] * len(completion_token_ids),
             }
         )
+        inputs = loss_inputs(table, self.tokenizer.pad_token_id)
+        parts = micro_batches(inputs, self.max_tokens_per_microbatch)
         with torch.no_grad():
-            logps = trl_objective.per_token_logprobs(
-                self.objective, self.model, loss_inputs(table, self.tokenizer.pad_token_id)
+            logps = by_parts(
+                lambda part: trl_objective.per_token_logprobs(self.objective, self.model, part),
+                parts,
+                inputs["completion_ids"].size(1),
             )
         return [logps[i, : len(row)].tolist() for i, row in enumerate(completion_token_ids)]
 
@@ -237,8 +267,12 @@ class Actor:
         self.model.train()
         extra: dict[str, float] = {}
         correct = sampling is not None and self._corrects_sampling(rollouts)
+        budget, width = self.max_tokens_per_microbatch, inputs["completion_ids"].size(1)
         if config.num_iterations > 1 or correct:  # TRL computes the old log-probs in these cases only
-            inputs["old_per_token_logps"] = trl_objective.old_logprobs(objective, inputs)
+            parts = micro_batches(inputs, budget)
+            inputs["old_per_token_logps"] = by_parts(
+                lambda part: trl_objective.old_logprobs(objective, part), parts, width
+            )
         if correct and sampling is not None:
             ratio, extra = trl_objective.importance_sampling_ratio(
                 objective, inputs["old_per_token_logps"], sampling, trl_objective.loss_mask(inputs)
@@ -246,8 +280,11 @@ class Actor:
             inputs["importance_sampling_ratio"] = ratio
             inputs["sampling_per_token_logps"] = sampling
         if objective.beta != 0.0:
-            inputs["ref_per_token_logps"] = trl_objective.reference_logprobs(objective, inputs)
-        parts = micro_batches(inputs, config.max_tokens_per_microbatch)
+            parts = micro_batches(inputs, budget)
+            inputs["ref_per_token_logps"] = by_parts(
+                lambda part: trl_objective.reference_logprobs(objective, part), parts, width
+            )
+        parts = micro_batches(inputs, budget)  # the same split, now carrying the log-probs above
         losses, grad_norms, learning_rates = [], [], []
         logged: dict[str, list[float]] = {}
         for _ in range(config.num_iterations):
@@ -275,6 +312,7 @@ class Actor:
             "learning_rate": float(learning_rates[0]),
             "actor/tokens_per_second": tokens * config.num_iterations / seconds,
             "actor/micro_batches": float(len(parts)),
+            "actor/max_tokens_per_microbatch": float(budget),
             **{name: sum(values) / len(values) for name, values in logged.items()},
             **extra,
         }

@@ -2,6 +2,8 @@
 num_iterations, the importance-sampling correction's trigger, and LoRA (only adapters train, merged
 or adapter-only publishing, checkpoints)."""
 
+import math
+
 import pyarrow as pa
 import pytest
 import torch
@@ -62,15 +64,51 @@ def assert_same_weights(a, b, atol=1e-5):
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=name)
 
 
+def assert_same_update(before, a, b):
+    """Two actors' steps from the same weights moved them alike, in units of the learning rate: Adam's first
+    update is about lr * sign(g), so where a gradient nearly cancels, rounding in how its sum was split flips
+    a few updates by a fraction of lr (as in test_trl_parity.py); a wrong objective moves them by about lr."""
+    lr = a.config.learning_rate
+    moved = max(float((a_w - before[name]).abs().max()) for name, a_w in weights(a).items())
+    assert moved > 0.5 * lr  # the step did move the weights, far beyond the tolerance below
+    for name, b_w in weights(b).items():
+        torch.testing.assert_close(weights(a)[name], b_w, atol=5e-2 * lr, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("correct", [False, True], ids=["plain", "is_correction"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_micro_batches_by_token_budget_give_the_whole_batchs_update(model_path, rollouts, loss_type):
+def test_micro_batches_by_token_budget_give_the_whole_batchs_update(model_path, rollouts, loss_type, correct):
+    """With the IS correction the old log-probs are computed micro-batch by micro-batch too."""
     whole = actor_for(model_path, loss_type=loss_type)
-    whole_metrics = whole.step(0, rollouts)
     split = actor_for(model_path, loss_type=loss_type, max_tokens_per_microbatch=60)
+    before = weights(whole)
+    whole.sampling_matches_actor = split.sampling_matches_actor = not correct
+    whole_metrics = whole.step(0, rollouts)
     split_metrics = split.step(0, rollouts)
     assert whole_metrics["actor/micro_batches"] == 1 and split_metrics["actor/micro_batches"] >= 3
     assert split_metrics["loss"] == pytest.approx(whole_metrics["loss"], abs=1e-6)
-    assert_same_weights(weights(whole), weights(split))
+    if correct:
+        name = "sampling/importance_sampling_ratio/mean"
+        assert split_metrics[name] == pytest.approx(whole_metrics[name], abs=1e-6)
+    assert_same_update(before, whole, split)
+
+
+def test_by_default_the_budget_comes_from_the_devices_total_memory(model_path, rollouts, monkeypatch):
+    from grpo_flow.workers.actor import memory
+
+    whole = actor_for(model_path, beta=0.04)  # a reference pass too
+    info = memory.model_info_from_config(whole.model.config.to_dict())
+    total = memory.device_total_memory("cpu")
+    assert whole.max_tokens_per_microbatch == memory.default_microbatch_tokens(whole.config, info, total)
+    monkeypatch.setattr(memory, "device_total_memory", lambda device: 1024**2)  # a machine of 1 MiB
+    small = actor_for(model_path, beta=0.04)
+    assert small.max_tokens_per_microbatch == memory.row_tokens(small.config)  # one widest row at least
+    before = weights(whole)
+    whole_metrics, small_metrics = whole.step(0, rollouts), small.step(0, rollouts)
+    assert whole_metrics["actor/micro_batches"] == 1 and small_metrics["actor/micro_batches"] > 1
+    assert small_metrics["actor/max_tokens_per_microbatch"] == small.max_tokens_per_microbatch
+    assert small_metrics["loss"] == pytest.approx(whole_metrics["loss"], abs=1e-6)
+    assert_same_update(before, whole, small)
 
 
 def test_micro_batches_respect_the_budget_and_keep_every_row(model_path, rollouts):
@@ -204,3 +242,37 @@ def test_lora_checkpoint_restores_the_adapter_and_writes_loadable_full_weights(m
 def test_bad_objective_options_are_refused_naming_the_field(overrides, message):
     with pytest.raises(ValidationError, match=message):
         preset_config("tiny", **overrides)
+
+
+def test_top_p_below_1_with_the_is_correction_is_refused_where_the_correction_applies(model_path, monkeypatch):
+    from grpo_flow.workers.actor import actor as actor_module
+
+    for fields in ({"rollout_engine": "vllm"}, {"max_staleness": 1}, {"bf16": True}):
+        with pytest.raises(ValidationError, match="top_p/vllm_importance_sampling_correction: top_p 0.9 with"):
+            preset_config("tiny", top_p=0.9, **fields)
+        preset_config("tiny", top_p=0.9, vllm_importance_sampling_correction=False, **fields)
+    actor_for(model_path, top_p=0.9)  # the local fp32 engine: its log-probs are the actor's, nothing to correct
+    monkeypatch.setattr(actor_module, "sampling_matches_actor", lambda config, bf16: False)  # e.g. bf16 on a GPU
+    with pytest.raises(ValueError, match="top_p/vllm_importance_sampling_correction: top_p 0.9 with"):
+        actor_for(model_path, top_p=0.9)
+
+
+def test_top_p_sampling_log_probs_are_the_truncated_distributions_by_hand(model_path):
+    """Why the combination is refused: at top_p 0.9 the engine logs log p(token) - log S, S the probability
+    mass of the nucleus (the fewest most likely tokens holding 0.9), where the actor computes log p(token);
+    the IS ratio would then be S, not 1, for an unchanged policy."""
+    engine = TransformersRolloutEngine(model_path)
+    engine.load()
+    prompt = load_task("last_digit").train[0]["prompt"]
+    result = engine.generate([prompt], SamplingParams(n=8, max_tokens=1, temperature=1.0, top_p=0.9, seed=5))
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([result.prompt_token_ids[0]])).logits[0, -1].double()
+    probs = logits.softmax(-1)
+    ordered = probs.sort(descending=True).values
+    kept = int((ordered.cumsum(0) < 0.9).sum()) + 1  # the nucleus: tokens until 0.9 is reached
+    mass = float(ordered[:kept].sum())
+    assert 0.9 <= mass < 1.0
+    for completion, logged in zip(result.completion_token_ids, result.sampling_logprobs, strict=True):
+        full = float(probs[completion[0]].log())
+        assert logged[0] == pytest.approx(full - math.log(mass), abs=1e-5)
+        assert math.exp(full - logged[0]) == pytest.approx(mass, abs=1e-5)  # the biased ratio: the kept mass
