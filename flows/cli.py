@@ -501,6 +501,13 @@ def command_serve(args: argparse.Namespace) -> int:
         cron, timezone = nightly_schedule(args.nightly_cron, args.timezone)
     except DeploymentSettingsError as error:
         raise UsageError(str(error)) from error
+    from grpo_flow.flows.ephemeral_server import ServerStartError, check_api_reachable
+
+    try:
+        check_api_reachable(api_url)
+    except ServerStartError as error:
+        print(f"grpo serve: {error}", file=sys.stderr)
+        return 1
     names = ", ".join([f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"])
     print(
         f"grpo serve: {names} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
