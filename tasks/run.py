@@ -59,7 +59,7 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
     backends.check_backend_ready(config)
     task_data = run_task(config)
     funcs = resolve_reward_funcs(config.reward_funcs or task_data.default_rewards, config.run_id)
-    model_path = resolve_model_path(config.model, config.storage_root)
+    model_path = resolve_model_path(config.model, config.storage_root, config.chat_template)
     environment_rewards: list[str] = []
     if config.tools or config.environment_factory:  # the toolbox, the data's prompts, the chat template
         from grpo_flow.workers.rollout.episodes import check_episodes
