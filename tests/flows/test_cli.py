@@ -154,13 +154,20 @@ def test_train_then_list_then_read_rollouts(tmp_path):
 
     listed = run_cli("runs", "--storage-root", str(root))
     assert listed.returncode == 0
+    assert listed.stdout.splitlines()[0].split() == ["run", "status", "model", "dataset", "steps", "accuracy"]
     line = next(line for line in listed.stdout.splitlines() if line.startswith("cli-run"))
-    assert line.split()[1:] == ["completed", "2"]
+    assert line.split()[1:5] == ["completed", "tiny", "last_digit", "2/2"]
+    assert 0.0 <= float(line.split()[5]) <= 1.0
 
-    shown = run_cli("rollouts", "cli-run", "--step", "1", "--limit", "3", "--storage-root", str(root))
+    shown = run_cli("rollouts", "cli-run", "--step", "1", "--limit", "3", "--storage-root", str(root), "--json")
     assert shown.returncode == 0, shown.stderr
     rows = [json.loads(line) for line in shown.stdout.splitlines()[1:]]
     assert len(rows) == 3 and all("completion" in r and "reward" in r for r in rows)
+    grouped = run_cli("rollouts", "cli-run", "--step", "1", "--sort", "reward", "--storage-root", str(root))
+    lines = grouped.stdout.splitlines()
+    assert grouped.returncode == 0 and lines[0] == "run cli-run, step 1: 8 of its 256 completions"
+    scores = [line for line in lines if line.startswith("  [")]
+    assert len(scores) == 8 and all("(last_digit " in line and "advantage" in line for line in scores)
 
     again = run_cli(
         "train", "--run-id", "cli-run", "--storage-root", str(root), "--learning-rate", "0.5", env_extra=env
