@@ -32,6 +32,7 @@ from grpo_flow.workers.state.resume import (
 from grpo_flow.workers.rewards.functions import RewardTrainerState, resolve_reward_funcs
 from grpo_flow.workers.state.storage import RunStorage
 from grpo_flow.workers.data.models import resolve_model_path
+from grpo_flow.workers.phase import say
 from grpo_flow.workers.data.tiny_model import read_build_info
 from grpo_flow.workers.state.tracking import undelivered, wandb_finish
 
@@ -131,6 +132,7 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
     trained = plan.resume_checkpoint is not None or bool(plan.replay_steps)
     if config.eval_prompts == 0 or (initial and trained):  # the initial policy is gone
         return float("nan")
+    say(f"evaluating on {config.eval_prompts} held-out prompts {'before' if initial else 'after'} training")
     engine = backends.run_workers(config).engine_at_current_version()
     task_data = run_task(config)
     total_steps = plan.total_steps

@@ -177,6 +177,31 @@ def test_train_then_list_then_read_rollouts(tmp_path):
     assert missing_step.returncode == 2 and "--step" in missing_step.stderr
 
 
+@pytest.mark.slow
+def test_a_piped_run_says_what_it_does_first_and_draws_no_bars(tmp_path):
+    """The first minutes were silent (issue 34): each phase is a line, in order, with the progress lines
+    (each with its ETA) between the evaluations; no library's progress bar reaches the pipe."""
+    root = tmp_path / "store"
+    trained = run_cli(
+        "train", "--max-steps", "2", "--run-id", "said", "--eval-prompts", "8", "--storage-root", str(root),
+        env_extra={"PREFECT_HOME": str(tmp_path / "prefect-home")},
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    lines = trained.stderr.splitlines()
+    phases = [re.sub(r" (into|on) \S+", "", line) for line in lines if line.startswith("grpo-flow: ")]
+    assert phases == [
+        "grpo-flow: building the tiny model 'tiny' (once: a warm start on last_digit)",
+        "grpo-flow: starting the actor and 2 rollout worker(s)",
+        "grpo-flow: evaluating on 8 held-out prompts before training",
+        "grpo-flow: evaluating on 8 held-out prompts after training",
+    ], lines
+    progress = [line for line in lines if line.startswith("said: step")]
+    assert progress[0].startswith("said: step 1/2") and " s/step  ETA " in progress[0]
+    assert lines.index(progress[0]) > lines.index(next(line for line in lines if "before training" in line))
+    output = trained.stdout + trained.stderr
+    assert "\r" not in output and "it/s" not in output and "%|" not in output
+
+
 # -- checked before anything starts (issue 15, item 8) -------------------------------------------------
 DATA = ["--reward-funcs", "last_digit"]  # a data set named by path or hub id has no default rewards
 
