@@ -16,12 +16,22 @@ included.
 Entrypoints are module paths (`grpo_flow.deployments.grpo.grpo_preset`, `grpo_flow.flows.evaluate.evaluate`),
 not file paths relative to where `grpo serve` was started, so a flow run finds its code from
 any working directory where grpo-flow is installed.
+
+Stopping (Ctrl-C, SIGTERM) is bounded: Prefect pauses the schedules on the way out, and with the
+server gone its client retries each call for minutes, while its SIGTERM handler waits on the same
+client. Here the pause gets `PAUSE_TIMEOUT_S`, the whole stop `STOP_GRACE_S`, and a second signal
+ends the process at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
+from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from prefect.deployments.runner import RunnerDeployment
@@ -35,6 +45,8 @@ NIGHTLY_TIMEZONE = "UTC"
 CRON_ENV = "GRPO_FLOW_NIGHTLY_CRON"
 TIMEZONE_ENV = "GRPO_FLOW_NIGHTLY_TZ"
 GRPO_PRESETS = ("tiny", "gsm8k", "math", "mbpp")  # the deployments `grpo/<preset>`
+PAUSE_TIMEOUT_S = 10.0
+STOP_GRACE_S = 20.0
 
 
 class DeploymentSettingsError(ValueError):
@@ -132,8 +144,63 @@ def serve_deployments(
     limit: int | None = None,
 ) -> None:
     """Register every deployment with the server in PREFECT_API_URL and run their flow runs in
-    subprocesses of this one until interrupted (Prefect's `serve`). On shutdown Prefect pauses
-    the nightly schedule, so no run is scheduled that nothing would pick up."""
-    from prefect import serve
+    subprocesses of this one until interrupted (Prefect's `serve`, with a bounded stop: see the module
+    docstring). On shutdown the schedules are paused, so no run is scheduled that nothing would pick up."""
+    from prefect.exceptions import TerminationSignal
+    from prefect.flows import _display_serve_start_message  # what prefect.serve prints
 
-    serve(*build_deployments(storage_root, cron, timezone, k, prompts), limit=limit)
+    deployments = build_deployments(storage_root, cron, timezone, k, prompts)
+    runner = bounded_runner()(pause_on_shutdown=True, limit=limit)
+    for deployment in deployments:
+        runner.add_deployment(deployment)
+    _display_serve_start_message(*deployments)
+    signal.signal(signal.SIGINT, runner.handle_sigint)
+    try:
+        asyncio.run(runner.start())  # the runner sets its own SIGTERM handler, `handle_sigterm`
+    except (KeyboardInterrupt, TerminationSignal):
+        pass
+
+
+def bounded_runner() -> Any:
+    """Prefect's Runner, whose stop cannot hang on a server that has gone away (made on first use:
+    importing the runner costs a second that `grpo serve`'s checks must not pay)."""
+    import anyio
+    from prefect.runner import Runner
+
+    class BoundedRunner(Runner):
+        stop_requested = False
+
+        def handle_sigint(self, signum: int, frame: Any) -> None:
+            self._stop_within_grace(signum)
+            raise KeyboardInterrupt
+
+        def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+            self._stop_within_grace(signal.SIGTERM)
+            super().handle_sigterm(*args, **kwargs)
+
+        def _stop_within_grace(self, signum: int) -> None:
+            """The first signal starts the clock; a second one, or the end of the grace, exits at once."""
+            if self.stop_requested:
+                os._exit(128 + signum)
+            self.stop_requested = True
+            threading.Thread(target=give_up_after, args=(STOP_GRACE_S, 128 + signum), daemon=True).start()
+
+        async def _pause_schedules(self) -> None:
+            with anyio.move_on_after(PAUSE_TIMEOUT_S) as scope:
+                await super()._pause_schedules()
+            if scope.cancelled_caught:
+                print(
+                    f"grpo serve: the Prefect server did not answer within {PAUSE_TIMEOUT_S:g} s, so the "
+                    "deployments' schedules may still be active; pause them with `prefect deployment pause`",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    return BoundedRunner
+
+
+def give_up_after(seconds: float, status: int) -> None:
+    threading.Event().wait(seconds)
+    print(f"grpo serve: not stopped after {seconds:g} s (the Prefect server is gone?); exiting", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(status)

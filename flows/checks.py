@@ -114,8 +114,11 @@ def check_tools(config: GRPOFlowConfig, objects: Mapping[str, Any] | None = None
         field, _, message = str(error).partition(": ")
         raise StartCheckError(field, message) from None
     builtin = BUILTIN_MODELS.get(config.model)
-    if builtin is not None and builtin.source == "built" and builtin.warm_start_task != "digit_lookup":
-        raise StartCheckError("model", f"{config.model!r} has no chat template; tools need one (try tiny-tools)")
+    untemplated = builtin is not None and builtin.source == "built" and builtin.warm_start_task != "digit_lookup"
+    if untemplated and config.chat_template is None:
+        raise StartCheckError(
+            "model", f"{config.model!r} has no chat template; tools need one (try tiny-tools, or --chat-template)"
+        )
     if builtin is not None:
         cached = is_cached(config.storage_root, config.model)
         path = builtin_model_path(config.storage_root, config.model) if cached else None
@@ -126,8 +129,13 @@ def check_tools(config: GRPOFlowConfig, objects: Mapping[str, Any] | None = None
         from grpo_flow.workers.rollout.base import load_generation_tokenizer
         from grpo_flow.workers.rollout.episodes import ChatFormatError, check_tool_template
 
+        tokenizer = load_generation_tokenizer(path)
+        if config.chat_template is not None:
+            from grpo_flow.workers.data.models import chat_template_text
+
+            tokenizer.chat_template = chat_template_text(config.chat_template)
         try:
-            check_tool_template(load_generation_tokenizer(path), config.model)
+            check_tool_template(tokenizer, config.model)
         except ChatFormatError as error:
             raise StartCheckError("model", str(error).partition(": ")[2]) from None
     return toolbox.reward_names

@@ -3,7 +3,7 @@
     grpo train --preset tiny [--max-steps 3 --loss-type grpo --storage-root DIR --run-id ID ...]
     grpo train --run-id ID [--resume] [--max-steps 80] [--allow-config-change]   (resume a run)
     grpo runs [--storage-root DIR]
-    grpo rollouts RUN_ID [--step N] [--limit K] [--storage-root DIR]
+    grpo rollouts RUN_ID [--step N] [--limit K] [--min-reward X] [--max-reward X] [--sort KEY] [--json]
     grpo verify RUN [--check-only] [--storage-root DIR]
     grpo serve [--storage-root DIR] [--timezone TZ] [--nightly-cron CRON]   (needs PREFECT_API_URL)
     grpo eval RUN [--checkpoint STEP] [--k K] [--prompts N] [--force] [--storage-root DIR]
@@ -435,23 +435,24 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def command_runs(args: argparse.Namespace) -> int:
+    from grpo_flow.flows.show import run_table
     from grpo_flow.workers.state.storage import list_runs
 
     runs = list_runs(args.storage_root)
     if not runs:
         print(f"no runs under {os.path.join(args.storage_root, 'runs')}")
         return 0
-    print(f"{'run':<40} {'status':<11} last step")
-    for run in runs:
-        last = "-" if run.last_step is None else str(run.last_step)
-        note = f"  damaged: {len(run.damaged)} file(s), see below" if run.damaged else ""
-        print(f"{run.run_id:<40} {run.status:<11} {last:<9}{note}".rstrip())
+    print("\n".join(run_table(runs, args.storage_root)))
     for run in runs:  # sizes against the step manifests only (fast); `grpo verify` reads every byte
         for problem in run.damaged:
             print(f"grpo runs: run {run.run_id}: {problem}", file=sys.stderr)
         if run.damaged:
             print(f"grpo runs: `grpo verify {run.run_id}` names every damaged file and moves it aside", file=sys.stderr)
     return 0
+
+
+# What `grpo rollouts` reads of a step (not its token ids and log-probs), and what --json prints of each.
+SHOWN_COLUMNS = ("group_index", "sample_index", "prompt", "completion", "reward", "advantage", "finish_reason")
 
 
 def command_rollouts(args: argparse.Namespace) -> int:
@@ -472,14 +473,24 @@ def command_rollouts(args: argparse.Namespace) -> int:
             print(f"grpo rollouts: run {args.run_id}: {problem}", file=sys.stderr)
         print(f"grpo rollouts: step {step} is damaged; `grpo verify {args.run_id}` moves it aside", file=sys.stderr)
         return 1
-    columns = ["group_index", "sample_index", "prompt", "completion", "reward", "advantage", "finish_reason"]
-    table = storage.read_rollouts(step).slice(0, args.limit)
+    from grpo_flow.flows.show import chosen_rollouts, group_lines, reward_names
+
+    table = storage.read_rollouts(step)
+    names = reward_names(table.column_names)
+    shown = [*SHOWN_COLUMNS, *(f"reward_{name}" for name in names), "completion_tokens"]
+    shown += [column for column in ("tool_calls", "tool_failures", "messages") if column in table.column_names]
+    rows = chosen_rollouts(table.select(shown).to_pylist(), args.min_reward, args.max_reward, args.sort, args.limit)
+    bounds = "" if args.min_reward is None and args.max_reward is None else " in the reward range asked"
+    print(f"run {args.run_id}, step {step}: {len(rows)} of its {table.num_rows} completions{bounds}")
+    if not args.json:
+        print("\n".join(group_lines(rows, names)).rstrip())
+        return 0
+    columns = list(SHOWN_COLUMNS)
     episodes = "messages" in table.column_names and table.column("messages").null_count < table.num_rows
     if episodes:  # multi-turn: each turn (assistant messages with their tool calls, tool results) in order
         columns += ["tool_calls", "tool_failures", "messages"]
-    rows = table.select(columns).to_pylist()
-    print(f"run {args.run_id}, step {step}: {len(rows)} of its completions")
-    for row in rows:
+    for full in rows:
+        row = {name: full[name] for name in columns}
         if episodes:
             row["turns"] = json.loads(row.pop("messages")) if row["messages"] is not None else None
         print(json.dumps(row, ensure_ascii=False))
@@ -522,6 +533,13 @@ def command_serve(args: argparse.Namespace) -> int:
         cron, timezone = nightly_schedule(args.nightly_cron, args.timezone)
     except DeploymentSettingsError as error:
         raise UsageError(str(error)) from error
+    from grpo_flow.flows.ephemeral_server import ServerStartError, check_api_reachable
+
+    try:
+        check_api_reachable(api_url)
+    except ServerStartError as error:
+        print(f"grpo serve: {error}", file=sys.stderr)
+        return 1
     names = ", ".join([f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"])
     print(
         f"grpo serve: {names} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
@@ -772,6 +790,17 @@ def make_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("run_id", metavar="RUN_ID")
     rollouts.add_argument("--step", type=int, default=None, help="step to show (default: the last logged)")
     rollouts.add_argument("--limit", type=int, default=8, help="completions to show (default: 8)")
+    rollouts.add_argument("--min-reward", type=float, default=None, metavar="X", help="only completions rewarded >= X")
+    rollouts.add_argument("--max-reward", type=float, default=None, metavar="X", help="only completions rewarded <= X")
+    rollouts.add_argument(
+        "--sort",
+        choices=("reward", "advantage", "length"),
+        default=None,
+        help="highest first (length: completion tokens; default: as generated, group by group)",
+    )
+    rollouts.add_argument(
+        "--json", action="store_true", help="one JSON object per completion (prompt repeated), for scripts"
+    )
     rollouts.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     rollouts.set_defaults(handler=command_rollouts)
 

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -147,29 +148,39 @@ def generate_once(config: Any, prompts: list[Any], params: Any) -> tuple[Any, st
 
 
 # -- test-reward ---------------------------------------------------------------------------------------
-def parse_columns(pairs: list[str]) -> dict[str, Any]:
-    """`name=value` pairs; a value that parses as JSON is taken as JSON (numbers, lists), else as text."""
+def parse_columns(text_pairs: list[str], json_pairs: list[str]) -> dict[str, Any]:
+    """`name=value` pairs: `--column` values as text, as a JSONL data set's string column holds them
+    (`answer=56` is the string "56"); `--column-json` values parsed as JSON, for a column of numbers or lists."""
     columns: dict[str, Any] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise ComponentError(f"--column: {pair!r} is not name=value")
-        try:
-            columns[name] = json.loads(value)
-        except json.JSONDecodeError:
-            columns[name] = value
+    for option, pairs in (("--column", text_pairs), ("--column-json", json_pairs)):
+        for pair in pairs:
+            name, sep, value = pair.partition("=")
+            if not sep or not name:
+                raise ComponentError(f"{option}: {pair!r} is not name=value")
+            if option == "--column":
+                columns[name] = value
+                continue
+            try:
+                columns[name] = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ComponentError(f"--column-json: {name}: {value!r} is not JSON ({error.msg})") from None
     return columns
 
 
 def command_test_reward(args: argparse.Namespace) -> int:
     from grpo_flow.schemas.records import RolloutBatch
-    from grpo_flow.workers.rewards.functions import RewardTrainerState, resolve_reward_funcs, score_batch
+    from grpo_flow.workers.rewards.functions import (
+        RewardOutputError,
+        RewardTrainerState,
+        resolve_reward_funcs,
+        score_batch,
+    )
 
     try:
         funcs = resolve_reward_funcs(args.reward_funcs)
     except (ValueError, ImportError, AttributeError) as error:
         raise ComponentError(f"REWARD_FUNC: {error}") from None
-    columns = parse_columns(args.column or [])
+    columns = parse_columns(args.column or [], args.column_json or [])
     batch = RolloutBatch(
         run_id="component-test-reward",
         step=1,
@@ -188,7 +199,11 @@ def command_test_reward(args: argparse.Namespace) -> int:
         raw_prompt=[args.prompt],
     )
     state = RewardTrainerState(global_step=1, max_steps=1, epoch=0.0)
-    scored = score_batch(batch, funcs, None, state)  # a failing function raises with its traceback
+    try:  # a function that raises shows its traceback: that is where its bug is
+        scored = score_batch(batch, funcs, None, state)
+    except RewardOutputError as error:  # the call worked, its output is wrong: the message says all
+        print(f"grpo test-reward: {error}", file=sys.stderr)
+        return 1
     for name, scores in scored.rewards.items():
         shown = "None (not applicable)" if scores[0] is None else f"{scores[0]:.4f}"
         print(f"{name}: {shown}  ({scored.reward_seconds[name] * 1000:.1f} ms)")
@@ -328,7 +343,13 @@ def add_component_commands(commands: Any, default_storage_root: str) -> None:
         "--column",
         action="append",
         metavar="NAME=VALUE",
-        help="a data set column passed to the function (repeatable; JSON values are parsed)",
+        help="a data set column passed to the function, as text (repeatable)",
+    )
+    reward.add_argument(
+        "--column-json",
+        action="append",
+        metavar="NAME=JSON",
+        help="a data set column whose value is parsed as JSON: a number, a list (repeatable)",
     )
     reward.set_defaults(handler=command_test_reward)
 

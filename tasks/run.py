@@ -33,6 +33,7 @@ from grpo_flow.workers.state.resume import (
 from grpo_flow.workers.rewards.functions import RewardTrainerState, resolve_reward_funcs
 from grpo_flow.workers.state.storage import RunStorage
 from grpo_flow.workers.data.models import resolve_model_path
+from grpo_flow.workers.phase import say
 from grpo_flow.workers.data.tiny_model import read_build_info
 from grpo_flow.workers.state.tracking import undelivered, wandb_finish
 
@@ -60,7 +61,7 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
     backends.check_backend_ready(config)
     task_data = run_task(config)
     funcs = resolve_reward_funcs(config.reward_funcs or task_data.default_rewards, config.run_id)
-    model_path = resolve_model_path(config.model, config.storage_root)
+    model_path = resolve_model_path(config.model, config.storage_root, config.chat_template)
     environment_rewards: list[str] = []
     if config.tools or config.environment_factory:  # the toolbox, the data's prompts, the chat template
         from grpo_flow.workers.rollout.episodes import check_episodes
@@ -136,6 +137,7 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
     trained = plan.resume_checkpoint is not None or bool(plan.replay_steps)
     if config.eval_prompts == 0 or (initial and trained):  # the initial policy is gone
         return float("nan")
+    say(f"evaluating on {config.eval_prompts} held-out prompts {'before' if initial else 'after'} training")
     engine = backends.run_workers(config).engine_at_current_version()
     task_data = run_task(config)
     total_steps = plan.total_steps

@@ -162,13 +162,20 @@ def test_train_then_list_then_read_rollouts(tmp_path):
 
     listed = run_cli("runs", "--storage-root", str(root))
     assert listed.returncode == 0
+    assert listed.stdout.splitlines()[0].split() == ["run", "status", "model", "dataset", "steps", "accuracy"]
     line = next(line for line in listed.stdout.splitlines() if line.startswith("cli-run"))
-    assert line.split()[1:] == ["completed", "2"]
+    assert line.split()[1:5] == ["completed", "tiny", "last_digit", "2/2"]
+    assert 0.0 <= float(line.split()[5]) <= 1.0
 
-    shown = run_cli("rollouts", "cli-run", "--step", "1", "--limit", "3", "--storage-root", str(root))
+    shown = run_cli("rollouts", "cli-run", "--step", "1", "--limit", "3", "--storage-root", str(root), "--json")
     assert shown.returncode == 0, shown.stderr
     rows = [json.loads(line) for line in shown.stdout.splitlines()[1:]]
     assert len(rows) == 3 and all("completion" in r and "reward" in r for r in rows)
+    grouped = run_cli("rollouts", "cli-run", "--step", "1", "--sort", "reward", "--storage-root", str(root))
+    lines = grouped.stdout.splitlines()
+    assert grouped.returncode == 0 and lines[0] == "run cli-run, step 1: 8 of its 256 completions"
+    scores = [line for line in lines if line.startswith("  [")]
+    assert len(scores) == 8 and all("(last_digit " in line and "advantage" in line for line in scores)
 
     again = run_cli(
         "train", "--run-id", "cli-run", "--storage-root", str(root), "--learning-rate", "0.5", env_extra=env
@@ -176,6 +183,31 @@ def test_train_then_list_then_read_rollouts(tmp_path):
     assert again.returncode == 2 and "learning_rate: 0.005 -> 0.5" in again.stderr
     missing_step = run_cli("rollouts", "cli-run", "--step", "9", "--storage-root", str(root))
     assert missing_step.returncode == 2 and "--step" in missing_step.stderr
+
+
+@pytest.mark.slow
+def test_a_piped_run_says_what_it_does_first_and_draws_no_bars(tmp_path):
+    """The first minutes were silent (issue 34): each phase is a line, in order, with the progress lines
+    (each with its ETA) between the evaluations; no library's progress bar reaches the pipe."""
+    root = tmp_path / "store"
+    trained = run_cli(
+        "train", "--max-steps", "2", "--run-id", "said", "--eval-prompts", "8", "--storage-root", str(root),
+        env_extra={"PREFECT_HOME": str(tmp_path / "prefect-home")},
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    lines = trained.stderr.splitlines()
+    phases = [re.sub(r" (into|on) \S+", "", line) for line in lines if line.startswith("grpo-flow: ")]
+    assert phases == [
+        "grpo-flow: building the tiny model 'tiny' (once: a warm start on last_digit)",
+        "grpo-flow: starting the actor and 2 rollout worker(s)",
+        "grpo-flow: evaluating on 8 held-out prompts before training",
+        "grpo-flow: evaluating on 8 held-out prompts after training",
+    ], lines
+    progress = [line for line in lines if line.startswith("said: step")]
+    assert progress[0].startswith("said: step 1/2") and " s/step  ETA " in progress[0]
+    assert lines.index(progress[0]) > lines.index(next(line for line in lines if "before training" in line))
+    output = trained.stdout + trained.stderr
+    assert "\r" not in output and "it/s" not in output and "%|" not in output
 
 
 # -- checked before anything starts (issue 15, item 8) -------------------------------------------------

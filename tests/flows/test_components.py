@@ -98,6 +98,30 @@ def test_test_reward_shows_the_failing_function_and_refuses_bad_names(tmp_path, 
     assert "--column: 'oops' is not name=value" in capsys.readouterr().err
 
 
+def test_test_reward_passes_column_values_as_text_and_json_ones_typed(tmp_path, monkeypatch, capsys):
+    (tmp_path / "typed_rewards.py").write_text(
+        "def exact(completions, answer, **kwargs):\n"
+        "    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]\n"
+        "def is_int(completions, answer, **kwargs):\n"
+        "    return [1.0 if isinstance(a, int) else 0.0 for a in answer]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["test-reward", "typed_rewards:exact", "--completion", "56", "--column", "answer=56"]) == 0
+    assert "exact: 1.0000" in capsys.readouterr().out  # the string "56", as a JSONL string column gives it
+    assert main(["test-reward", "typed_rewards:is_int", "--completion", "x", "--column-json", "answer=56"]) == 0
+    assert "is_int: 1.0000" in capsys.readouterr().out
+    assert main(["test-reward", "typed_rewards:is_int", "--completion", "x", "--column-json", "answer={"]) == 2
+    assert "--column-json: answer: '{' is not JSON" in capsys.readouterr().err
+
+
+def test_test_reward_says_a_wrong_length_in_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "long_rewards.py").write_text("def twice(completions, **kwargs):\n    return [1.0, 1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["test-reward", "long_rewards:twice", "--completion", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err == "grpo test-reward: reward function 'twice' returned 2 scores for 1 completions\n"
+
+
 @pytest.mark.slow
 def test_checkpoints_lists_each_with_its_verification(prefect_server, tmp_path, capsys):
     from grpo_flow.flows.grpo import grpo

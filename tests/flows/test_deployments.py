@@ -228,6 +228,24 @@ def test_serve_refuses_bad_input_before_registering_anything(tmp_path, args, env
     assert expected in done.stderr
 
 
+@pytest.mark.parametrize("command", [["serve"], ["train", "--max-steps", "1"]])
+def test_an_unreachable_prefect_api_url_is_named_before_anything_starts(tmp_path, command):
+    """Prefect's client retried for about 20 s, then named neither the variable nor what to do."""
+    environment = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    done = subprocess.run(
+        [sys.executable, "-m", "grpo_flow.flows.cli", *command, "--storage-root", str(tmp_path / "store")],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.startswith(
+        f"grpo {command[0]}: PREFECT_API_URL=http://127.0.0.1:9/api: no Prefect server answers there"
+    ), done.stderr[-2000:]
+    assert not (tmp_path / "store" / "runs").exists()
+
+
 # -- presets ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, dataset, reward", [("math", "math", "math_accuracy"), ("mbpp", "mbpp", "mbpp_tests")])
 def test_math_and_mbpp_presets(name, dataset, reward):

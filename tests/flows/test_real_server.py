@@ -323,3 +323,32 @@ def test_deployments_on_a_process_work_pool_run_on_a_worker(real_server, tmp_pat
     with prefect_client(url) as client:
         state = client.read_flow_run(run.id).state
     assert state.is_completed(), output[-3000:]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_stops_promptly_once_its_server_is_gone(tmp_path, signum):
+    """With the server gone, Prefect's pause of the schedules at shutdown retried for minutes; `grpo serve`
+    now gives it a few seconds, says the schedules may still be active, and ends."""
+    with running_prefect_server(tmp_path / "gone-home") as url:
+        env = client_env(url, tmp_path / "client-home")
+        log = open(tmp_path / "serve.log", "w")
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "grpo_flow.flows.cli", "serve", "--storage-root", str(tmp_path / "store")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 120
+        while not GRPO_DEPLOYMENTS <= deployment_names(url):
+            assert serve.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(1)
+    try:  # the server is stopped now
+        serve.send_signal(signum)
+        serve.wait(timeout=60)  # its grace is 20 s
+    finally:
+        stop(serve)
+        log.close()
+    output = (tmp_path / "serve.log").read_text()
+    if signum == signal.SIGINT:  # Prefect pauses the schedules on Ctrl-C (its SIGTERM handler skips it)
+        assert "schedules may still be active" in output, output[-3000:]

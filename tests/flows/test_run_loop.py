@@ -2,7 +2,7 @@
 
 import io
 
-from grpo_flow.flows.run_loop import StepProgress
+from grpo_flow.flows.run_loop import StepProgress, duration_text
 from grpo_flow.schemas.records import RunPlan
 
 
@@ -51,3 +51,27 @@ def test_a_terminal_gets_a_bar_and_no_progress_asked_for_prints_nothing():
     quiet = io.StringIO()
     shown(StepProgress(plan(total_steps=3), show=False, stream=quiet, terminal=False), range(1, 4))
     assert quiet.getvalue() == ""
+
+
+def test_a_duration_reads_in_seconds_minutes_or_hours():
+    assert [duration_text(s) for s in (0, 42.4, 59.6, 185, 3599, 7620, 90000)] == [
+        "0 s",
+        "42 s",
+        "1 min 00 s",
+        "3 min 05 s",
+        "59 min 59 s",
+        "2 h 07 min",
+        "25 h 00 min",
+    ]
+
+
+def test_the_eta_is_the_steps_left_times_the_mean_of_the_recent_steps():
+    """Ten slow steps (the first ones compile, warm caches), then 2 s steps: the ETA follows the recent ones."""
+    times = iter([0.0, *(10.0 * s for s in range(1, 11)), *(100.0 + 2.0 * s for s in range(1, 11))])
+    stream = io.StringIO()
+    progress = StepProgress(plan(), show=True, every=5, stream=stream, clock=lambda: next(times))
+    shown(progress, range(1, 21))
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("10.00 s/step  ETA 2 min 30 s")  # step 5: 15 steps left x 10 s
+    assert lines[2].endswith("2.00 s/step  ETA 10 s")  # step 15: 5 left x the last 5 steps' 2 s
+    assert lines[3].endswith("2.00 s/step")  # the last step: nothing left

@@ -96,3 +96,27 @@ def test_the_python_api_takes_trls_tools_and_environments_and_refuses_the_same(t
     assert trainer.tool_objects == {"local": local}
     with pytest.raises(StartCheckError, match=r"^tools\[0\] \(untyped\): Argument a is missing a type hint"):
         GRPOFlowTrainer(model="tiny-tools", dataset="digit_lookup", tools=[module.untyped], storage_root=str(tmp_path))
+
+
+def test_tools_resolve_from_the_working_directory_as_rewards_do(tmp_path):
+    """`grpo` is an installed script: the folder it runs in is not on its import path unless grpo-flow puts it there."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mytools.py").write_text(
+        "def multiply(a: int, b: int) -> int:\n"
+        '    """Multiply two integers.\n\n    Args:\n        a: The first.\n        b: The second.\n    """\n'
+        "    return a * b\n"
+    )
+    grpo = Path(sys.executable).with_name("grpo")
+    done = subprocess.run(
+        [str(grpo), "train", "--preset", "tiny", "--tools", "mytools:multiply", "--storage-root", "store"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # The tool imported and checked; the next check refuses the model (no template), before anything loads.
+    assert done.returncode == 2 and done.stderr.startswith("grpo train: --model: 'tiny' has no chat template"), (
+        done.stderr
+    )

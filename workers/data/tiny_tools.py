@@ -241,6 +241,7 @@ def build_tools_model(tokenizer: Any, seed: int = 0) -> Any:
 def ensure_tiny_tools_model(folder: str | os.PathLike) -> Path:
     """The `tiny-tools` model in `folder`, built (once, atomically) if it is not there yet, with its
     warm start's held-out accuracy with the tool and with it disabled in build_info.json."""
+    from grpo_flow.workers.phase import say
     from grpo_flow.workers.state.storage import clean_stale_temps, temp_prefix
 
     final = Path(folder)
@@ -248,6 +249,7 @@ def ensure_tiny_tools_model(folder: str | os.PathLike) -> Path:
         clean_stale_temps([final.parent])  # builds killed midway (their pid is in the folder's name)
     if (final / "build_info.json").exists():
         return final
+    say(f"building the tiny model 'tiny-tools' into {final.parent} (once: a warm start on digit_lookup)")
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(final.name), suffix=".tmp"))
     task = build_digit_lookup()

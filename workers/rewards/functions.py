@@ -149,14 +149,9 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
                 f"({', '.join(sorted(BUILTIN_REWARDS))}) nor a 'module:function' path"
             )
         try:
-            func = getattr(import_reward_module(module_name), attr)
+            func = getattr(import_user_module(module_name), attr)
         except (ImportError, AttributeError) as error:
-            where = ""
-            if isinstance(error, ModuleNotFoundError) and error.name == module_name.partition(".")[0]:
-                where = (
-                    f" (looked in the installed packages and the working directory {os.getcwd()}; "
-                    "a module elsewhere needs PYTHONPATH)"
-                )
+            where = where_it_looked(error, module_name)
             raise ValueError(f"reward_funcs[{index}]: cannot import {name!r}: {error}{where}") from error
         except (Exception, SystemExit) as error:  # the module itself failed: a syntax error, sys.exit()
             raise ValueError(
@@ -187,14 +182,24 @@ def columns_read(func: RewardFunc) -> list[str]:
     ]
 
 
-def import_reward_module(module_name: str) -> Any:
-    """The module of a `module:function` reward. The working directory is searched too, as `python -m`
-    and `python script.py` do (`grpo` is an installed script, so it is not on sys.path otherwise); last,
-    so that a file there never shadows an installed module."""
+def import_user_module(module_name: str) -> Any:
+    """The module of a `module:function` reward or tool. The working directory is searched too, as
+    `python -m` and `python script.py` do (`grpo` is an installed script, so it is not on sys.path
+    otherwise); last, so that a file there never shadows an installed module."""
     here = os.getcwd()
     if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
         sys.path.append(here)
     return importlib.import_module(module_name)
+
+
+def where_it_looked(error: BaseException, module_name: str) -> str:
+    """` (looked in ...)` when `module_name` itself was not found, else nothing."""
+    if isinstance(error, ModuleNotFoundError) and error.name == module_name.partition(".")[0]:
+        return (
+            f" (looked in the installed packages and the working directory {os.getcwd()}; "
+            "a module elsewhere needs PYTHONPATH)"
+        )
+    return ""
 
 
 def check_distinct_reward_names(names: Sequence[str]) -> None:

@@ -131,8 +131,8 @@ def check_tool_template(tokenizer: Any, model: str) -> str | None:
     if not supports_tool_calling(tokenizer):
         raise ChatFormatError(
             f"model: the chat template of {model!r} cannot render tools (a user -> assistant with tool_calls -> tool "
-            "conversation loses the call or the result; TRL's supports_tool_calling); use a model whose template "
-            "can, e.g. one of trl/chat_templates"
+            "conversation loses the call or the result; TRL's supports_tool_calling); set chat_template to one "
+            "that can, e.g. one of TRL's (qwen2_5)"
         )
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
         try:

@@ -22,7 +22,6 @@ objects registered for the run in this process (`registered:<name>`).
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -66,10 +65,14 @@ def load_object(entry: str, where: str, run_id: str | None, objects: Mapping[str
     module_name, _, attr = entry.partition(":")
     if not module_name or not attr:
         raise ToolError(f"{where}: {entry!r} is not a 'module:name' import path")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
+    from grpo_flow.workers.rewards.functions import import_user_module, where_it_looked
+
+    try:  # from the working directory too, as rewards are
+        return getattr(import_user_module(module_name), attr)
     except (ImportError, AttributeError) as error:
-        raise ToolError(f"{where}: cannot import {entry!r}: {one_line(error)}") from None
+        raise ToolError(
+            f"{where}: cannot import {entry!r}: {one_line(error)}{where_it_looked(error, module_name)}"
+        ) from None
     except Exception as error:  # the module itself failed: a syntax error, a missing variable
         raise ToolError(
             f"{where}: importing {module_name!r} for {entry!r} raised {type(error).__name__}: {one_line(error)}"

@@ -265,3 +265,16 @@ def test_clear_cache_finds_smollm2_and_a_gguf_files_conversion(tmp_path, capsys)
     assert not converted.exists()
     assert main(["clear-cache", "--model", "smollm2-135m", "--storage-root", str(root)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"nothing cached for smollm2-135m (looked in {root / 'models'})"
+
+
+def test_the_gguf_readers_bar_stays_out_of_a_pipe(capsys):
+    """transformers' GGUF reader draws a plain tqdm bar that its progress-bar switches do not reach."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    from grpo_flow.workers.data.gguf_model import gguf_bar_off_unless_terminal
+
+    list(reader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
+    assert "de-quantizing" in capsys.readouterr().err  # what reached logs and pipes
+    with gguf_bar_off_unless_terminal():
+        list(reader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
+    assert capsys.readouterr().err == ""
