@@ -72,6 +72,25 @@ def test_export_merges_a_lora_checkpoint_into_its_base_model(lora_run, storage_r
     )
 
 
+def test_grpo_eval_runs_a_lora_checkpoint_as_its_base_model_with_the_adapter(lora_run, storage_root, tmp_path):
+    from grpo_flow.flows.evaluate import checkpoint_engine
+    from grpo_flow.workers.data.loaders import load_task
+    from grpo_flow.workers.rollout.base import SamplingParams
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
+
+    _, storage = lora_run
+    assert export(storage_root, "export-lora", "--output", str(tmp_path / "merged")) == 0
+    merged = TransformersRolloutEngine(tmp_path / "merged")
+    merged.load()
+    adapter = checkpoint_engine(storage, 2, "cpu")
+    prompts = load_task("last_digit").heldout.select(range(4))["prompt"]
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=7)
+    ours, theirs = adapter.generate(prompts, params), merged.generate(prompts, params)
+    assert ours.completion_token_ids == theirs.completion_token_ids
+    for a, b in zip(ours.sampling_logprobs, theirs.sampling_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+
+
 def test_export_of_a_full_fine_tune_is_its_weights_as_they_are(full_run, storage_root, tmp_path):
     _, storage = full_run
     assert export(storage_root, "export-full", "--output", str(tmp_path / "out")) == 0
