@@ -640,7 +640,7 @@ def command_export(args: argparse.Namespace) -> int:
     """A checkpoint as a transformers model folder (LoRA merged into its base model), with the tokenizer."""
     from pathlib import Path
 
-    from grpo_flow.flows.evaluate import EvaluationError, checkpoint_model, resolve_checkpoint
+    from grpo_flow.flows.evaluate import EvaluationError, checkpoint_files, resolve_checkpoint
 
     output = Path(args.output)
     if output.exists():
@@ -653,10 +653,10 @@ def command_export(args: argparse.Namespace) -> int:
     from grpo_flow.workers.actor.export import export_model, is_adapter_checkpoint
     from grpo_flow.workers.state.resume import BaseModelChangedError
 
-    folder = storage.checkpoint_dir(step)
+    folder = checkpoint_files(storage, step)  # a Modal run's: fetched from its Volume
     adapter = is_adapter_checkpoint(folder)
     try:
-        export_model(folder, args.storage_root, output, None if adapter else checkpoint_model(storage, step))
+        export_model(folder, args.storage_root, output)
     except BaseModelChangedError as error:
         raise UsageError(str(error)) from None
     what = "its LoRA adapter merged into the base model" if adapter else "its weights"

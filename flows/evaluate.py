@@ -291,28 +291,28 @@ def summarize(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, f
     return metrics
 
 
-def checkpoint_model(storage: RunStorage, step: int) -> Path:
-    """The checkpoint's model folder; for a run on the Modal backend, its files fetched from the
-    Volume into `<storage_root>/cache` (the Modal client is imported only then)."""
+def checkpoint_files(storage: RunStorage, step: int) -> Path:
+    """The checkpoint's folder with its model's files; for a run on the Modal backend, those files fetched
+    from the Volume into `<storage_root>/cache` (the Modal client is imported only then)."""
     folder = storage.checkpoint_dir(step)
-    if (folder / "model").is_dir():
-        return folder / "model"
-    from grpo_flow.workers.backends.modal_backend import checkpoint_model_dir
+    if (folder / "model").is_dir() or (folder / "adapter").is_dir():
+        return folder
+    from grpo_flow.workers.backends.modal_backend import checkpoint_model_files
 
-    return checkpoint_model_dir(folder, storage.root / "cache")
+    return checkpoint_model_files(folder, storage.root / "cache")
 
 
 def checkpoint_engine(storage: RunStorage, step: int, device: str) -> Any:
     """A transformers engine running the checkpoint's policy: its weights, or with use_lora its base model
     with the adapter on top (the checkpoint holds no full weights then)."""
-    from grpo_flow.workers.actor.actor import ADAPTER_DIR
+    from grpo_flow.workers.actor.actor import ADAPTER_DIR, MODEL_DIR
     from grpo_flow.workers.actor.export import base_model_path, is_adapter_checkpoint
     from grpo_flow.workers.backends.weight_sync import WeightPayload, apply_weights
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
-    folder = storage.checkpoint_dir(step)
+    folder = checkpoint_files(storage, step)
     adapter = is_adapter_checkpoint(folder)
-    model = base_model_path(folder, storage.root) if adapter else checkpoint_model(storage, step)
+    model = base_model_path(folder, storage.root) if adapter else folder / MODEL_DIR
     engine = TransformersRolloutEngine(model, worker_id="eval", device=device)
     engine.load()
     if adapter:

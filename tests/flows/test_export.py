@@ -91,6 +91,26 @@ def test_grpo_eval_runs_a_lora_checkpoint_as_its_base_model_with_the_adapter(lor
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
 
 
+def test_a_modal_runs_lora_checkpoint_is_fetched_from_its_volume_and_exported_the_same(
+    lora_run, storage_root, tmp_path, monkeypatch
+):
+    import shutil
+
+    import grpo_flow.workers.backends.modal_backend as modal_backend
+    from test_evaluate import as_modal_checkpoint  # tests/flows/test_evaluate.py
+
+    _, storage = lora_run
+    modal_root = tmp_path / "modal-root"
+    shutil.copytree(storage.run_dir, modal_root / "runs" / "export-lora")
+    volume = as_modal_checkpoint(modal_root / "runs" / "export-lora", 2)
+    assert any("/adapter/" in name for name in volume.files) and not (storage.checkpoint_dir(2) / "model").exists()
+    monkeypatch.setattr(modal_backend, "open_volume", lambda name: volume)
+    assert main(["export", "export-lora", "--output", str(tmp_path / "modal"), "--storage-root", str(modal_root)]) == 0
+    assert export(storage_root, "export-lora", "--output", str(tmp_path / "local")) == 0
+    ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("modal", "local"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 def test_export_of_a_full_fine_tune_is_its_weights_as_they_are(full_run, storage_root, tmp_path):
     _, storage = full_run
     assert export(storage_root, "export-full", "--output", str(tmp_path / "out")) == 0

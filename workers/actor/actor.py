@@ -357,7 +357,7 @@ class Actor:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
-            if (folder / BASE_MODEL_FILE).exists():  # checkpoints of older grpo-flow versions kept a full copy
+            if (folder / BASE_MODEL_FILE).exists():  # recorded by checkpoints that hold no copy of the base model
                 check_base_model(json.loads((folder / BASE_MODEL_FILE).read_text()), self.model_path)
             set_peft_model_state_dict(self.model, load_file(folder / ADAPTER_DIR / "adapter_model.safetensors"))
         else:

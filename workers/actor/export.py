@@ -45,9 +45,8 @@ def merged_model(folder: Path, storage_root: str | Path) -> tuple[Any, Any]:
     return model, AutoTokenizer.from_pretrained(folder / ADAPTER_DIR)
 
 
-def export_model(checkpoint: Path, storage_root: str | Path, output: Path, full_model: Path | None = None) -> None:
-    """Write `output` (it must not exist yet): the checkpoint's model, merged with use_lora. `full_model`: a
-    full fine-tune's `model/` folder where this machine has it (a Modal run's comes from its Volume)."""
+def export_model(checkpoint: Path, storage_root: str | Path, output: Path) -> None:
+    """Write `output` (it must not exist yet): the checkpoint's model, merged with use_lora."""
     if is_adapter_checkpoint(checkpoint):
         model, tokenizer = merged_model(checkpoint, storage_root)
 
@@ -58,7 +57,7 @@ def export_model(checkpoint: Path, storage_root: str | Path, output: Path, full_
     else:
 
         def write(staging: Path) -> None:
-            shutil.copytree(full_model or checkpoint / MODEL_DIR, staging, dirs_exist_ok=True)
+            shutil.copytree(checkpoint / MODEL_DIR, staging, dirs_exist_ok=True)
 
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_folder(output, write)
