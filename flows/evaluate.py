@@ -291,15 +291,33 @@ def summarize(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, f
     return metrics
 
 
-def checkpoint_model(storage: RunStorage, step: int) -> Path:
-    """The checkpoint's model folder; for a run on the Modal backend, its files fetched from the
-    Volume into `<storage_root>/cache` (the Modal client is imported only then)."""
+def checkpoint_files(storage: RunStorage, step: int) -> Path:
+    """The checkpoint's folder with its model's files; for a run on the Modal backend, those files fetched
+    from the Volume into `<storage_root>/cache` (the Modal client is imported only then)."""
     folder = storage.checkpoint_dir(step)
-    if (folder / "model").is_dir():
-        return folder / "model"
-    from grpo_flow.workers.backends.modal_backend import checkpoint_model_dir
+    if (folder / "model").is_dir() or (folder / "adapter").is_dir():
+        return folder
+    from grpo_flow.workers.backends.modal_backend import checkpoint_model_files
 
-    return checkpoint_model_dir(folder, storage.root / "cache")
+    return checkpoint_model_files(folder, storage.root / "cache")
+
+
+def checkpoint_engine(storage: RunStorage, step: int, device: str) -> Any:
+    """A transformers engine running the checkpoint's policy: its weights, or with use_lora its base model
+    with the adapter on top (the checkpoint holds no full weights then)."""
+    from grpo_flow.workers.actor.actor import ADAPTER_DIR, MODEL_DIR
+    from grpo_flow.workers.actor.export import base_model_path, is_adapter_checkpoint
+    from grpo_flow.workers.backends.weight_sync import WeightPayload, apply_weights
+    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
+
+    folder = checkpoint_files(storage, step)
+    adapter = is_adapter_checkpoint(folder)
+    model = base_model_path(folder, storage.root) if adapter else folder / MODEL_DIR
+    engine = TransformersRolloutEngine(model, worker_id="eval", device=device)
+    engine.load()
+    if adapter:
+        apply_weights(engine, WeightPayload("lora", step, path=str(folder / ADAPTER_DIR)))
+    return engine
 
 
 @task(name="evaluate-checkpoint", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
@@ -324,7 +342,6 @@ def evaluate_checkpoint(
     from grpo_flow.workers.rewards.task import run_task
     from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, resolve_reward_funcs
     from grpo_flow.workers.rollout.base import SamplingParams
-    from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
     storage = RunStorage(storage_root, run_id)
     path = eval_path(storage, step)
@@ -355,8 +372,7 @@ def evaluate_checkpoint(
         max_steps=config.total_steps(len(task_data.train)),
         epoch=step * config.prompts_per_step / max(1, len(task_data.train)),
     )
-    engine = TransformersRolloutEngine(checkpoint_model(storage, step), worker_id="eval", device=local_device(config))
-    engine.load()
+    engine = checkpoint_engine(storage, step, local_device(config))
     extra = list(task_data.extra_columns)
     modes = [("sample", settings.k, False)] + ([("greedy", 1, True)] if settings.greedy else [])
     rows: list[dict[str, Any]] = []

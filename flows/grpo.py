@@ -162,7 +162,7 @@ def run_step(
     finally:  # the weights change at the sync below, so the next step's generation must be over first
         next_stats = next_rollouts.result()[0] if next_rollouts is not None else None
     last_step = step == plan.total_steps
-    synced = sync_weights(config, plan) if step % config.sync_weights_every == 0 or last_step else {}
+    synced = sync_weights(config, plan) if step % config.sync_weights_every == 0 or last_step else {"sync/bytes": 0.0}
     check_metric_names(rollout_stats, train_metrics)
     row = {
         "run_id": plan.run_id,

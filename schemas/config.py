@@ -277,7 +277,8 @@ class GRPOFlowConfig(BaseModel):
     )
     lora_publish: Literal["merged", "adapter"] | None = Field(
         default=None,
-        description="What rollout workers get with use_lora: `merged` weights (default) or the `adapter` alone.",
+        description="What rollout workers get with use_lora: the `adapter` alone (default; they hold the base model) "
+        "or `merged` weights.",
     )
     bf16: bool | None = Field(
         default=None,

@@ -204,6 +204,7 @@ METRICS_BASE_FIELDS: list[pa.Field] = [
     pa.field("frac_reward_zero_std", pa.float64()),
     pa.field("completions/mean_length", pa.float64()),
     pa.field("completions/clipped_ratio", pa.float64()),
+    pa.field("sync/bytes", pa.float64()),  # what the weight sync after the step moved to the engines; 0: none
     pa.field("step_s", pa.float64()),
 ]
 

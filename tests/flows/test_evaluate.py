@@ -257,20 +257,25 @@ class FakeVolume:
 
 
 def as_modal_checkpoint(run_dir, step: int) -> FakeVolume:
-    """Make a local checkpoint look like one the Modal actor wrote: model/ files on the Volume, a
-    pointer in the folder, the manifest listing what is left (as RemoteActor.save_checkpoint does)."""
+    """Make a local checkpoint look like one the Modal actor wrote: its model's files (model/, or a LoRA
+    run's adapter/ and base_model.json) on the Volume, a pointer in the folder, the manifest listing what is
+    left (as RemoteActor.save_checkpoint does)."""
     import json
     import shutil
 
     from grpo_flow.workers.backends.modal_app import VOLUME_PATH
-    from grpo_flow.workers.backends.modal_backend import VOLUME_CHECKPOINT_POINTER
+    from grpo_flow.workers.backends.modal_backend import MODEL_FILES, VOLUME_CHECKPOINT_POINTER
     from grpo_flow.workers.state.storage import MANIFEST, file_manifest
 
     folder = run_dir / "checkpoints" / f"step-{step:06d}"
     remote = f"runs/{run_dir.name}/checkpoints/step-{step:06d}"
-    pointer_files = {name: spec for name, spec in file_manifest(folder).items() if name.startswith("model/")}
+    pointer_files = {name: spec for name, spec in file_manifest(folder).items() if name.startswith(MODEL_FILES)}
     files = {f"{remote}/{name}": (folder / name).read_bytes() for name in pointer_files}
-    shutil.rmtree(folder / "model")
+    for top in {name.split("/")[0] for name in pointer_files}:
+        if (folder / top).is_dir():
+            shutil.rmtree(folder / top)
+        else:
+            (folder / top).unlink()
     pointer = {"volume": "grpo-test-volume", "path": f"{VOLUME_PATH}/{remote}", "files": pointer_files}
     (folder / VOLUME_CHECKPOINT_POINTER).write_text(json.dumps(pointer))
     manifest = json.loads((folder / MANIFEST).read_text())
@@ -309,9 +314,9 @@ def test_a_modal_runs_checkpoint_is_fetched_from_its_volume_checked_and_evaluate
     assert all(str(p).startswith("eval") for p in added) and added
 
     # A second look downloads nothing: the cached files match the pointer.
-    from grpo_flow.workers.backends.modal_backend import checkpoint_model_dir
+    from grpo_flow.workers.backends.modal_backend import checkpoint_model_files
 
-    assert checkpoint_model_dir(run_dir / "checkpoints" / "step-000002", modal_root / "cache").is_dir()
+    assert (checkpoint_model_files(run_dir / "checkpoints" / "step-000002", modal_root / "cache") / "model").is_dir()
     assert volume.reads == len(volume.files)
 
 
@@ -319,7 +324,7 @@ def test_a_volume_file_that_no_longer_matches_its_pointer_is_refused(eval_root, 
     import shutil
 
     import grpo_flow.workers.backends.modal_backend as modal_backend
-    from grpo_flow.workers.backends.modal_backend import checkpoint_model_dir
+    from grpo_flow.workers.backends.modal_backend import checkpoint_model_files
 
     root, _ = eval_root
     shutil.copytree(root / "runs" / "evaluated", tmp_path / "runs" / "evaluated", ignore=shutil.ignore_patterns("eval"))
@@ -328,7 +333,7 @@ def test_a_volume_file_that_no_longer_matches_its_pointer_is_refused(eval_root, 
     volume.files[name] = volume.files[name] + b" "
     monkeypatch.setattr(modal_backend, "open_volume", lambda _: volume)
     with pytest.raises(ValueError, match=r"model/config.json of checkpoint .* does not match its pointer"):
-        checkpoint_model_dir(tmp_path / "runs" / "evaluated" / "checkpoints" / "step-000001", tmp_path / "cache")
+        checkpoint_model_files(tmp_path / "runs" / "evaluated" / "checkpoints" / "step-000001", tmp_path / "cache")
     assert not list((tmp_path / "cache").rglob("config.json*"))  # nothing half-written is left to be trusted
 
 

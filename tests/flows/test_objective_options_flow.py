@@ -1,8 +1,11 @@
 """The objective's options in a real run: LoRA publishing its adapter, several optimizer steps per
 batch, micro-batches, and a checkpoint that resumes."""
 
+from pathlib import Path
+
 from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.data.models import resolve_model_path
 from grpo_flow.workers.state.storage import RunStorage
 
 
@@ -26,7 +29,7 @@ def test_a_lora_run_publishes_the_adapter_and_logs_its_size(prefect_server, stor
     storage = RunStorage(storage_root, config.run_id)
     rows = storage.read_metrics().to_pylist()
     assert [r["step"] for r in rows] == [1, 2]
-    model_bytes = (storage.checkpoint_dir(2) / "model" / "model.safetensors").stat().st_size
+    model_bytes = (Path(resolve_model_path("tiny", storage_root)) / "model.safetensors").stat().st_size
     for row in rows:
         assert 0 < row["sync/bytes"] < model_bytes / 10  # the adapter, not the model
         assert row["actor/micro_batches"] > 1

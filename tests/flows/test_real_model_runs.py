@@ -83,10 +83,13 @@ def test_the_logged_prompts_went_through_the_chat_template_once(unbroken, tokeni
         assert text.count(SYSTEM_PROMPT) == 1 and text.endswith("<|im_start|>assistant\n")
 
 
-def test_the_runs_checkpoint_loads_in_plain_transformers_and_generates(unbroken):
+def test_the_runs_exported_checkpoint_loads_in_plain_transformers_and_generates(unbroken, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = unbroken.checkpoint_dir(2) / "model"
+    from grpo_flow.workers.actor.export import export_model
+
+    folder = tmp_path / "exported"
+    export_model(unbroken.checkpoint_dir(2), unbroken.root, folder)  # the adapter merged into smollm2-135m
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     messages = [{"role": "user", "content": "What is 2 + 3? Answer with just the number."}]

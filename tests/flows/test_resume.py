@@ -126,6 +126,22 @@ def test_damaged_checkpoint_and_truncated_rollouts_are_set_aside_and_redone(six_
     assert_one_set_of_rows_per_step(storage, steps=6, per_step=32)
 
 
+def test_a_lora_run_stopped_and_resumed_ends_with_the_unbroken_runs_adapter(prefect_server, storage_root):
+    """A LoRA checkpoint holds the adapter and its optimizer state, not the model: resuming from one is exact."""
+    lora = {"max_steps": 4, "use_lora": True, "lora_r": 4, "lora_alpha": 8, "learning_rate": 5e-2}
+    unbroken = grpo(small_config(storage_root, "lora-unbroken", **lora))
+    config = small_config(storage_root, "lora-stopped", **lora)
+    with pytest.raises(Exception, match="injected failure"):
+        with injected("actor@4"):
+            grpo(config)
+    storage = RunStorage(storage_root, "lora-stopped")
+    assert storage.complete_checkpoints() == [2] and not (storage.checkpoint_dir(2) / "model").exists()
+
+    assert grpo(config)["resumed_from_step"] == 2
+    assert_same_weights(final_weights(storage, 4), final_weights(RunStorage(storage_root, "lora-unbroken"), 4))
+    assert unbroken["status"] == "completed"
+
+
 def test_replaced_workers_heal_and_the_run_ends_where_it_would_have(six_steps, storage_root, monkeypatch):
     """After step 3 the actor and rollout worker 1 are swapped for fresh, unloaded objects."""
     from grpo_flow.workers.actor.actor import Actor

@@ -25,6 +25,10 @@ import torch
 
 from grpo_flow.schemas.config import GRPOFlowConfig, truncated_sampling_message
 from grpo_flow.workers.actor import memory, trl_objective
+from grpo_flow.workers.state.resume import BASE_MODEL_FILE, base_model_reference, check_base_model
+
+MODEL_DIR = "model"  # in a checkpoint: a full fine-tune's weights and tokenizer (a save_pretrained folder)
+ADAPTER_DIR = "adapter"  # in a LoRA run's checkpoint: the peft adapter and the tokenizer
 
 
 class StaleActorError(RuntimeError):
@@ -343,14 +347,16 @@ class Actor:
         return weights
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The LoRA adapter alone (what `lora_publish='adapter'` sends)."""
+        """The LoRA adapter alone (what a LoRA run sends unless `lora_publish='merged'`)."""
         from peft import get_peft_model_state_dict
 
         return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """What this run publishes to rollout workers: full (merged) weights, or the adapter alone."""
-        if self.uses_lora and self.config.lora_publish == "adapter":
+        from grpo_flow.workers.backends.weight_sync import publishes_adapter
+
+        if publishes_adapter(self.config):
             return self.adapter_state_dict()
         return self.policy_state_dict()
 
@@ -358,21 +364,18 @@ class Actor:
     def save_checkpoint(self, folder: Path) -> dict[str, Any]:
         """Weights, tokenizer, optimizer, scheduler and RNG states into `folder` (the caller commits it).
 
-        `model/` always holds full weights any loader can open (merged with use_lora); a LoRA run also
-        keeps its trainable adapter in `adapter/`, which is what restore loads.
+        A full fine-tune's weights go to `model/`, a folder any loader opens. A LoRA run keeps only what
+        trains: the adapter and tokenizer in `adapter/`, and in `base_model.json` the base model it adapts
+        (name, folder, fingerprint), not a copy of it; `grpo export` merges the two.
         """
         if self.uses_lora:
-            from safetensors.torch import save_file
-
-            self.model.save_pretrained(folder / "adapter")
-            base = self.model.get_base_model()
-            base.config.save_pretrained(folder / "model")
-            save_file(
-                {k: v.contiguous() for k, v in self.policy_state_dict().items()}, folder / "model" / "model.safetensors"
-            )
+            self.model.save_pretrained(folder / ADAPTER_DIR)
+            self.tokenizer.save_pretrained(folder / ADAPTER_DIR)
+            reference = base_model_reference(self.config.model, self.model_path)
+            (folder / BASE_MODEL_FILE).write_text(json.dumps(reference))
         else:
-            self.model.save_pretrained(folder / "model")
-        self.tokenizer.save_pretrained(folder / "model")
+            self.model.save_pretrained(folder / MODEL_DIR)
+            self.tokenizer.save_pretrained(folder / MODEL_DIR)
         torch.save(self.objective.optimizer.state_dict(), folder / "optimizer.pt")
         torch.save(self.objective.lr_scheduler.state_dict(), folder / "scheduler.pt")
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
@@ -392,11 +395,13 @@ class Actor:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
-            set_peft_model_state_dict(self.model, load_file(folder / "adapter" / "adapter_model.safetensors"))
+            if (folder / BASE_MODEL_FILE).exists():  # recorded by checkpoints that hold no copy of the base model
+                check_base_model(json.loads((folder / BASE_MODEL_FILE).read_text()), self.model_path)
+            set_peft_model_state_dict(self.model, load_file(folder / ADAPTER_DIR / "adapter_model.safetensors"))
         else:
             from transformers import AutoModelForCausalLM
 
-            saved = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+            saved = AutoModelForCausalLM.from_pretrained(folder / MODEL_DIR, dtype=torch.float32)
             self.model.load_state_dict(saved.state_dict())
         optimizer, scheduler = self.objective.optimizer, self.objective.lr_scheduler
         # What the run's config sets (learning_rate, weight_decay, AdamW's betas and eps) is taken from the

@@ -45,6 +45,7 @@ from grpo_flow.workers.backends.workers import Handle, Placement
 Mode = Literal["remote", "local"]
 REMOTE_MODELS_DIR = "models"  # local model folders are uploaded to <volume>/models/<name>
 VOLUME_CHECKPOINT_POINTER = "volume_checkpoint.json"
+MODEL_FILES = ("model/", "adapter/", "base_model.json")  # what evaluation and export read of a checkpoint
 logger = logging.getLogger("grpo_flow.workers")
 
 
@@ -227,7 +228,7 @@ class ModalPlacement(Placement):
     def checkpoint_written(self, folder: Path, answer: dict[str, Any]) -> None:
         """Remotely the files stay on the Volume (a 0.5B model's optimizer state is GBs); `folder` gets a
         pointer with the Volume path and each file's size and sha256, so the local checkpoint manifest still
-        names a complete checkpoint (`checkpoint_model_dir` fetches the model from it)."""
+        names a complete checkpoint (`checkpoint_model_files` fetches the model from it)."""
         if self.mode == "remote":
             pointer = {"volume": self.config.modal_volume, "path": answer["folder"], "files": answer["files"]}
             (folder / VOLUME_CHECKPOINT_POINTER).write_text(json.dumps(pointer, indent=2, sort_keys=True))
@@ -268,26 +269,26 @@ def open_volume(name: str) -> Any:
     return modal.Volume.from_name(name)
 
 
-def checkpoint_model_dir(checkpoint_dir: Path, cache_root: Path) -> Path:
-    """A checkpoint's `model/` folder on this machine.
+def checkpoint_model_files(checkpoint_dir: Path, cache_root: Path) -> Path:
+    """A checkpoint folder on this machine holding its model's files (MODEL_FILES: a full fine-tune's
+    `model/`, a LoRA run's `adapter/` and `base_model.json`).
 
-    The local backend writes it into the checkpoint. The Modal actor leaves the files on the
+    The local backend writes them into the checkpoint. The Modal actor leaves the files on the
     Volume and writes a pointer (VOLUME_CHECKPOINT_POINTER) instead. Those files are then
     downloaded once into `cache_root` (never into the run's own folders), each one checked
     against the pointer's size and sha256.
     """
-    local = checkpoint_dir / "model"
     pointer_path = checkpoint_dir / VOLUME_CHECKPOINT_POINTER
-    if local.is_dir() or not pointer_path.exists():
-        return local
+    if not pointer_path.exists():
+        return checkpoint_dir
     pointer = json.loads(pointer_path.read_text())
-    wanted = {name: spec for name, spec in pointer["files"].items() if name.startswith("model/")}
+    wanted = {name: spec for name, spec in pointer["files"].items() if name.startswith(MODEL_FILES)}
     if not wanted:
-        raise FileNotFoundError(f"{pointer_path} lists no model/ files on Volume {pointer['volume']!r}")
+        raise FileNotFoundError(f"{pointer_path} lists no model files on Volume {pointer['volume']!r}")
     remote_folder = Path(pointer["path"]).relative_to(VOLUME_PATH)  # Volume paths are relative to its root
     target = cache_root / "volume-checkpoints" / pointer["volume"] / remote_folder
     if all(file_matches(target / name, spec) for name, spec in wanted.items()):
-        return target / "model"
+        return target
     volume = open_volume(pointer["volume"])
     for name, spec in wanted.items():
         destination = target / name
@@ -305,4 +306,4 @@ def checkpoint_model_dir(checkpoint_dir: Path, cache_root: Path) -> Path:
                 f"pointer ({spec['bytes']} bytes, sha256 {spec['sha256'][:12]}...): the Volume's copy changed"
             )
         partial.replace(destination)
-    return target / "model"
+    return target

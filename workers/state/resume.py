@@ -24,11 +24,18 @@ from typing import Any
 from pydantic_core import to_jsonable_python
 
 from grpo_flow.schemas.config import NON_TRAINING_FIELDS, GRPOFlowConfig
-from grpo_flow.workers.state.storage import RunStorage, file_sha256, read_run_file
+from grpo_flow.workers.state.storage import DamagedRunFileError, RunStorage, file_sha256, read_run_file
+
+
+BASE_MODEL_FILE = "base_model.json"  # in a LoRA checkpoint: the base model its adapter is trained on
 
 
 class ResumeError(ValueError):
     """A run cannot be resumed as asked (unknown run, refused config change)."""
+
+
+class BaseModelChangedError(ResumeError):
+    """A LoRA checkpoint's base model is not the one its adapter was trained on."""
 
 
 @dataclass(frozen=True)
@@ -71,10 +78,63 @@ def data_fingerprint(dataset: str) -> str | None:
         return _file_fingerprint(str(path.resolve()), *_stamp(path))
     if not path.is_dir():
         return None
+    return files_fingerprint(path, [p for p in path.rglob("*") if p.is_file()])
+
+
+def files_fingerprint(folder: Path, files: list[Path]) -> str:
+    """sha256 over files of `folder`, each by its name in the folder and its own sha256."""
     digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        digest.update(f"{file.relative_to(path)}\0{_file_fingerprint(str(file.resolve()), *_stamp(file))}\0".encode())
+    for file in sorted(files):
+        digest.update(f"{file.relative_to(folder)}\0{_file_fingerprint(str(file.resolve()), *_stamp(file))}\0".encode())
     return digest.hexdigest()
+
+
+def model_folder(model_path: str) -> Path:
+    """A model's local folder: the path itself, or a hub id's downloaded snapshot (never fetched here)."""
+    if Path(model_path).is_dir():
+        return Path(model_path)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model_path, local_files_only=True))
+
+
+def model_fingerprint(model_path: str) -> str:
+    """sha256 over a model's config.json and weight files: what a LoRA checkpoint's adapter was trained on.
+    Other files (tokenizer, build notes) do not change the weights an adapter adds to."""
+    folder = model_folder(model_path)
+    files = [p for p in folder.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin")]
+    return files_fingerprint(folder, files)
+
+
+def base_model_reference(model: str, model_path: str) -> dict[str, str]:
+    """What a LoRA checkpoint records of its base model (BASE_MODEL_FILE) instead of a copy of it."""
+    return {"model": model, "path": str(model_path), "sha256": model_fingerprint(model_path)}
+
+
+def check_base_model(reference: dict[str, str], model_path: str) -> None:
+    """Refuse to put a LoRA adapter on another base model than the one it was trained on."""
+    found = model_fingerprint(model_path)
+    if found != reference["sha256"]:
+        raise BaseModelChangedError(
+            f"model: this LoRA checkpoint's adapter was trained on {reference['model']!r} ({reference['path']}, "
+            f"sha256 {reference['sha256'][:12]}...), but {model_path} has sha256 {found[:12]}...: restore that "
+            "base model, or start a new run"
+        )
+
+
+def check_base_model_unchanged(storage: RunStorage) -> None:
+    """The base model the newest LoRA checkpoint adapts, where it recorded it, is still the same (before
+    anything loads; the actor checks the folder it loads again when it restores)."""
+    steps = storage.checkpoint_steps()
+    path = storage.checkpoint_dir(steps[-1]) / BASE_MODEL_FILE if steps else None
+    if path is None or not path.exists():
+        return
+    try:
+        reference = read_run_file(path)
+    except DamagedRunFileError:  # a damaged checkpoint: the resume sets it aside
+        return
+    if Path(reference["path"]).is_dir():
+        check_base_model(reference, reference["path"])
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -145,6 +205,7 @@ def check_config_change(
             f"{belongs}Resuming run {storage.run_id!r} would change fields that alter training ({listed}). "
             "Use another run id, or allow it with --allow-config-change (allow_config_change=True)."
         )
+    check_base_model_unchanged(storage)
     return {**changes, **check_data_unchanged(storage, config, allow_config_change)}
 
 

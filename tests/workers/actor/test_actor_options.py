@@ -2,12 +2,16 @@
 num_iterations, the importance-sampling correction's trigger, and LoRA (only adapters train, merged
 or adapter-only publishing, checkpoints)."""
 
+import json
 import math
+import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
 import torch
 from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
 
 from grpo_flow.schemas.presets import preset_config
 from grpo_flow.workers.actor import trl_objective
@@ -16,6 +20,7 @@ from grpo_flow.workers.data.loaders import load_task
 from grpo_flow.workers.rollout.base import SamplingParams
 from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+from grpo_flow.workers.state.resume import BaseModelChangedError, model_fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -211,21 +216,35 @@ def test_lora_trains_only_adapters_and_publishes_merged_weights(model_path, roll
     assert adapter_bytes < sum(t.numel() * t.element_size() for t in merged_after.values()) / 10
 
 
-def test_lora_checkpoint_restores_the_adapter_and_writes_loadable_full_weights(model_path, rollouts, tmp_path):
-    from transformers import AutoModelForCausalLM
-
+def test_a_lora_checkpoint_holds_the_adapter_and_a_reference_to_the_base_model(model_path, rollouts, tmp_path):
     actor = actor_for(model_path, use_lora=True, lora_r=4, learning_rate=5e-2)
     actor.step(0, rollouts)
     actor.save_checkpoint(tmp_path)
     saved = weights(actor)
-    full = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).state_dict()
-    torch.testing.assert_close(
-        full["model.layers.0.self_attn.q_proj.weight"], saved["model.layers.0.self_attn.q_proj.weight"]
-    )
+    assert not (tmp_path / "model").exists()
+    reference = json.loads((tmp_path / "base_model.json").read_text())
+    assert reference == {"model": "tiny", "path": str(model_path), "sha256": model_fingerprint(str(model_path))}
+    checkpoint_bytes = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert checkpoint_bytes < (Path(model_path) / "model.safetensors").stat().st_size
+
     fresh = actor_for(model_path, use_lora=True, lora_r=4, learning_rate=5e-2)
     fresh.restore(tmp_path)
     assert fresh.policy_version == 1
     assert_same_weights(saved, weights(fresh), atol=0)
+    for a, b in zip(actor.objective.optimizer.state.values(), fresh.objective.optimizer.state.values(), strict=True):
+        assert all(torch.equal(a[key], b[key]) for key in a)  # Adam's moments, bitwise
+
+
+def test_a_lora_checkpoint_refuses_another_base_model(model_path, rollouts, tmp_path):
+    actor = actor_for(model_path, use_lora=True, lora_r=4)
+    actor.save_checkpoint(tmp_path / "checkpoint")
+    other = shutil.copytree(model_path, tmp_path / "other-base")
+    state = load_file(other / "model.safetensors")
+    state["model.norm.weight"] += 1.0
+    save_file(state, other / "model.safetensors")
+    moved = Actor(actor.config, other)
+    with pytest.raises(BaseModelChangedError, match=r"^model: this LoRA checkpoint's adapter was trained on 'tiny'"):
+        moved.restore(tmp_path / "checkpoint")
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,8 @@ from grpo_flow.workers.backends.weight_sync import (
     apply_weights,
     check_weight_sync_config,
     export_weights,
+    publishes_adapter,
+    sync_method,
     sync_weights,
     version_dir,
 )
@@ -207,3 +209,22 @@ def test_full_weight_methods_send_the_merged_weights_of_a_lora_actor(model_path,
     assert max_logprob_gap(actor, engine) > MATCH
     sync_weights(method, actor, [engine], tmp_path)
     assert max_logprob_gap(actor, engine) < MATCH
+
+
+@pytest.mark.parametrize(
+    ("overrides", "adapter", "method"),
+    [
+        ({"use_lora": True}, True, "lora"),  # the default: the engines hold the base model already
+        ({"use_lora": True, "lora_publish": "merged"}, False, "reload"),
+        ({"use_lora": True, "lora_publish": "merged", "weight_sync_method": "lora"}, True, "lora"),
+        ({}, False, "reload"),
+    ],
+)
+def test_a_lora_run_publishes_the_adapter_unless_merged_is_asked_for(model_path, overrides, adapter, method):
+    config = preset_config("tiny", **overrides)
+    assert (publishes_adapter(config), sync_method(config)) == (adapter, method)
+    actor = Actor(config, model_path)
+    actor.load()
+    published = actor.published_weights()
+    expected = actor.adapter_state_dict() if adapter else actor.policy_state_dict()
+    assert published.keys() == expected.keys()

@@ -176,11 +176,15 @@ def test_lora_on_every_projection_reaches_vllm_as_the_adapter_alone(vllm_engine,
 
 @pytest.mark.vllm
 def test_a_checkpoint_loads_in_plain_transformers_and_in_vllm(vllm_engine, lora_actor, prompts, tmp_path):
-    """What a run's checkpoint holds under model/ (merged weights with use_lora, tokenizer, config)."""
+    """What `grpo export` makes of a LoRA run's checkpoint: the adapter merged into its base model, the
+    tokenizer and the config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from grpo_flow.workers.actor.export import export_model
+
     lora_actor.save_checkpoint(tmp_path / "checkpoint")
-    folder = tmp_path / "checkpoint" / "model"
+    folder = tmp_path / "exported"
+    export_model(tmp_path / "checkpoint", tmp_path, folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = tokenizer.apply_chat_template(prompts[0], add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -1,7 +1,18 @@
 """What counts as a change of training fields when a run is resumed."""
 
+import json
+
+import pytest
+
 from grpo_flow.schemas.presets import preset_config
-from grpo_flow.workers.state.resume import changed_training_fields
+from grpo_flow.workers.state.resume import (
+    BASE_MODEL_FILE,
+    BaseModelChangedError,
+    base_model_reference,
+    changed_training_fields,
+    check_base_model_unchanged,
+)
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def stored_by_an_older_version(config, *missing):
@@ -107,3 +118,23 @@ def test_turning_evaluation_off_on_an_hf_data_set_that_holds_prompts_out_is_a_tr
     unscored = preset_config("tiny", **{**fields, "run_id": "u"})
     RunStorage(tmp_path, "u").write_config(unscored.model_dump(mode="json"))
     assert check_config_change(RunStorage(tmp_path, "u"), unscored.model_copy(update={"eval_prompts": 0}), False) == {}
+
+
+def test_a_resume_refuses_a_lora_run_whose_base_model_changed(tmp_path):
+    """The newest checkpoint names the base model its adapter was trained on; another one is refused before
+    anything loads, naming the model field."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"weights")
+    (base / "tokenizer.json").write_text("{}")
+    storage = RunStorage(tmp_path / "root", "lora")
+    folder = storage.checkpoint_dir(2)
+    folder.mkdir(parents=True)
+    (folder / BASE_MODEL_FILE).write_text(json.dumps(base_model_reference("tiny", str(base))))
+    check_base_model_unchanged(storage)
+    (base / "tokenizer.json").write_text('{"other": 1}')  # not part of the weights
+    check_base_model_unchanged(storage)
+    (base / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(BaseModelChangedError, match=r"^model: this LoRA checkpoint's adapter was trained on 'tiny'"):
+        check_base_model_unchanged(storage)
