@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from grpo_flow.workers.state.location import local_root
+
 ModelSource = Literal["built", "package-index"]
 
 
@@ -66,7 +68,9 @@ def is_gguf_path(model: str) -> bool:
 
 
 def models_dir(storage_root: str | os.PathLike) -> Path:
-    return Path(storage_root) / "models"
+    """`<storage_root>/models`; for a URL root, the local folder that stands in for it (a model is loaded
+    from disk)."""
+    return local_root(storage_root) / "models"
 
 
 def builtin_model_path(storage_root: str | os.PathLike, name: str) -> Path:
