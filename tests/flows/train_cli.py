@@ -46,7 +46,7 @@ def train_cli(storage_root, run_id: str, *args: str, fail_at: str | None = None,
 def final_weights(storage: RunStorage, step: int) -> dict[str, torch.Tensor]:
     """The model weights of the run's checkpoint at `step`, checked against its manifest first."""
     storage.verify_checkpoint(step)
-    return load_file(storage.checkpoint_dir(step) / "model" / "model.safetensors")
+    return load_file(storage.local_checkpoint(step) / "model" / "model.safetensors")
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from grpo_flow.workers.state.location import local_root
+from grpo_flow.workers.state.location import models_root
 
 ModelSource = Literal["built", "package-index"]
 
@@ -68,9 +68,8 @@ def is_gguf_path(model: str) -> bool:
 
 
 def models_dir(storage_root: str | os.PathLike) -> Path:
-    """`<storage_root>/models`; for a URL root, the local folder that stands in for it (a model is loaded
-    from disk)."""
-    return local_root(storage_root) / "models"
+    """`<storage_root>/models`; for a URL root, the local cache's (a model is loaded from disk)."""
+    return models_root(storage_root)
 
 
 def builtin_model_path(storage_root: str | os.PathLike, name: str) -> Path:

@@ -63,12 +63,22 @@ def root_path(root: str | os.PathLike) -> Path:
 
 def local_root(root: str | os.PathLike) -> Path:
     """A local folder that stands in for the root where a file must exist on disk first (what torch and
-    transformers save before it is uploaded, a downloaded checkpoint, logs, built models): the root itself
-    when it is local, else a folder of the user's cache named by the URL's hash (never after the URL)."""
+    transformers save before it is uploaded, a downloaded checkpoint, logs): the root itself when it is
+    local, else a folder of the user's cache named by the URL's hash (never after the URL)."""
     if not is_url(root):
         return _local(root)
-    cache = Path(os.environ.get("GRPO_FLOW_CACHE") or Path.home() / ".cache" / "grpo-flow")
-    return cache / "roots" / hashlib.sha256(str(root).rstrip("/").encode()).hexdigest()[:16]
+    return cache_root() / "roots" / hashlib.sha256(str(root).rstrip("/").encode()).hexdigest()[:16]
+
+
+def models_root(root: str | os.PathLike) -> Path:
+    """Where the models a run loads are kept on disk: `<root>/models`, or for a URL root the cache's
+    `models/`, which every URL root shares (a model is loaded from local disk either way)."""
+    return (cache_root() if is_url(root) else _local(root)) / "models"
+
+
+def cache_root() -> Path:
+    """$GRPO_FLOW_CACHE, else ~/.cache/grpo-flow."""
+    return Path(os.environ.get("GRPO_FLOW_CACHE") or Path.home() / ".cache" / "grpo-flow")
 
 
 def client_for(url: str) -> type:
