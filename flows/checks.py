@@ -49,6 +49,12 @@ def check_before_start(
     factories it registers, by name."""
     use_storage_options(config.storage_root, config.storage_options)
     check_storage_root(config.storage_root)
+    if is_url(config.storage_root) and config.backend != "local":
+        raise StartCheckError(
+            "storage_root",
+            f"{config.storage_root!r}: a URL storage root runs with the local backend only for now; the "
+            f"{config.backend} backend needs a folder (on Ray, one every node mounts; on Modal, the Volume's path)",
+        )
     if config.dataset.startswith("registered:") and not registered_dataset:
         raise StartCheckError(
             "dataset",

@@ -139,3 +139,43 @@ def test_a_scheme_whose_client_is_missing_names_the_extra():
         check_storage_root("gs://bucket/grpo")
     with pytest.raises(StorageURLError, match="no file system for nosuch://"):
         RunStorage("nosuch://bucket/grpo", "run")
+
+
+def test_a_missing_bucket_and_an_unreachable_endpoint_are_named_in_one_line(s3_server, monkeypatch):
+    import s3fs
+
+    with pytest.raises(StartCheckError, match=r"^storage_root: 's3://no-such-bucket/grpo' cannot be written: "):
+        check_storage_root("s3://no-such-bucket/grpo")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()  # s3fs keeps one client per set of arguments, not per environment
+    try:
+        with pytest.raises(StartCheckError, match=r"'s3://any-bucket/grpo' cannot be written: Could not connect"):
+            check_storage_root("s3://any-bucket/grpo")
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_missing_credentials_are_named_with_the_url(s3_server, monkeypatch, tmp_path):
+    import s3fs
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        with pytest.raises(StartCheckError, match=r"'s3://any-bucket/grpo' cannot be written: .*credentials"):
+            check_storage_root("s3://any-bucket/grpo")
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_url_root_with_a_remote_backend_is_refused_naming_what_works():
+    from grpo_flow.flows.checks import check_before_start
+    from grpo_flow.schemas.presets import preset_config
+
+    config = preset_config("tiny", storage_root="memory://bucket/grpo", backend="ray")
+    with pytest.raises(StartCheckError, match="the ray backend needs a folder"):
+        check_before_start(config)
