@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from grpo_flow.flows.cli_common import UsageError, named_run, quiet_prefect, reach
 from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
 from grpo_flow.schemas.presets import PRESETS
-from grpo_flow.workers.state.location import StorageURLError
+from grpo_flow.workers.state.location import StorageURLError, absolute_root
 
 DEFAULT_STORAGE_ROOT = os.environ.get("GRPO_FLOW_STORAGE", "grpo-storage")
 
@@ -519,7 +519,7 @@ def command_serve(args: argparse.Namespace) -> int:
     names = ", ".join([f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"])
     print(
         f"grpo serve: {names} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
-        f"storage root {os.path.abspath(args.storage_root)}",
+        f"storage root {absolute_root(args.storage_root)}",
         flush=True,
     )
     serve_deployments(args.storage_root, cron, timezone, args.eval_k, args.eval_prompts, args.limit)

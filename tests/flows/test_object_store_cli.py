@@ -26,6 +26,13 @@ def train(root: str, run_id: str, *args: str, cwd, fail_at: str | None = None) -
     return subprocess.run(argv, capture_output=True, text=True, env=cli_env(fail_at), cwd=cwd, timeout=900)
 
 
+def bucket() -> s3fs.S3FileSystem:
+    """The S3 server's file system as this process sees it now (s3fs caches listings per instance)."""
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    return fs
+
+
 def grpo_command(*argv: str, cwd) -> subprocess.CompletedProcess:
     """Any other `grpo` command, in its own process."""
     argv_ = [sys.executable, "-m", "grpo_flow.flows.cli", *argv]
@@ -50,7 +57,7 @@ def test_a_run_on_s3_keeps_every_file_in_the_bucket_and_none_in_a_local_folder(u
     assert unbroken.logged_steps() == [1, 2, 3, 4, 5]
     assert unbroken.complete_checkpoints() == [4, 5]  # pruned on the bucket: the newest two
     assert unbroken.read_summary()["status"] == "completed"
-    fs = s3fs.S3FileSystem()
+    fs = bucket()
     keys = fs.find(s3_root.removeprefix("s3://") + "/runs/unbroken")
     assert not [key for key in keys if "writer.lock" in key or ".tmp" in key]  # released; no temporary names
     assert os.listdir(workdir) == []  # no `s3:` folder, no ./grpo-storage
@@ -74,7 +81,7 @@ def test_verify_rollouts_report_runs_and_eval_work_on_the_url(unbroken, s3_root,
     assert rollouts.returncode == 0 and rollouts.stdout.strip(), rollouts.stderr
     report = grpo_command("report", "unbroken", "--storage-root", s3_root, cwd=workdir)
     assert report.returncode == 0, report.stderr
-    assert s3fs.S3FileSystem().exists(s3_root.removeprefix("s3://") + "/runs/unbroken/report.png")
+    assert bucket().exists(s3_root.removeprefix("s3://") + "/runs/unbroken/report.png")
     evaluated = grpo_command("eval", "unbroken", "--k", "2", "--prompts", "4", "--storage-root", s3_root, cwd=workdir)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert unbroken.evaluated_steps() == [5]
@@ -105,12 +112,14 @@ def test_a_second_writer_of_an_s3_run_is_refused_naming_the_first(unbroken, s3_r
 
 
 def test_a_damaged_object_is_named_by_verify_and_moved_aside(unbroken, s3_root, workdir):
-    fs = s3fs.S3FileSystem()
+    fs = bucket()
     base = s3_root.removeprefix("s3://") + "/runs"
-    fs.copy(f"{base}/unbroken", f"{base}/damaged", recursive=True)
+    for key in fs.find(f"{base}/unbroken"):
+        fs.copy(key, key.replace("/unbroken/", "/damaged/", 1))
     shard = f"{base}/damaged/rollouts/step-000002/shard-01.parquet"
     fs.pipe_file(shard, fs.cat_file(shard)[:-100])  # truncated, as a copy cut short leaves it
     verify = grpo_command("verify", "damaged", "--storage-root", s3_root, cwd=workdir)
     assert verify.returncode == 1, verify.stderr
     assert "rollouts/step-000002/shard-01.parquet" in verify.stdout
+    fs = bucket()
     assert not fs.exists(shard) and fs.ls(f"{base}/damaged/quarantine")

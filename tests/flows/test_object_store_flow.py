@@ -29,3 +29,10 @@ def test_a_run_on_an_object_store_logs_checkpoints_and_resumes_from_it(
     check = verify_run(storage)
     assert check.clean and check.checkpoints == [1, 2, 3] and check.leftovers == []
     assert os.listdir(tmp_path) == []  # nothing in a local folder named after the URL
+
+
+def test_deployments_take_a_url_storage_root_as_it_is():
+    from grpo_flow.deployments.serve import build_deployments
+
+    deployments = build_deployments("s3://bucket/grpo", None, None, None, None)
+    assert {d.parameters["storage_root"] for d in deployments} == {"s3://bucket/grpo"}

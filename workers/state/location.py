@@ -61,6 +61,12 @@ def root_path(root: str | os.PathLike) -> Path:
     return cast(Path, UPath(str(root), use_listings_cache=False))
 
 
+def absolute_root(root: str | os.PathLike) -> str:
+    """A storage root as a deployment or another folder must be given it: a local path made absolute, a
+    URL as it is."""
+    return str(root) if is_url(root) else str(_local(root))
+
+
 def local_root(root: str | os.PathLike) -> Path:
     """A local folder that stands in for the root where a file must exist on disk first (what torch and
     transformers save before it is uploaded, a downloaded checkpoint, logs): the root itself when it is

@@ -263,9 +263,12 @@ def remove_tree(path: Path, marker: str | None = None) -> None:
 
 
 def move(path: Path, target: Path) -> None:
-    """Rename a file or folder (on an object store: copy, then delete; a folder object by object)."""
+    """Rename a file or folder (on an object store: copy, then delete, object by object: s3fs's recursive
+    copy also copies the folder's own key, which S3 does not have)."""
     if is_remote(path):
-        remote_fs(path).mv(remote_key(path), remote_key(target), recursive=path.is_dir())
+        fs, source, destination = remote_fs(path), remote_key(path), remote_key(target)
+        for key in fs.find(source) if fs.isdir(source) else [source]:
+            fs.mv(key, destination + key[len(source) :])
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(path, target)

@@ -179,3 +179,14 @@ def test_a_url_root_with_a_remote_backend_is_refused_naming_what_works():
     config = preset_config("tiny", storage_root="memory://bucket/grpo", backend="ray")
     with pytest.raises(StartCheckError, match="the ray backend needs a folder"):
         check_before_start(config)
+
+
+def test_clear_cache_on_a_url_root_clears_the_local_model_cache(tmp_path, monkeypatch, capsys):
+    from grpo_flow.flows.cli import main
+
+    monkeypatch.setenv("GRPO_FLOW_CACHE", str(tmp_path))
+    (tmp_path / "models" / "tiny-qwen2").mkdir(parents=True)
+    (tmp_path / "models" / "tiny-qwen2" / "model.safetensors").write_bytes(b"x" * 1000)
+    assert main(["clear-cache", "--storage-root", "memory://bucket/grpo"]) == 0
+    assert f"deleted {tmp_path / 'models' / 'tiny-qwen2'}" in capsys.readouterr().out
+    assert not (tmp_path / "models" / "tiny-qwen2").exists()
