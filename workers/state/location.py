@@ -12,6 +12,7 @@ Credentials and endpoints come from where each client reads them (`AWS_ENDPOINT_
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -113,6 +114,7 @@ def use_storage_options(root: str | os.PathLike, options: dict[str, Any] | None)
     fsspec.config.conf.setdefault(scheme, {}).update(options)
 
 
+@functools.cache  # once per process: the command line and the flow's start check both ask
 def check_reachable(url: str, write: bool = True) -> None:
     """A URL root's store answers (and, with `write`, takes a write: a probe object is written under it and
     removed). An unreachable endpoint or bucket and missing or refused credentials are one StorageURLError

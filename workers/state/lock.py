@@ -286,6 +286,8 @@ class RunLock:
                     handle.write(self._payload(now))
             except FileExistsError:
                 holder = read_holder(self.run_dir)
+                if holder is None and not self.path.exists():  # released meanwhile: create it again
+                    continue
                 if holder is not None and holder_alive(holder):
                     self._refuse(holder)
                 self.taken_over = holder
