@@ -30,7 +30,6 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -39,6 +38,7 @@ from prefect.schedules import Cron
 from prefect.types.entrypoint import EntrypointType
 
 from grpo_flow.schemas.presets import PRESETS
+from grpo_flow.workers.state.location import absolute_root
 
 NIGHTLY_CRON = "0 2 * * *"
 NIGHTLY_TIMEZONE = "UTC"
@@ -79,7 +79,7 @@ def grpo_deployments(storage_root: str | os.PathLike) -> list[RunnerDeployment]:
     """`grpo/<preset>` for each preset in GRPO_PRESETS (that exists in schemas/presets.py)."""
     from grpo_flow.deployments.grpo import grpo_preset
 
-    root = str(Path(storage_root).absolute())
+    root = absolute_root(storage_root)
     deployments = []
     for preset in GRPO_PRESETS:
         if preset not in PRESETS:
@@ -109,7 +109,7 @@ def nightly_deployment(
     from grpo_flow.flows.evaluate import DEFAULT_K, evaluate
 
     cron, timezone = nightly_schedule(cron, timezone)
-    parameters: dict[str, object] = {"storage_root": str(Path(storage_root).absolute()), "k": k or DEFAULT_K}
+    parameters: dict[str, object] = {"storage_root": absolute_root(storage_root), "k": k or DEFAULT_K}
     if prompts is not None:
         parameters["prompts"] = prompts
     return evaluate.to_deployment(

@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.state.location import StorageURLError, check_reachable, is_url, use_storage_options
 
 # A Hugging Face hub id: `name` or `namespace/name` (letters, digits, `-`, `_`, `.`; at most 96 each).
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
@@ -47,7 +48,14 @@ def check_before_start(
     the names GRPOFlowTrainer registers for this run (`registered:<name>`), taken as they are;
     `registered_dataset`: it registers the data set too, whose columns are `dataset_columns`;
     `tool_objects`: the tools and environment factories it registers, by name."""
+    use_storage_options(config.storage_root, config.storage_options)
     check_storage_root(config.storage_root)
+    if is_url(config.storage_root) and config.backend != "local":
+        raise StartCheckError(
+            "storage_root",
+            f"{config.storage_root!r}: a URL storage root runs with the local backend only for now; the "
+            f"{config.backend} backend needs a folder (on Ray, one every node mounts; on Modal, the Volume's path)",
+        )
     if config.dataset.startswith("registered:") and not registered_dataset:
         raise StartCheckError(
             "dataset",
@@ -184,7 +192,14 @@ def check_model(model: str, storage_root: str | os.PathLike) -> None:
 
 def check_storage_root(root: str | os.PathLike) -> None:
     """The storage root, or the nearest folder above it that exists, takes a new file (one is created
-    and removed: `os.access` says yes to root on a read-only file system such as /sys)."""
+    and removed: `os.access` says yes to root on a read-only file system such as /sys); a URL's client is
+    installed, and its store answers and takes a write."""
+    if is_url(root):
+        try:
+            check_reachable(str(root))
+        except StorageURLError as error:
+            raise StartCheckError("storage_root", str(error)) from None
+        return
     path = Path(os.path.abspath(root))
     while not path.exists():
         path = path.parent

@@ -32,9 +32,10 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from grpo_flow.flows.cli_common import UsageError, named_run, quiet_prefect
+from grpo_flow.flows.cli_common import UsageError, named_run, quiet_prefect, reach
 from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
 from grpo_flow.schemas.presets import PRESETS, preset_fields
+from grpo_flow.workers.state.location import StorageURLError, absolute_root
 
 DEFAULT_STORAGE_ROOT = os.environ.get("GRPO_FLOW_STORAGE", "grpo-storage")
 
@@ -167,6 +168,7 @@ def command_train(args: argparse.Namespace) -> int:
     from grpo_flow.workers.state.storage import RunStorage
 
     try:  # everything up to check_before_start runs in about a second: no torch, Prefect or model yet
+        use_cli_storage_options(args.storage_root, overrides.get("storage_options"))
         check_storage_root(args.storage_root)
         existing = overrides.get("run_id") and RunStorage(args.storage_root, overrides["run_id"]).exists()
         if args.resume and not existing:
@@ -336,7 +338,7 @@ def give_back_cli_lock(config: GRPOFlowConfig) -> None:
     release_run_lock(run_dir)
     try:
         run_dir.parent.rmdir()
-    except OSError:  # not empty (other runs), or already gone
+    except (OSError, NotImplementedError):  # not empty (other runs), already gone, or an object store's prefix
         pass
 
 
@@ -392,6 +394,18 @@ def resume_config(storage: Any, overrides: dict[str, Any], args: argparse.Namesp
     return config
 
 
+def use_cli_storage_options(root: str, text: str | None) -> None:
+    """--storage-options (a JSON object) as fsspec's defaults for the root's scheme, before the root is
+    first reached (a resume reads the run's config from it)."""
+    from grpo_flow.schemas.config import parse_storage_options
+    from grpo_flow.workers.state.location import use_storage_options
+
+    try:
+        use_storage_options(root, parse_storage_options(text or {}))
+    except ValueError as error:
+        raise UsageError(f"--storage-options: {error}") from None
+
+
 def check_storage_root(root: str) -> None:
     from grpo_flow.flows.checks import StartCheckError, check_storage_root as check
 
@@ -439,6 +453,7 @@ def command_runs(args: argparse.Namespace) -> int:
     from grpo_flow.flows.show import run_table
     from grpo_flow.workers.state.storage import list_runs
 
+    reach(args.storage_root)
     runs = list_runs(args.storage_root)
     if not runs:
         print(f"no runs under {os.path.join(args.storage_root, 'runs')}")
@@ -544,7 +559,7 @@ def command_serve(args: argparse.Namespace) -> int:
     names = ", ".join([f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"])
     print(
         f"grpo serve: {names} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
-        f"storage root {os.path.abspath(args.storage_root)}",
+        f"storage root {absolute_root(args.storage_root)}",
         flush=True,
     )
     serve_deployments(args.storage_root, cron, timezone, args.eval_k, args.eval_prompts, args.limit)
@@ -942,6 +957,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         for line in str(error).splitlines():
             print(f"grpo {args.command}: {line}", file=sys.stderr)
+        return 2
+    except StorageURLError as error:  # a URL root whose client is missing, or whose store does not answer
+        print(f"grpo {args.command}: --storage-root: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before a run started (a run handles its own: flows/interrupt.py)
         print(f"grpo {args.command}: interrupted", file=sys.stderr)

@@ -27,6 +27,14 @@ def quiet_prefect(verbose: bool) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notices
 
 
+def reach(storage_root: str) -> None:
+    """A URL storage root's store answers (StorageURLError naming the URL otherwise: exit 2, one line)."""
+    from grpo_flow.workers.state.location import check_reachable, is_url
+
+    if is_url(storage_root):
+        check_reachable(storage_root, write=False)
+
+
 def named_run(storage_root: str, run_id: str, label: str = "RUN") -> Any:
     """The `RunStorage` of an existing run that a command's RUN argument names: a run id, as `--run-id`
     takes it, so that no path (`../elsewhere`) reaches a folder outside the storage root."""
@@ -37,6 +45,7 @@ def named_run(storage_root: str, run_id: str, label: str = "RUN") -> Any:
         check_run_id(run_id)
     except ValueError as error:
         raise UsageError(f"{label}: {error}") from None
+    reach(storage_root)
     storage = RunStorage(storage_root, run_id)
     if not storage.exists():
         raise UsageError(f"{label}: no run {run_id!r} under {os.path.join(storage_root, 'runs')}")

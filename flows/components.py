@@ -236,7 +236,8 @@ def command_checkpoints(args: argparse.Namespace) -> int:
         except DamagedCheckpointError as error:
             manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).exists() else {}
             status, detail = "damaged", f"  ({error})"
-        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(folder.stat().st_mtime))
+        stamp = folder / MANIFEST if (folder / MANIFEST).exists() else folder  # written last: the commit's time
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp.stat().st_mtime))
         version = manifest.get("policy_version", "?")
         print(f"{step:>6}  {status:<8}  {size:>8.1f}  {version!s:>6}  {written}{detail}")
     return 0
@@ -253,11 +254,17 @@ def hub_cache_dir() -> Path:
 def cache_entries(storage_root: str, model: str | None) -> list[Path]:
     """The cached copies of `model` (all models when None): the built-in models and converted GGUF files
     under the storage root, and the hub's download of a hub id."""
-    from grpo_flow.workers.data.models import BUILTIN_MODELS, builtin_model_path, gguf_model_path, is_gguf_path
+    from grpo_flow.workers.data.models import (
+        BUILTIN_MODELS,
+        builtin_model_path,
+        gguf_model_path,
+        is_gguf_path,
+        models_dir,
+    )
 
-    models_dir = Path(storage_root) / "models"
+    folder = models_dir(storage_root)
     if model is None:
-        return sorted(models_dir.glob("*")) if models_dir.exists() else []
+        return sorted(folder.glob("*")) if folder.exists() else []
     if model in BUILTIN_MODELS:
         entry = builtin_model_path(storage_root, model)
     elif is_gguf_path(model):
@@ -270,7 +277,7 @@ def cache_entries(storage_root: str, model: str | None) -> list[Path]:
 
 
 def command_clear_cache(args: argparse.Namespace) -> int:
-    from grpo_flow.workers.data.models import BUILTIN_MODELS, is_gguf_path
+    from grpo_flow.workers.data.models import BUILTIN_MODELS, is_gguf_path, models_dir
 
     if args.backend == "modal":
         return clear_modal_cache(args)
@@ -278,7 +285,7 @@ def command_clear_cache(args: argparse.Namespace) -> int:
     if not entries:
         in_hub = args.model is not None and args.model not in BUILTIN_MODELS and not is_gguf_path(args.model)
         print(
-            f"nothing cached for {args.model or 'any model'} (looked in {Path(args.storage_root) / 'models'}"
+            f"nothing cached for {args.model or 'any model'} (looked in {models_dir(args.storage_root)}"
             + (f" and {hub_cache_dir()}" if in_hub else "")
             + ")"
         )

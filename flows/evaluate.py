@@ -63,7 +63,9 @@ from grpo_flow.workers.state.storage import (
     RunStorage,
     atomic_write,
     clean_stale_temps,
+    is_remote,
     list_runs,
+    move,
     read_eval_summary,
 )
 from grpo_flow.workers.state.storage import eval_metric_names as metric_names
@@ -121,16 +123,16 @@ def supersede(storage: RunStorage, step: int) -> Path:
     path = storage.eval_path(step)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     target = path.parent / "superseded" / f"{path.stem}.{stamp}.parquet"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(path, target)
+    move(path, target)
     return target
 
 
 def write_once(path: Path, table: pa.Table) -> Path:
     """Write `table` to `path` unless a file is there (atomic, and refused if `path` exists even when two
     evaluations race)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps([path.parent])  # what an evaluation killed mid-write left
+    if not is_remote(path):  # an object store has no temporary names
+        path.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_temps([path.parent])  # what an evaluation killed mid-write left
     try:
         atomic_write(path, lambda tmp: pq.write_table(table, tmp), exclusive=True)
     except FileExistsError:
@@ -294,6 +296,8 @@ def summarize(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, f
 def checkpoint_files(storage: RunStorage, step: int) -> Path:
     """The checkpoint's folder with its model's files; for a run on the Modal backend, those files fetched
     from the Volume into `<storage_root>/cache` (the Modal client is imported only then)."""
+    if storage.remote:
+        return storage.local_checkpoint(step)
     folder = storage.checkpoint_dir(step)
     if (folder / "model").is_dir() or (folder / "adapter").is_dir():
         return folder

@@ -144,15 +144,15 @@ def run_step(
     steps (one-step-off); `rollout_stats` are then this step's, handed over from the step before.
     """
     started = time.perf_counter()
-    logged = RunStorage(plan.storage_root, plan.run_id).rollout_dir
+    logged = RunStorage(plan.storage_root, plan.run_id).rollouts_committed
     samples = None  # the artifact's three completions; None: read back from the logged rollouts
-    if not logged(step).exists():
+    if not logged(step):
         rollout_stats, samples = produce_rollouts(config, plan, step, rollout_version)
     elif rollout_stats is None:  # a replay
         num_completions, logged_stats = logged_reward_stats(config, plan, step)
         rollout_stats = {**logged_stats, "num_completions": float(num_completions), "replayed": 1.0}
     next_rollouts = None
-    if config.max_staleness and step < plan.total_steps and not logged(step + 1).exists():
+    if config.max_staleness and step < plan.total_steps and not logged(step + 1):
         # Generated with the weights the rollout workers hold now, i.e. before this actor step.
         next_rollouts = in_background(produce_rollouts, config, plan, step + 1, rollout_version)
     try:

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from grpo_flow.tasks.observability import USER_FACING
+from grpo_flow.workers.state.location import local_root
 
 _FILE_HANDLERS: dict[Path, logging.Handler] = {}
 
@@ -53,7 +54,7 @@ _USER_HANDLER.setFormatter(logging.Formatter("grpo-flow: warning: %(message)s"))
 
 
 def log_path_for(storage_root: str | os.PathLike) -> Path:
-    return Path(storage_root) / "logs" / "prefect.log"
+    return local_root(storage_root) / "logs" / "prefect.log"
 
 
 def quiet_prefect_run(storage_root: str | os.PathLike) -> Path:

@@ -78,7 +78,7 @@ def write_report(storage_root: str | os.PathLike, run_id: str, out: str | os.Pat
         raise ReportError(str(error)) from None
     storage = RunStorage(storage_root, run_id)
     if not storage.exists():
-        raise ReportError(f"no run {run_id!r} under {Path(storage_root) / 'runs'}")
+        raise ReportError(f"no run {run_id!r} under {os.path.join(storage_root, 'runs')}")
     table = storage.read_metrics()
     if table.num_rows == 0:
         raise ReportError(f"run {run_id!r} has no logged steps yet")

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -72,11 +72,26 @@ def check_run_id(value: str) -> str:
     return value
 
 
+def parse_storage_options(value: object) -> Any:
+    """storage_options as a JSON object's text (the command line, a deployment's parameter form) becomes
+    the object; anything else is left to the field's type."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{value!r} is not a JSON object")
+    return parsed
+
+
 # Fields that do not change what a run computes; everything else is part of the config hash.
 NON_TRAINING_FIELDS = frozenset(
     {
         "run_id",
         "storage_root",
+        "storage_options",
         "max_steps",
         "save_steps",
         "report_to",
@@ -148,8 +163,16 @@ class GRPOFlowConfig(BaseModel):
     )
     storage_root: str = Field(
         default="grpo-storage",
-        description="Folder (or, with the Modal backend, Volume path) holding runs, models and caches. With the Ray "
-        "backend, a folder on a filesystem every node of the cluster mounts at the same path.",
+        description="Folder (or, with the Modal backend, Volume path) holding runs, models and caches, or an fsspec "
+        "URL holding the runs (`s3://bucket/path`, `gs://`, `az://`, `file://`, `memory://`; models and logs then "
+        "stay in a local cache). With the Ray backend, a folder on a filesystem every node of the cluster mounts at "
+        "the same path.",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options for the storage root URL's fsspec file system, as pandas' `storage_options` takes them "
+        '(e.g. `{"endpoint_url": "http://127.0.0.1:9000"}`; a JSON object on the command line). Kept in the run\'s '
+        "config.json: give credentials through the client's own variables (`AWS_*`) instead.",
     )
     backend: Backend = Field(
         default="local",
@@ -624,6 +647,11 @@ class GRPOFlowConfig(BaseModel):
                 raise ValueError(f"{entry!r} is not a 'module:Class' import path")
         return value
 
+    @field_validator("storage_options", mode="before")
+    @classmethod
+    def _parse_storage_options(cls, value: object) -> object:
+        return parse_storage_options(value)
+
     @field_validator("dataset")
     @classmethod
     def _check_dataset(cls, value: str) -> str:
@@ -746,7 +774,7 @@ class GRPOFlowConfig(BaseModel):
 # The fields by topic, in the order `grpo train --help` and the README's config table show them
 # (tests/schemas/test_config_groups.py checks that every field is in exactly one group and the README agrees).
 CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
-    "Run": ("run_id", "storage_root", "backend", "device"),
+    "Run": ("run_id", "storage_root", "storage_options", "backend", "device"),
     "Model and data": ("model", "chat_template", "dataset", "reward_funcs", "reward_weights", "string_prompts"),
     "Tools and environments": (
         "tools",

@@ -99,11 +99,12 @@ def rollout_rows(
             return []
         import pyarrow.dataset as ds
 
-        from grpo_flow.workers.state.storage import RunStorage
+        from grpo_flow.workers.state.storage import RunStorage, arrow_source
 
         storage = RunStorage(plan_or_run_id.storage_root, plan_or_run_id.run_id)
         # Only what the artifact shows: token ids and logprobs are most of a step's bytes.
-        names = ds.dataset(storage.rollout_dir(step), format="parquet", exclude_invalid_files=True).schema.names
+        source = arrow_source(storage.rollout_dir(step))
+        names = ds.dataset(source.pop("source"), format="parquet", exclude_invalid_files=True, **source).schema.names
         wanted = [n for n in names if n in SHOWN_COLUMNS or n.startswith(REWARD_PREFIX)]
         rollouts = storage.read_rollouts(step, columns=wanted)
     if isinstance(rollouts, pa.Table):

@@ -424,7 +424,7 @@ def log_rollouts(
     check_rewards_given(config, plan, step, stats)  # before the step is logged: a fixed function re-scores it
     advantages_done = time.perf_counter()
     storage = RunStorage(plan.storage_root, plan.run_id)
-    if not storage.rollout_dir(step).exists():
+    if not storage.rollouts_committed(step):
         for shard, batch in enumerate(scored):
             write_rollouts(config, plan, batch, shard)
         written = time.perf_counter()

@@ -21,6 +21,7 @@ from grpo_flow.workers import backends
 from grpo_flow.workers.rewards.task import run_task
 from grpo_flow.workers.rollout.base import check_chat_prompts, load_generation_tokenizer, string_prompts_warning
 from grpo_flow.workers.rollout.heldout import heldout_accuracy
+from grpo_flow.workers.state.location import use_storage_options
 from grpo_flow.workers.state.lock import hold_run_lock, release_run_lock, release_run_locks_of
 from grpo_flow.workers.state.resume import (
     check_config_change,
@@ -56,6 +57,7 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
     stands. `mode`: the loop that trains it (`simple`: TRL's), recorded in run.json."""
     # One writer per run: raises RunLockedError naming a live holder. Released by finish_run, or by
     # the flow's state hooks (release_flow_run_locks) when the run fails before it gets there.
+    use_storage_options(config.storage_root, config.storage_options)
     hold_run_lock(RunStorage(config.storage_root, config.run_id or "").run_dir, owner=current_flow_run.get_id())
     storage = check_run_start(config, allow_config_change)
     backends.check_backend_ready(config)

@@ -74,7 +74,7 @@ def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int) -> dict[st
     the manifest is written last, then the folder is renamed; old checkpoints are pruned."""
     started = time.perf_counter()
     storage = RunStorage(plan.storage_root, plan.run_id)
-    if storage.checkpoint_dir(step).exists():  # a retry after the commit: the checkpoint is done
+    if storage.checkpoint_committed(step):  # a retry after the commit: the checkpoint is done
         storage.verify_checkpoint(step)
         return {"time/checkpoint_s": time.perf_counter() - started}
     staging = storage.staging_checkpoint_dir(step)

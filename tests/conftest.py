@@ -261,3 +261,49 @@ def ray_cluster():
             except ProcessLookupError:
                 pass
         assert not cluster.processes(), "processes of the test Ray cluster outlived it"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 API on loopback for the session (moto's server in a thread), reached as s3fs's own tests
+    reach one: through AWS_ENDPOINT_URL and dummy credentials in the environment, which the CLI's
+    subprocesses inherit (and a session cache for what URL roots keep on local disk: GRPO_FLOW_CACHE).
+    Yields the endpoint URL; `s3_root` gives each test a bucket of its own."""
+    from moto.server import ThreadedMotoServer
+
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    settings = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "grpo-flow-test",
+        "AWS_SECRET_ACCESS_KEY": "grpo-flow-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "GRPO_FLOW_CACHE": str(tmp_path_factory.mktemp("grpo-flow-cache")),
+    }
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield settings["AWS_ENDPOINT_URL"]
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def s3_root(s3_server, request):
+    """`s3://<a new bucket>/grpo`: a storage root on the session's S3 server, one per test module."""
+    import re
+
+    import s3fs
+
+    bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower().removesuffix(".py"))[:50].strip("-") + "-bucket"
+    s3fs.S3FileSystem().mkdir(bucket)
+    return f"s3://{bucket}/grpo"

@@ -47,7 +47,7 @@ def final_weights(storage: RunStorage, step: int) -> dict[str, torch.Tensor]:
     """The trained weights of the run's checkpoint at `step` (a LoRA run's: its adapter), checked against its
     manifest first."""
     storage.verify_checkpoint(step)
-    folder = storage.checkpoint_dir(step)
+    folder = storage.local_checkpoint(step)
     if (folder / "adapter").is_dir():
         return load_file(folder / "adapter" / "adapter_model.safetensors")
     return load_file(folder / "model" / "model.safetensors")

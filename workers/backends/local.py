@@ -54,7 +54,7 @@ class LocalPlacement(Placement):
         pipelined = 1 if config.max_staleness else 0
         threads = max(1, (os.cpu_count() or 2) // (config.num_rollout_workers + pipelined))
         if self.uses_vllm:
-            log_dir = RunStorage(config.storage_root, config.run_id or "unnamed").run_dir / "logs"
+            log_dir = RunStorage(config.storage_root, config.run_id or "unnamed").local_run_dir / "logs"
             return vllm_env.local_engine(config, self.model_path, index, threads, log_dir, gpu=self.device == "cuda")
         if config.max_staleness:
             return ProcessRolloutEngine(self.model_path, worker_id=worker_id, threads=threads, device=self.device)

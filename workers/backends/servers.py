@@ -29,6 +29,7 @@ from grpo_flow.workers.actor.actor import Actor, StaleActorError
 from grpo_flow.workers.backends.weight_sync import WeightPayload, apply_weights, export_weights
 from grpo_flow.workers.rollout.base import GenerationResult, RolloutEngine, SamplingParams
 from grpo_flow.workers.rollout.channel import EngineProcessError
+from grpo_flow.workers.state.location import local_root
 from grpo_flow.workers.state.storage import RunStorage, file_manifest
 
 # `publish`'s method for weights handed over as a state dict (in memory, or through Ray's object store)
@@ -84,10 +85,10 @@ class ActorServer:
     ) -> None:
         """`actor`: an `Actor` built elsewhere (benchmarks' instant actor); loaded here either way."""
         self.config = GRPOFlowConfig.model_validate_json(config_json)
-        self.root = Path(storage_root or self.config.storage_root)
+        self.root = local_root(storage_root or self.config.storage_root)
         self.storage = storage or LocalDisk()
         self.storage.reload()  # the model may have been uploaded by another worker
-        self.run_dir = RunStorage(self.root, self.config.run_id or "unnamed").run_dir
+        self.run_dir = self.root / "runs" / (self.config.run_id or "unnamed")
         self.actor = actor if actor is not None else Actor(self.config, model_path, device=device)
         self.actor.load()
 
@@ -142,7 +143,7 @@ def default_engine(config: GRPOFlowConfig, model_path: str, worker_index: int, d
     if config.rollout_engine == "vllm":
         from grpo_flow.workers.backends import vllm_env
 
-        log_dir = RunStorage(root, config.run_id or "unnamed").run_dir / "logs"
+        log_dir = RunStorage(root, config.run_id or "unnamed").local_run_dir / "logs"
         threads = max(1, int(config.ray_rollout_cpus or 1))  # a share of a CPU: one thread
         return vllm_env.worker_engine(config, model_path, worker_index, device == "cuda", threads, log_dir)
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
@@ -166,7 +167,7 @@ class RolloutServer:
         """`engine`: one the backend built itself (the local backend's engine processes); else `default_engine`."""
         self.config = GRPOFlowConfig.model_validate_json(config_json)
         self.model_path, self.worker_index, self.device = model_path, worker_index, device
-        self.root = Path(storage_root or self.config.storage_root)
+        self.root = local_root(storage_root or self.config.storage_root)
         self.storage = storage or LocalDisk()
         self.storage.reload()
         self.engine: RolloutEngine = engine or default_engine(self.config, model_path, worker_index, device, self.root)

@@ -36,6 +36,7 @@ from grpo_flow.workers.backends.servers import StaleEngineError
 from grpo_flow.workers.backends.weight_sync import WeightPayload, publishes_adapter, sync_method
 from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
 from grpo_flow.workers.state.resume import replay_actor_to
+from grpo_flow.workers.state.location import is_url, local_root
 from grpo_flow.workers.state.storage import RunStorage
 
 MAX_HEALS = 5  # heals per call before the error reaches the task (whose Prefect retries come next)
@@ -97,7 +98,7 @@ class Placement:
 
     def worker_folder(self, folder: Path) -> str:
         """A folder under the storage root, as the workers are told it: relative to the root."""
-        root = Path(self.config.storage_root).resolve()
+        root = local_root(self.config.storage_root).resolve()
         try:
             return str(Path(folder).resolve().relative_to(root))
         except ValueError:
@@ -167,7 +168,8 @@ class Workers:
         self.config = config
         self.model_path = str(model_path)
         self.placement = placement
-        self.storage = RunStorage(Path(config.storage_root).resolve(), config.run_id)
+        root = config.storage_root
+        self.storage = RunStorage(root if is_url(root) else Path(root).resolve(), config.run_id)
         self.actor: Handle
         self.rollout: list[Handle] = []
         self.actor_version: int | None = 0  # what the actor holds; None: unknown (it was lost)
@@ -413,8 +415,8 @@ class Workers:
                 self.placement.parallel([functools.partial(h.call, "initial") for h in self.rollout])
                 self.rollout_versions = [0] * len(self.rollout)
                 return 0
-            folder = storage.checkpoint_dir(checkpoint_step)
             manifest = storage.verify_checkpoint(checkpoint_step)
+            folder = storage.local_checkpoint(checkpoint_step)
             ActorCalls(self).restore(folder)
             actor_version = self.actor_version or 0
             version = manifest.get("rollout_policy_version", actor_version)

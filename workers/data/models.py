@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from grpo_flow.workers.state.location import models_root
+
 ModelSource = Literal["built", "package-index"]
 
 
@@ -74,7 +76,8 @@ def is_gguf_path(model: str) -> bool:
 
 
 def models_dir(storage_root: str | os.PathLike) -> Path:
-    return Path(storage_root) / "models"
+    """`<storage_root>/models`; for a URL root, the local cache's (a model is loaded from disk)."""
+    return models_root(storage_root)
 
 
 def builtin_model_path(storage_root: str | os.PathLike, name: str) -> Path:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from grpo_flow.workers.data.models import BUILTIN_MODELS
+from grpo_flow.workers.state.location import models_root
 
 TINY_MODEL_NAME = "tiny"
 # Model names the project builds itself -> (folder under <storage_root>/models, the task whose answer
@@ -122,7 +123,7 @@ def format_warm_start(
 
 
 def tiny_model_path(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:
-    return Path(storage_root) / "models" / TINY_MODELS[name][0]
+    return models_root(storage_root) / TINY_MODELS[name][0]
 
 
 def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:

@@ -7,6 +7,11 @@ live on local disks and on Modal Volumes, so two mechanisms back each other:
 - Locally the file is also held with flock(2). The kernel drops that lock the moment its
   process dies (SIGKILL included), so a second process on the machine is refused for exactly as
   long as the first lives, and a killed holder's lock is taken over at once.
+- An object store (a URL storage root: workers/state/location.py) has no locks and no rename:
+  the lock is an object taken with the store's exclusive create (S3 `If-None-Match: *`, through
+  fsspec's mode "xb"), rewritten by its holder at each renewal, deleted at release, and deleted
+  then taken again by the next writer once its holder is gone (its pid, on this host; its lease,
+  elsewhere).
 - A Modal Volume has no locks (flock does not reach other containers, and a Volume shows other
   containers' writes only after its background commit). There the lease is what counts: a
   holder on another host is alive until its lease expires.
@@ -34,6 +39,8 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from grpo_flow.workers.state.location import is_remote
 
 try:  # POSIX; elsewhere the lease alone guards the run
     import fcntl
@@ -121,7 +128,7 @@ def describe_holder(holder: dict[str, Any] | None) -> str:
 
 # -- the lock file -----------------------------------------------------------------------------------
 def lock_path(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / LOCK_FILE
+    return (run_dir if is_remote(run_dir) else Path(run_dir)) / LOCK_FILE  # type: ignore[operator]
 
 
 def read_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -169,22 +176,25 @@ class RunLock:
     """The writer lock of one run folder; `acquire()` raises RunLockedError naming a live holder."""
 
     def __init__(self, run_dir: str | os.PathLike, lease_s: float = DEFAULT_LEASE_S, command: str | None = None):
-        self.run_dir = Path(run_dir)
+        self.run_dir: Path = run_dir if is_remote(run_dir) else Path(run_dir)  # type: ignore[assignment]
         self.path = lock_path(run_dir)
         self.lease_s = lease_s
         self.command = command if command is not None else " ".join(Path(sys.argv[0]).name.split() + sys.argv[1:])
         self.token = uuid.uuid4().hex
         self.taken_over: dict[str, Any] | None = None  # the stale holder this lock replaced, if any
         self._fd: int | None = None
+        self._leased = False  # holds the lock object of an object store
         self._record: dict[str, Any] = {}
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._fd is not None or self._leased
 
     def acquire(self) -> RunLock:
+        if is_remote(self.run_dir):
+            return self._acquire_object()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -218,16 +228,7 @@ class RunLock:
                     # No kernel lock here and a record not yet readable: another process is acquiring.
                     self._refuse(None)
                 now = time.time()
-                self._record = {
-                    "run_id": self.run_dir.name,
-                    "host": this_host(),
-                    "pid": os.getpid(),
-                    "pid_start": process_start(os.getpid()),
-                    "since": _utc(now),
-                    "command": self.command[:300],
-                    "token": self.token,
-                    "lease_s": self.lease_s,
-                }
+                self._record = self._new_record(now)
                 try:
                     self._write(fd, now)
                 except OSError as error:  # a full disk: no empty writer.lock left behind, one line said
@@ -239,9 +240,7 @@ class RunLock:
                         pass
                     raise self._cannot_write(error) from None
                 self._fd = fd
-                self._stop.clear()
-                self._renewer = threading.Thread(target=self._renew, name="grpo-flow-run-lock", daemon=True)
-                self._renewer.start()
+                self._start_renewer()
                 return self
             except BaseException:
                 if self._fd != fd:
@@ -250,11 +249,15 @@ class RunLock:
         raise RunLockedError(f"run {self.run_dir.name!r}: could not take {self.path} (it keeps changing)", None)
 
     def release(self) -> None:
+        if self._leased:
+            self._stop_renewer()
+            self._leased = False
+            if (read_holder(self.run_dir) or {}).get("token") == self.token:
+                self.path.unlink()
+            return
         if self._fd is None:
             return
-        self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join(timeout=5)
+        self._stop_renewer()
         fd, self._fd = self._fd, None
         try:
             if self._same_file(fd):
@@ -272,7 +275,77 @@ class RunLock:
     def __exit__(self, *exc: Any) -> None:
         self.release()
 
+    # -- an object store's lock object -----------------------------------------------------------------
+    def _acquire_object(self) -> RunLock:
+        fs, key = self.path.fs, str(self.path.path)  # type: ignore[attr-defined]
+        for _ in range(10):  # another taker may delete or create the object between our steps: try again
+            now = time.time()
+            self._record = self._new_record(now)
+            try:
+                with fs.open(key, "xb") as handle:  # the store's conditional create: one taker wins
+                    handle.write(self._payload(now))
+            except FileExistsError:
+                holder = read_holder(self.run_dir)
+                if holder is None and not self.path.exists():  # released meanwhile: create it again
+                    continue
+                if holder is not None and holder_alive(holder):
+                    self._refuse(holder)
+                self.taken_over = holder
+                logger.warning(
+                    "run %s: taking over the writer lock of %s: %s",
+                    self.run_dir.name,
+                    describe_holder(holder),
+                    "its record is unreadable" if holder is None else "its holder is gone",
+                )
+                fs.rm(key)
+                continue
+            except OSError as error:
+                raise self._cannot_write(error) from None
+            self._leased = True
+            self._start_renewer()
+            return self
+        raise RunLockedError(f"run {self.run_dir.name!r}: could not take {self.path} (it keeps changing)", None)
+
+    def _renew_object(self, now: float) -> None:
+        holder = read_holder(self.run_dir)
+        if holder is not None and holder.get("token") != self.token:
+            logger.error("run %s: the writer lock was taken over by %s", self.run_dir.name, describe_holder(holder))
+            self._stop.set()
+            return
+        self.path.write_bytes(self._payload(now))
+
     # -- internals ---------------------------------------------------------------------------------
+    def _new_record(self, now: float) -> dict[str, Any]:
+        return {
+            "run_id": self.run_dir.name,
+            "host": this_host(),
+            "pid": os.getpid(),
+            "pid_start": process_start(os.getpid()),
+            "since": _utc(now),
+            "command": self.command[:300],
+            "token": self.token,
+            "lease_s": self.lease_s,
+        }
+
+    def _payload(self, now: float) -> bytes:
+        record = {
+            **self._record,
+            "renewed": _utc(now),
+            "expires": now + self.lease_s,
+            "expires_at": _utc(now + self.lease_s),
+        }
+        return (json.dumps(record, indent=2) + "\n").encode()
+
+    def _start_renewer(self) -> None:
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew, name="grpo-flow-run-lock", daemon=True)
+        self._renewer.start()
+
+    def _stop_renewer(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+
     def _refuse(self, holder: dict[str, Any] | None) -> None:
         raise RunLockedError(
             f"run {self.run_dir.name!r} is being written by {describe_holder(holder)}; one writer per run "
@@ -308,13 +381,7 @@ class RunLock:
         return record if isinstance(record, dict) else None
 
     def _write(self, fd: int, now: float) -> None:
-        record = {
-            **self._record,
-            "renewed": _utc(now),
-            "expires": now + self.lease_s,
-            "expires_at": _utc(now + self.lease_s),
-        }
-        data = (json.dumps(record, indent=2) + "\n").encode()
+        data = self._payload(now)
         # In place, not by rename: the kernel lock belongs to this file, and a renamed-in file would be a new one.
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
@@ -326,12 +393,14 @@ class RunLock:
                 fd = self._fd
                 if fd is not None:
                     self._write(fd, time.time())
+                elif self._leased:
+                    self._renew_object(time.time())
             except OSError as error:  # a full disk must not kill the run; the lease just ages
                 logger.warning("run %s: could not renew the writer lock: %s", self.run_dir.name, error)
 
 
 # -- one lock per run and process ----------------------------------------------------------------------
-_HELD: dict[Path, tuple[RunLock, set[str]]] = {}
+_HELD: dict[str, tuple[RunLock, set[str]]] = {}
 _HELD_GUARD = threading.Lock()
 
 
@@ -340,7 +409,7 @@ def hold_run_lock(run_dir: str | os.PathLike, lease_s: float = DEFAULT_LEASE_S, 
 
     `owner` (a flow run id) lets `release_run_locks_of` give back what a failed flow run took.
     """
-    key = Path(run_dir).resolve()
+    key = _held_key(run_dir)
     with _HELD_GUARD:
         lock, owners = _HELD.get(key, (None, set()))
         if lock is None or not lock.held:
@@ -354,7 +423,7 @@ def hold_run_lock(run_dir: str | os.PathLike, lease_s: float = DEFAULT_LEASE_S, 
 def release_run_lock(run_dir: str | os.PathLike) -> None:
     """Release this process's writer lock of the run, if it holds it."""
     with _HELD_GUARD:
-        lock, _ = _HELD.pop(Path(run_dir).resolve(), (None, set()))
+        lock, _ = _HELD.pop(_held_key(run_dir), (None, set()))
     if lock is not None:
         lock.release()
 
@@ -366,3 +435,7 @@ def release_run_locks_of(owner: str) -> None:
         locks = [_HELD.pop(key)[0] for key in keys]
     for lock in locks:
         lock.release()
+
+
+def _held_key(run_dir: str | os.PathLike) -> str:
+    return str(run_dir) if is_remote(run_dir) else str(Path(run_dir).resolve())

@@ -329,6 +329,6 @@ def replay_actor_to(actor: Any, version: int, storage: RunStorage) -> None:
     if checkpoint is None:
         actor.reset()
     else:
-        actor.restore(storage.checkpoint_dir(checkpoint))
+        actor.restore(storage.local_checkpoint(checkpoint))
     for step in range(actor.policy_version + 1, version + 1):
         actor.step(step - 1, storage.read_rollouts(step))

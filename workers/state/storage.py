@@ -32,6 +32,13 @@ The leading underscore of `_manifest.json` keeps it out of pyarrow's and pandas'
 discovery (they skip names starting with `_` or `.`), so `pd.read_parquet(<run>/rollouts)`
 still reads only the shards.
 
+On an object store (a URL root: `s3://`, `gs://`, `memory://`, ...; workers/state/location.py)
+there is no rename, so a commit is a marker written last: every file of a step or checkpoint is
+written at its final key (a PUT is whole or absent), then its manifest; a step or checkpoint
+folder without its manifest is not committed, is skipped by every reader, and is removed by the
+run's next writer (`discard_staging`). Torch and transformers write a checkpoint into a local
+folder first (`staging_checkpoint_dir`, under `location.local_root`), which the commit uploads.
+
 Step folders are named `step-000042`, not hive-style `step=000042`: every row already
 carries its `step` column, and a hive folder of the same name makes pandas and pyarrow
 refuse to read the run as one data set (the folder's key and the column clash in type).
@@ -59,6 +66,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from grpo_flow.workers.state.location import is_remote, is_url, local_root, root_path
 from grpo_flow.workers.state.lock import live_holder, pid_alive, this_host
 
 MANIFEST = "manifest.json"
@@ -177,7 +185,10 @@ def default_modes() -> tuple[int, int]:
 def atomic_write(path: Path, write: Callable[[Path], None], exclusive: bool = False) -> Path:
     """`write(temporary path)`, then the file renamed into place: a reader sees the whole file or none.
     `exclusive`: never replace a file already there (FileExistsError), even when two writers race. Every
-    atomic file of a run goes through here."""
+    atomic file of a run goes through here. On an object store the file is written locally, then put at
+    its key (a PUT is whole or absent; `exclusive` is the store's conditional create)."""
+    if is_remote(path):
+        return _put_remote(path, write, exclusive)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
     os.close(fd)
@@ -203,6 +214,64 @@ def atomic_write(path: Path, write: Callable[[Path], None], exclusive: bool = Fa
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _put_remote(path: Path, write: Callable[[Path], None], exclusive: bool) -> Path:
+    with tempfile.TemporaryDirectory(prefix=".grpo-flow-upload-") as folder:
+        tmp = Path(folder) / path.name
+        write(tmp)
+        fs, key = remote_fs(path), remote_key(path)
+        if exclusive:
+            with open(tmp, "rb") as source, fs.open(key, "xb") as target:
+                shutil.copyfileobj(source, target)
+        else:
+            fs.put_file(str(tmp), key)
+    return path
+
+
+def remote_fs(path: Path) -> Any:
+    """The fsspec file system of a path from `root_path` on a URL."""
+    return path.fs  # type: ignore[attr-defined]
+
+
+def remote_key(path: Path) -> str:
+    """The path as its fsspec file system names it (`bucket/runs/x/...`)."""
+    return str(path.path)  # type: ignore[attr-defined]
+
+
+def arrow_source(path: Path) -> dict[str, Any]:
+    """Keyword arguments that point pyarrow's readers at `path` (its file system with it, on a URL)."""
+    return {"source": remote_key(path), "filesystem": remote_fs(path)} if is_remote(path) else {"source": path}
+
+
+def read_parquet(path: Path) -> pa.Table:
+    source = arrow_source(path)
+    return pq.read_table(source.pop("source"), **source)
+
+
+def remove_tree(path: Path, marker: str | None = None) -> None:
+    """Remove a folder (on an object store: every object under its prefix, `marker` first, so a folder
+    half removed is no longer committed)."""
+    if not is_remote(path):
+        shutil.rmtree(path)
+        return
+    fs = remote_fs(path)
+    if marker is not None and (path / marker).exists():
+        fs.rm(remote_key(path / marker))
+    if fs.exists(remote_key(path)):
+        fs.rm(remote_key(path), recursive=True)
+
+
+def move(path: Path, target: Path) -> None:
+    """Rename a file or folder (on an object store: copy, then delete, object by object: s3fs's recursive
+    copy also copies the folder's own key, which S3 does not have)."""
+    if is_remote(path):
+        fs, source, destination = remote_fs(path), remote_key(path), remote_key(target)
+        for key in fs.find(source) if fs.isdir(source) else [source]:
+            fs.mv(key, destination + key[len(source) :])
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(path, target)
 
 
 def atomic_folder(final: Path, write: Callable[[Path], None]) -> bool:
@@ -271,7 +340,7 @@ def atomic_write_parquet(path: Path, table: pa.Table) -> None:
 
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with (path if is_remote(path) else Path(path)).open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -294,7 +363,8 @@ def file_matches(path: Path, expected: dict[str, Any]) -> bool:
 
 def read_eval_summary(path: str | os.PathLike) -> dict[str, Any]:
     """The summary stored in an eval file's schema metadata (flows/evaluate.py writes them)."""
-    metadata = pq.read_schema(path).metadata or {}
+    source = arrow_source(path if is_remote(path) else Path(path))  # type: ignore[arg-type]
+    metadata = pq.read_schema(source.pop("source"), **source).metadata or {}
     if EVAL_METADATA_KEY not in metadata:
         raise ValueError(f"{path} has no {EVAL_METADATA_KEY.decode()} metadata")
     return json.loads(metadata[EVAL_METADATA_KEY])
@@ -317,12 +387,16 @@ class RunInfo:
 
 
 class RunStorage:
-    """Paths and atomic reads/writes for one run under a storage root."""
+    """Paths and atomic reads/writes for one run under a storage root: a local folder, or a URL whose
+    paths are `UPath`s (pathlib's API; `is_remote` tells them apart where the writes differ)."""
 
     def __init__(self, root: str | os.PathLike, run_id: str):
-        self.root = Path(root)
+        self.remote = is_url(root)
+        self.root = root_path(root)
         self.run_id = run_id
         self.run_dir = self.root / "runs" / run_id
+        # Where files are written before upload and checkpoints downloaded to: the run folder itself locally.
+        self.local_run_dir = local_root(root) / "runs" / run_id if self.remote else self.run_dir
 
     # -- layout -----------------------------------------------------------------------------
     @property
@@ -390,11 +464,17 @@ class RunStorage:
     # -- rollouts and metrics: append-only -------------------------------------------------------
     def staging_rollout_dir(self, step: int) -> Path:
         # Hidden (leading dot): pyarrow's dataset discovery skips it, so readers never see a partial step.
-        return self.run_dir / "rollouts" / f".step-{step:06d}.staging"
+        # On an object store shards go to their final keys: the step's manifest is the commit.
+        return self.rollout_dir(step) if self.remote else self.run_dir / "rollouts" / f".step-{step:06d}.staging"
+
+    def rollouts_committed(self, step: int) -> bool:
+        if self.remote:
+            return (self.rollout_dir(step) / STEP_MANIFEST).exists()
+        return self.rollout_dir(step).exists()
 
     def write_rollouts(self, step: int, shard: int, table: pa.Table) -> Path:
         """Stage one shard of a step; `commit_rollouts` publishes the step once every shard is staged."""
-        if self.rollout_dir(step).exists():
+        if self.rollouts_committed(step):
             raise FileExistsError(f"rollouts of step {step} are already logged at {self.rollout_dir(step)}")
         path = self.staging_rollout_dir(step) / f"shard-{shard:02d}.parquet"
         atomic_write_parquet(path, table)  # a retried shard replaces its own staged file
@@ -404,18 +484,21 @@ class RunStorage:
         """Write the step's manifest (each shard's size and sha256) into its staging folder, then rename
         the folder into place: the step is logged whole, or not at all."""
         staging, final = self.staging_rollout_dir(step), self.rollout_dir(step)
-        if final.exists():
+        if self.rollouts_committed(step):
             raise FileExistsError(f"rollouts of step {step} are already logged at {final}")
         missing = [s for s in range(num_shards) if not (staging / f"shard-{s:02d}.parquet").exists()]
         if missing:
             raise FileNotFoundError(f"rollouts of step {step}: shards {missing} were never written")
         files = file_manifest(staging, "shard-*.parquet")
         atomic_write_json(staging / STEP_MANIFEST, {"step": step, "files": files})
-        os.replace(staging, final)
+        if not self.remote:
+            os.replace(staging, final)
         return final
 
     def rollout_steps(self) -> list[int]:
         """Steps whose rollouts are logged (committed)."""
+        if self.remote:
+            return sorted(int(p.parent.name.split("-")[1]) for p in self._glob("rollouts", "step-*/" + STEP_MANIFEST))
         return sorted(int(p.name.split("-")[1]) for p in (self.run_dir / "rollouts").glob("step-*") if p.is_dir())
 
     def relative(self, path: Path) -> str:
@@ -433,9 +516,8 @@ class RunStorage:
         is read in full instead when `checksums` is asked for (there is nothing to compare sizes with).
         """
         folder = self.rollout_dir(step)
-        # os.scandir and plain strings, not pathlib: `grpo runs` and a resume run this on every step of a run.
         try:
-            entries = {entry.name: entry for entry in os.scandir(folder)}
+            entries = self._sizes(folder)
         except FileNotFoundError:
             return [f"{self.relative(folder)}: missing"]
         shards = sorted(name for name in entries if name.startswith("shard-") and name.endswith(".parquet"))
@@ -446,29 +528,41 @@ class RunStorage:
                 [problem for name in shards for problem in self._parquet_problems(folder / name)] if checksums else []
             )
         try:
-            with open(entries[STEP_MANIFEST].path, "rb") as handle:
-                files = json.loads(handle.read())["files"]
+            files = json.loads((folder / STEP_MANIFEST).read_bytes())["files"]
         except (OSError, ValueError, KeyError, TypeError) as error:
             return [f"{self.relative(folder / STEP_MANIFEST)}: unreadable ({error})"]
         problems = []
         for name, expected in files.items():
-            entry = entries.get(name)
-            if entry is None:
+            size = entries.get(name)
+            if size is None:
                 problems.append(f"{self.relative(folder / name)}: missing")
                 continue
-            size = entry.stat().st_size
             if size != expected["bytes"]:
                 problems.append(f"{self.relative(folder / name)}: {size} bytes, its manifest says {expected['bytes']}")
-            elif checksums and file_sha256(Path(entry.path)) != expected["sha256"]:
+            elif checksums and file_sha256(folder / name) != expected["sha256"]:
                 problems.append(f"{self.relative(folder / name)}: does not match its sha256 in {STEP_MANIFEST}")
         problems += [
             f"{self.relative(folder / n)}: not in the step's {STEP_MANIFEST}" for n in shards if n not in files
         ]
         return problems
 
+    def _sizes(self, folder: Path) -> dict[str, int]:
+        """Each file in `folder` by name, with its size: one listing (os.scandir locally, a LIST on a store),
+        as `grpo runs` and a resume check every step of a run."""
+        if self.remote:
+            fs = remote_fs(folder)
+            listing = fs.ls(remote_key(folder), detail=True)
+            if not listing:
+                raise FileNotFoundError(folder)
+            return {info["name"].rstrip("/").rsplit("/", 1)[-1]: int(info.get("size") or 0) for info in listing}
+        return {entry.name: entry.stat().st_size for entry in os.scandir(folder)}
+
+    def _glob(self, folder: str, pattern: str) -> list[Path]:
+        return sorted((self.run_dir / folder).glob(pattern))
+
     def _parquet_problems(self, path: Path) -> list[str]:
         try:
-            pq.ParquetFile(path).read()
+            read_parquet(path)
         except Exception as error:  # pyarrow raises several types for damaged files
             return [f"{self.relative(path)}: unreadable Parquet ({error})"]
         return []
@@ -487,8 +581,7 @@ class RunStorage:
         while target.exists():
             counter += 1
             target = target.with_name(f"{path.parent.name}-{path.name}.{counter}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target)
+        move(path, target)
         if log:
             logger.warning("%s: %s; moved to %s", path, reason, target)
         return target
@@ -504,17 +597,32 @@ class RunStorage:
         Only the run's writer calls this (it holds the run's lock), so no live process is still
         filling them; a folder restored from a backup is discarded the same way.
         """
-        leftovers = list((self.run_dir / "rollouts").glob(".step-*.staging"))
-        leftovers += list((self.run_dir / "checkpoints").glob(".step-*.tmp"))
+        leftovers = self.uncommitted()
         for path in leftovers:
-            shutil.rmtree(path, ignore_errors=True)
+            if is_remote(path):
+                remove_tree(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
         return leftovers
+
+    def uncommitted(self) -> list[Path]:
+        """What writers left that was never committed: staging folders, and on an object store the step and
+        checkpoint folders without the manifest written last."""
+        found = [
+            *(self.local_run_dir / "rollouts").glob(".step-*.staging"),
+            *(self.local_run_dir / "checkpoints").glob(".step-*.tmp"),
+        ]
+        if self.remote:
+            steps, checkpoints = set(self.rollout_steps()), set(self.complete_checkpoints())
+            found += [p for p in self._glob("rollouts", "step-*") if int(p.name.split("-")[1]) not in steps]
+            found += [p for p in self._glob("checkpoints", "step-*") if int(p.name.split("-")[1]) not in checkpoints]
+        return found
 
     def clean_temps(self) -> list[Path]:
         """Remove killed writers' temporary files in the run folder (`clean_stale_temps`): the run
         folder, each folder in it, and the weight-sync folders; committed step and checkpoint
         folders are renamed into place whole, so none is inside them."""
-        if not self.run_dir.is_dir():
+        if self.remote or not self.run_dir.is_dir():  # an object store has no temporary names
             return []
         folders = [self.run_dir] + [p for p in self.run_dir.iterdir() if p.is_dir() and p.name != "quarantine"]
         weights = self.run_dir / "weights"
@@ -550,10 +658,14 @@ class RunStorage:
                     )
                     continue
                 steps.append(logged)
-        files = [str(p) for s in steps for p in sorted(self.rollout_dir(s).glob("shard-*.parquet"))]
-        if not files:
+        paths = [p for s in steps for p in sorted(self.rollout_dir(s).glob("shard-*.parquet"))]
+        if not paths:
             return pa.table({})
-        table = ds.dataset(files, format="parquet").to_table(columns=columns)
+        if self.remote:
+            dataset = ds.dataset([remote_key(p) for p in paths], format="parquet", filesystem=remote_fs(paths[0]))
+        else:
+            dataset = ds.dataset([str(p) for p in paths], format="parquet")
+        table = dataset.to_table(columns=columns)
         sort_keys = [(k, "ascending") for k in ("step", "group_index", "sample_index") if k in table.column_names]
         return table.sort_by(sort_keys) if sort_keys else table
 
@@ -570,7 +682,7 @@ class RunStorage:
         tables = []
         for path in sorted((self.run_dir / "metrics").glob("step-*.parquet")):
             try:
-                tables.append(pq.read_table(path))
+                tables.append(read_parquet(path))
             except Exception as error:  # pyarrow raises several types for damaged files
                 logger.warning("run %s: skipping %s, it cannot be read: %s", self.run_id, self.relative(path), error)
         if not tables:
@@ -581,7 +693,7 @@ class RunStorage:
         return sorted(int(p.stem.split("-")[1]) for p in (self.run_dir / "metrics").glob("step-*.parquet"))
 
     def read_step_metrics(self, step: int) -> dict[str, Any]:
-        return pq.read_table(self.metrics_path(step)).to_pylist()[0]
+        return read_parquet(self.metrics_path(step)).to_pylist()[0]
 
     # -- resumes and evaluation ---------------------------------------------------------------
     def write_resume(self, record: dict[str, Any]) -> Path:
@@ -643,26 +755,62 @@ class RunStorage:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def staging_checkpoint_dir(self, step: int) -> Path:
-        """An empty hidden folder to write a checkpoint into before `commit_checkpoint`."""
-        return staging_folder(self.run_dir / "checkpoints", f"step-{step:06d}")
+        """An empty hidden local folder to write a checkpoint into before `commit_checkpoint`."""
+        return staging_folder(self.local_run_dir / "checkpoints", f"step-{step:06d}")
+
+    def checkpoint_committed(self, step: int) -> bool:
+        return (self.checkpoint_dir(step) / MANIFEST).exists()
 
     def commit_checkpoint(self, step: int, staging: Path, extra: dict[str, Any]) -> Path:
-        """Write the manifest (file list with sizes and checksums) last, then rename into place."""
-        atomic_write_json(staging / MANIFEST, {"step": step, "files": file_manifest(staging), **extra})
-        give_default_modes(staging)  # torch and safetensors wrote into it
+        """Write the manifest (file list with sizes and checksums) last, then rename into place; on an
+        object store, upload every file to its final key, then the manifest."""
+        manifest = {"step": step, "files": file_manifest(staging), **extra}
         final = self.checkpoint_dir(step)
-        if final.exists():
+        if self.checkpoint_committed(step) or (not self.remote and final.exists()):
             shutil.rmtree(staging)
             raise FileExistsError(f"checkpoint of step {step} already exists at {final}")
+        if self.remote:
+            remove_tree(final)  # what an upload killed midway left (never committed)
+            fs = remote_fs(final)
+            for name in manifest["files"]:
+                fs.put_file(str(staging / name), remote_key(final / name))
+            atomic_write_json(final / MANIFEST, manifest)
+            shutil.rmtree(staging)
+            return final
+        atomic_write_json(staging / MANIFEST, manifest)
+        give_default_modes(staging)  # torch and safetensors wrote into it
         os.replace(staging, final)
         return final
 
+    def local_checkpoint(self, step: int) -> Path:
+        """The checkpoint as a local folder (what torch and transformers load): the checkpoint itself on a
+        local root; on an object store, a copy under `local_run_dir`, downloaded once per manifest."""
+        final = self.checkpoint_dir(step)
+        if not self.remote:
+            return final
+        manifest = (final / MANIFEST).read_bytes()
+        local = self.local_run_dir / "checkpoints" / final.name
+        if (local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == manifest:
+            return local
+        staging = staging_folder(local.parent, local.name)
+        fs = remote_fs(final)
+        for name in json.loads(manifest)["files"]:
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(remote_key(final / name), str(staging / name))
+        (staging / MANIFEST).write_bytes(manifest)
+        if local.exists():
+            shutil.rmtree(local)
+        os.replace(staging, local)
+        return local
+
     def complete_checkpoints(self) -> list[int]:
-        parent = self.run_dir / "checkpoints"
-        return sorted(int(p.name.split("-")[1]) for p in parent.glob("step-*") if (p / MANIFEST).exists())
+        return sorted(int(p.parent.name.split("-")[1]) for p in self._glob("checkpoints", "step-*/" + MANIFEST))
 
     def checkpoint_steps(self) -> list[int]:
-        """Every checkpoint folder in place, complete or not."""
+        """Every checkpoint folder in place, complete or not (on an object store, a folder without its
+        manifest is not a checkpoint: `uncommitted`)."""
+        if self.remote:
+            return self.complete_checkpoints()
         return sorted(int(p.name.split("-")[1]) for p in (self.run_dir / "checkpoints").glob("step-*") if p.is_dir())
 
     def verify_checkpoint(self, step: int, checksums: bool = True) -> dict[str, Any]:
@@ -710,7 +858,7 @@ class RunStorage:
         for step in steps:
             if step in newest or (keep_every and step % keep_every == 0):
                 continue
-            shutil.rmtree(self.checkpoint_dir(step))
+            remove_tree(self.checkpoint_dir(step), MANIFEST)
             removed.append(step)
         return removed
 
@@ -721,7 +869,7 @@ def list_runs(root: str | os.PathLike, check: bool = True) -> list[RunInfo]:
     shards against its manifest's sizes (a stat per file: fast on a long run; `grpo verify` reads
     every byte)."""
     runs = []
-    for run_dir in sorted((Path(root) / "runs").glob("*")):
+    for run_dir in sorted((root_path(root) / "runs").glob("*")):
         if not (run_dir / "config.json").exists():
             continue
         storage = RunStorage(root, run_dir.name)

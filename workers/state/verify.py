@@ -20,10 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from grpo_flow.workers.state.lock import RunLock, RunLockedError, describe_holder
-from grpo_flow.workers.state.storage import DamagedCheckpointError, DamagedRunFileError, RunStorage, read_run_file
+from grpo_flow.workers.state.storage import (
+    DamagedCheckpointError,
+    DamagedRunFileError,
+    RunStorage,
+    read_parquet,
+    read_run_file,
+)
 
 
 @dataclass
@@ -94,12 +98,11 @@ def verify_run(storage: RunStorage, quarantine: bool = True) -> RunCheck:
     for step in storage.logged_steps():
         path = storage.metrics_path(step)
         try:
-            pq.read_table(path)
+            read_parquet(path)
             check.metrics += 1
         except Exception as error:  # pyarrow raises several types for damaged files
             check.damage.append(Damage("metrics", step, path, [f"{storage.relative(path)}: unreadable ({error})"]))
-    rollouts, checkpoints = storage.run_dir / "rollouts", storage.run_dir / "checkpoints"
-    check.leftovers = [storage.relative(p) for p in [*rollouts.glob(".step-*.staging"), *checkpoints.glob(".*.tmp")]]
+    check.leftovers = [storage.relative(p) for p in storage.uncommitted()]
     if check.damage and quarantine:
         move_aside(storage, check)
     return check

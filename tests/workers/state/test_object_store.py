@@ -1,0 +1,192 @@
+"""RunStorage, the writer lock and `verify_run` on an object store, through fsspec's `memory://` file system:
+a commit is a manifest written last, what has none is skipped and removed, the lock is an object taken by
+exclusive create, and nothing lands in a local folder named after the URL."""
+
+import json
+import os
+import time
+import uuid
+
+import fsspec
+import pyarrow as pa
+import pytest
+
+from grpo_flow.flows.checks import StartCheckError, check_storage_root
+from grpo_flow.workers.state.location import StorageURLError, root_path
+from grpo_flow.workers.state.lock import RunLock, RunLockedError, read_holder, this_host
+from grpo_flow.workers.state.storage import MANIFEST, RunStorage, list_runs, remote_key
+from grpo_flow.workers.state.verify import verify_run
+
+
+@pytest.fixture
+def storage(tmp_path, monkeypatch):
+    """A run on a fresh `memory://` root; the local cache and the working folder are empty temp folders."""
+    monkeypatch.setenv("GRPO_FLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    root = f"memory://grpo-{uuid.uuid4().hex[:8]}/root"
+    run = RunStorage(root, "run")
+    run.write_config({"model": "tiny"})
+    yield run
+    fsspec.filesystem("memory").rm(remote_key(root_path(root)), recursive=True)
+
+
+def rollouts(step: int, rows: int = 4) -> pa.Table:
+    return pa.table(
+        {"step": [step] * rows, "group_index": [0] * rows, "sample_index": list(range(rows)), "reward": [1.0] * rows}
+    )
+
+
+def checkpoint(storage: RunStorage, step: int) -> None:
+    staging = storage.staging_checkpoint_dir(step)
+    (staging / "model").mkdir()
+    (staging / "model" / "model.safetensors").write_bytes(b"weights" * 100)
+    (staging / "optimizer.pt").write_bytes(b"moments")
+    storage.commit_checkpoint(step, staging, {"policy_version": step})
+
+
+def test_a_step_is_logged_once_its_manifest_is_written_last(storage):
+    storage.write_rollouts(1, 0, rollouts(1))
+    storage.write_rollouts(1, 1, rollouts(1))
+    assert storage.rollout_dir(1).is_dir()  # the shards are at their final keys...
+    assert storage.rollout_steps() == [] and not storage.rollouts_committed(1)  # ...but the step is not logged
+    storage.commit_rollouts(1, num_shards=2)
+    assert storage.rollout_steps() == [1] and storage.step_problems(1) == []
+    assert storage.read_rollouts().num_rows == 8
+    with pytest.raises(FileExistsError):
+        storage.write_rollouts(1, 0, rollouts(1))
+
+
+def test_a_checkpoint_is_uploaded_then_committed_by_its_manifest_and_read_back_locally(storage):
+    checkpoint(storage, 2)
+    assert storage.complete_checkpoints() == [2] and storage.checkpoint_committed(2)
+    assert set(storage.verify_checkpoint(2)["files"]) == {"model/model.safetensors", "optimizer.pt"}
+    local = storage.local_checkpoint(2)
+    assert (local / "model" / "model.safetensors").read_bytes() == b"weights" * 100
+    assert storage.local_checkpoint(2) == local  # downloaded once per manifest
+    assert not list((storage.local_run_dir / "checkpoints").glob(".*"))  # the upload's staging folder is gone
+
+
+def test_pruning_removes_a_checkpoints_objects(storage):
+    for step in (2, 4, 6):
+        checkpoint(storage, step)
+    assert storage.prune_checkpoints(keep_last=1, keep_every=4) == [2]
+    assert storage.complete_checkpoints() == [4, 6]
+    assert not storage.checkpoint_dir(2).exists()
+
+
+def test_what_a_killed_writer_left_uncommitted_is_skipped_then_removed_by_the_next_writer(storage):
+    storage.write_rollouts(1, 0, rollouts(1))
+    storage.commit_rollouts(1, num_shards=1)
+    storage.write_rollouts(2, 0, rollouts(2))  # killed before the step's manifest
+    checkpoint(storage, 2)
+    (storage.checkpoint_dir(2) / MANIFEST).unlink()  # a checkpoint killed before its manifest: not one
+    assert storage.rollout_steps() == [1] and storage.checkpoint_steps() == []
+    assert storage.read_rollouts().num_rows == 4 and storage.latest_valid_checkpoint() is None
+    assert sorted(p.name for p in storage.uncommitted()) == ["step-000002", "step-000002"]
+    storage.discard_staging()
+    assert (
+        storage.uncommitted() == [] and not storage.rollout_dir(2).exists() and not storage.checkpoint_dir(2).exists()
+    )
+    assert storage.rollout_steps() == [1]
+
+
+def test_verify_names_a_damaged_object_and_moves_it_aside(storage):
+    storage.write_rollouts(1, 0, rollouts(1))
+    storage.commit_rollouts(1, num_shards=1)
+    shard = storage.rollout_path(1, 0)
+    shard.write_bytes(shard.read_bytes()[:-20])
+    check = verify_run(storage)
+    [problem] = [problem for damage in check.damage for problem in damage.problems]
+    assert problem.startswith("rollouts/step-000001/shard-00.parquet: ") and "its manifest says" in problem
+    assert storage.quarantined() == ["rollouts-step-000001"] and storage.rollout_steps() == []
+
+
+def test_the_lock_object_refuses_a_live_writer_and_is_taken_over_from_a_gone_one(storage):
+    first = RunLock(storage.run_dir, command="first").acquire()
+    with pytest.raises(RunLockedError, match=f"pid {os.getpid()} on host {this_host()}"):
+        RunLock(storage.run_dir).acquire()
+    first.release()
+    assert read_holder(storage.run_dir) is None
+
+    def planted(**fields):
+        record = {"host": "elsewhere", "pid": 1, "token": "t", "expires": time.time() + 60, **fields}
+        (storage.run_dir / "writer.lock").write_text(json.dumps(record))
+
+    planted()  # another host, its lease running
+    with pytest.raises(RunLockedError, match="host elsewhere"):
+        RunLock(storage.run_dir).acquire()
+    planted(expires=time.time() - 1)  # its lease expired: taken over
+    lock = RunLock(storage.run_dir).acquire()
+    assert lock.taken_over["host"] == "elsewhere" and read_holder(storage.run_dir)["token"] == lock.token
+    lock.release()
+    planted(host=this_host(), pid=2**22 + 1)  # this host, a process that is gone: taken over at once
+    with RunLock(storage.run_dir) as lock:
+        assert lock.taken_over["pid"] == 2**22 + 1
+
+
+def test_list_runs_and_nothing_in_a_local_folder_named_after_the_url(storage, tmp_path):
+    storage.write_rollouts(1, 0, rollouts(1))
+    storage.commit_rollouts(1, num_shards=1)
+    storage.write_metrics(1, pa.table({"step": [1], "loss": [0.5]}))
+    storage.write_summary({"status": "completed"})
+    [info] = list_runs(str(storage.root))
+    assert (info.run_id, info.status, info.last_step, info.damaged) == ("run", "completed", 1, ())
+    assert sorted(os.listdir(tmp_path)) == []  # no `memory:` folder in the working folder, no cache used
+
+
+def test_a_scheme_whose_client_is_missing_names_the_extra():
+    with pytest.raises(StartCheckError, match=r"gs://.*pip install 'grpo-flow\[gcs\]'"):
+        check_storage_root("gs://bucket/grpo")
+    with pytest.raises(StorageURLError, match="no file system for nosuch://"):
+        RunStorage("nosuch://bucket/grpo", "run")
+
+
+def test_a_missing_bucket_and_an_unreachable_endpoint_are_named_in_one_line(s3_server, monkeypatch):
+    import s3fs
+
+    with pytest.raises(StartCheckError, match=r"^storage_root: 's3://no-such-bucket/grpo' cannot be written: "):
+        check_storage_root("s3://no-such-bucket/grpo")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()  # s3fs keeps one client per set of arguments, not per environment
+    try:
+        with pytest.raises(StartCheckError, match=r"'s3://any-bucket/grpo' cannot be written: Could not connect"):
+            check_storage_root("s3://any-bucket/grpo")
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_missing_credentials_are_named_with_the_url(s3_server, monkeypatch, tmp_path):
+    import s3fs
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        with pytest.raises(StartCheckError, match=r"'s3://any-bucket/grpo' cannot be written: .*credentials"):
+            check_storage_root("s3://any-bucket/grpo")
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_url_root_with_a_remote_backend_is_refused_naming_what_works():
+    from grpo_flow.flows.checks import check_before_start
+    from grpo_flow.schemas.presets import preset_config
+
+    config = preset_config("tiny", storage_root="memory://bucket/grpo", backend="ray")
+    with pytest.raises(StartCheckError, match="the ray backend needs a folder"):
+        check_before_start(config)
+
+
+def test_clear_cache_on_a_url_root_clears_the_local_model_cache(tmp_path, monkeypatch, capsys):
+    from grpo_flow.flows.cli import main
+
+    monkeypatch.setenv("GRPO_FLOW_CACHE", str(tmp_path))
+    (tmp_path / "models" / "tiny-qwen2").mkdir(parents=True)
+    (tmp_path / "models" / "tiny-qwen2" / "model.safetensors").write_bytes(b"x" * 1000)
+    assert main(["clear-cache", "--storage-root", "memory://bucket/grpo"]) == 0
+    assert f"deleted {tmp_path / 'models' / 'tiny-qwen2'}" in capsys.readouterr().out
+    assert not (tmp_path / "models" / "tiny-qwen2").exists()
