@@ -125,6 +125,7 @@ def test_export_of_a_full_fine_tune_is_its_weights_as_they_are(full_run, storage
     [
         (["export-full", "--step", "7"], "--step: run 'export-full' has no checkpoint of step 7; checkpoints: [1, 2]"),
         (["nope"], "RUN_ID: no run 'nope'"),
+        (["../../outside"], "RUN_ID: '../../outside' is not a run id"),
         (["export-full", "--output", "{tmp}"], "exists; name a folder that does not exist yet"),
     ],
 )
