@@ -192,7 +192,7 @@ def test_a_piped_run_says_what_it_does_first_and_draws_no_bars(tmp_path):
     root = tmp_path / "store"
     trained = run_cli(
         "train", "--max-steps", "2", "--run-id", "said", "--eval-prompts", "8", "--storage-root", str(root),
-        env_extra={"PREFECT_HOME": str(tmp_path / "prefect-home")},
+        env_extra={"PREFECT_HOME": str(tmp_path / "prefect-home")}, timeout=1500,  # the tiny model is built too
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]
     lines = trained.stderr.splitlines()
