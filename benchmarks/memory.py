@@ -4,6 +4,7 @@ checkpointing, each measurement in a fresh process.
     python -m grpo_flow.benchmarks.memory [--models tiny,qwen0.5b] [--rows 8] [--prompt-tokens 64]
                                 [--completion-tokens 32] [--json FILE]
     python -m grpo_flow.benchmarks.memory --models smollm2-135m [--storage-root DIR] [--json FILE]
+    python -m grpo_flow.benchmarks.memory --models smollm2-135m --completions 32,64,128,256
 
 Models:
 - `tiny`: the tiny preset's model (the built one under the default storage root or
@@ -21,6 +22,10 @@ Models:
   the actor step, one smol-math step through the `grpo` flow in a fresh process (`run`): the flow's
   process then holds the actor, the transformers rollout engine's own copy of the weights and Prefect's
   client (the ephemeral Prefect server is a process of its own and not counted).
+
+With `--completions`, the smol-math actor step at each of those numbers of completions per step instead,
+with the default micro-batch budget, and beside each peak the estimate `grpo train` states before
+loading (workers/actor/memory.py; the actor's part, as the rollout engine is not in the process).
 
 Each measurement is a fresh Python process that loads the project's `Actor` (fp32, AdamW from
 TRL's trainer, TRL's loss) from the folder, as the local backend does, and applies one step
