@@ -163,6 +163,7 @@ def command_train(args: argparse.Namespace) -> int:
     quiet_prefect(args.verbose)  # before Prefect is first imported: its settings are read then
     from grpo_flow.flows.checks import StartCheckError, absolute_local_paths, check_before_start
     from grpo_flow.flows.start_line import new_run_sources, settings_line
+    from grpo_flow.workers.actor import memory
 
     overrides = absolute_local_paths(parse_overrides(args))  # as config.json keeps them: absolute
     from grpo_flow.workers.state.storage import RunStorage
@@ -180,12 +181,14 @@ def command_train(args: argparse.Namespace) -> int:
             )
         if existing:
             config = resume_config(RunStorage(args.storage_root, overrides["run_id"]), overrides, args)
-            settings = settings_line(config, dict.fromkeys(overrides, "option"), unlisted="the run's config")
+            sources, unlisted = dict.fromkeys(overrides, "option"), "the run's config"
         else:
             preset = starting_preset(args.preset, overrides)
             config = build_config(preset, overrides)
-            settings = settings_line(config, new_run_sources(preset, PRESETS.get(preset or "", {}), overrides))
+            sources, unlisted = new_run_sources(preset, PRESETS.get(preset or "", {}), overrides), "default"
         check_before_start(config)
+        estimate = memory.estimate_item(config)
+        settings = settings_line(config, sources, [estimate] if estimate else [], unlisted=unlisted)
     except StartCheckError as error:
         raise UsageError(f"--{error.field.replace('_', '-')}: {error.message}") from None
     if args.fail_at:

@@ -263,10 +263,11 @@ def device_total_memory(device: str) -> int:
     return machine_memory()[0]
 
 
-def estimate_line(config: GRPOFlowConfig) -> str | None:
-    """`peak memory ~X GiB (estimate)` for the start line; None when the model's shape is not at hand."""
+def estimate_item(config: GRPOFlowConfig) -> tuple[str, str, str] | None:
+    """`("peak memory", "~X GiB", "estimate")`, the start line's item (flows/start_line.py); None when the
+    model's shape is not at hand before it loads (a hub model not yet fetched)."""
     info = read_model_info(config.model, config.storage_root)
     if info is None:
         return None
     total = estimate_step_memory(config, info, machine_memory()[0])["total"]
-    return f"peak memory ~{total / GIB:.1f} GiB (estimate)"
+    return ("peak memory", f"~{total / GIB:.1f} GiB", "estimate")

@@ -105,9 +105,10 @@ def test_the_vllm_engine_counts_its_kv_cache_and_overhead():
 
 
 def test_the_start_line_part_names_the_estimate(tmp_path):
-    line = memory.estimate_line(preset_config("smol-math", storage_root=str(tmp_path)))
-    assert line is not None and line.startswith("peak memory ~") and line.endswith(" GiB (estimate)")
+    item = memory.estimate_item(preset_config("smol-math", storage_root=str(tmp_path)))
+    assert item is not None and item[0] == "peak memory" and item[1].startswith("~") and item[2] == "estimate"
+    assert float(item[1][1:].removesuffix(" GiB")) > 1
     assert (
-        memory.estimate_line(preset_config("smol-math", model=str(tmp_path / "none"), storage_root=str(tmp_path)))
+        memory.estimate_item(preset_config("smol-math", model=str(tmp_path / "none"), storage_root=str(tmp_path)))
         is None
     )
