@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import re
@@ -147,6 +148,15 @@ def truncated_sampling_message(top_p: float) -> str:
         "top-p-truncated distribution and the actor those of the full one, so the IS ratio is scaled by the kept "
         "mass (TRL #6789); set top_p 1, or vllm_importance_sampling_correction false"
     )
+
+
+def trl_chat_templates() -> tuple[str, ...]:
+    """The names of the chat templates TRL ships (trl/chat_templates/*.jinja), read without importing TRL."""
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    folder = Path(next(iter(spec.submodule_search_locations))) / "chat_templates"
+    return tuple(sorted(path.stem for path in folder.glob("*.jinja")))
 
 
 class GRPOFlowConfig(BaseModel):
@@ -613,8 +623,6 @@ class GRPOFlowConfig(BaseModel):
         """A file made absolute (a flow run may start elsewhere), or one of TRL's template names."""
         if value is None:
             return None
-        from grpo_flow.workers.data.models import trl_chat_templates
-
         path = Path(value).expanduser()
         if path.is_file():
             return str(path.resolve())

@@ -131,15 +131,6 @@ def resolve_model_path(model: str, storage_root: str | os.PathLike, chat_templat
 
 
 @functools.lru_cache(maxsize=1)
-def trl_chat_templates() -> tuple[str, ...]:
-    """The names of the chat templates TRL ships (trl/chat_templates/*.jinja), read without importing TRL."""
-    spec = importlib.util.find_spec("trl")
-    if spec is None or not spec.submodule_search_locations:
-        return ()
-    folder = Path(next(iter(spec.submodule_search_locations))) / "chat_templates"
-    return tuple(sorted(path.stem for path in folder.glob("*.jinja")))
-
-
 def chat_template_text(chat_template: str) -> str:
     """The template itself: a file's text, or TRL's template of that name."""
     path = Path(chat_template).expanduser()

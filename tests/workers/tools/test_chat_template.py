@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from grpo_flow.schemas.config import GRPOFlowConfig
-from grpo_flow.workers.data.models import resolve_model_path, trl_chat_templates
+from grpo_flow.schemas.config import trl_chat_templates
+from grpo_flow.workers.data.models import resolve_model_path
 from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
 from grpo_flow.workers.rollout.episodes import ChatFormatError, EpisodeRunner
 
