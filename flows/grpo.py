@@ -48,7 +48,7 @@ from grpo_flow.tasks.rollout import (
 from grpo_flow.tasks.run import completed_summary, evaluate_heldout, prepare_run, release_flow_run_locks
 from grpo_flow.tasks.train import actor_step, log_metrics, save_checkpoint, start_workers, sync_weights
 from grpo_flow.workers import backends
-from grpo_flow.workers.phase import say, shown_phases
+from grpo_flow.workers.state.phase import say, shown_phases
 from grpo_flow.workers.state.faults import fail_at
 from grpo_flow.workers.state.storage import RunStorage
 

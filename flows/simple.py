@@ -24,7 +24,7 @@ from grpo_flow.schemas.records import RunPlan
 from grpo_flow.tasks.run import finish_run, prepare_run
 from grpo_flow.workers.rewards.task import run_task
 from grpo_flow.workers.rewards.functions import resolve_reward_funcs
-from grpo_flow.workers.phase import shown_phases
+from grpo_flow.workers.state.phase import shown_phases
 from grpo_flow.workers.state.storage import RunStorage
 
 

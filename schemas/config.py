@@ -751,6 +751,18 @@ class GRPOFlowConfig(BaseModel):
         return self.vllm_mode or ("server" if self.backend in ("modal", "ray") else "colocate")
 
     @property
+    def publishes_adapter(self) -> bool:
+        """Whether rollout engines get the LoRA adapter alone: with use_lora, unless lora_publish is `merged`.
+        They hold the base model already, so the adapter is all that changes (the transformers engine puts it
+        on its model with peft, vLLM takes it as a LoRARequest)."""
+        return self.use_lora and (self.lora_publish != "merged" or self.weight_sync_method == "lora")
+
+    @property
+    def sync_method(self) -> str:
+        """The weight_sync method a run's files or bytes travel by: `lora` where engines take the adapter."""
+        return "lora" if self.publishes_adapter else self.weight_sync_method
+
+    @property
     def vllm_max_lora_rank(self) -> int:
         """The max_lora_rank a vLLM engine starts with: the smallest rank vLLM allows that holds lora_r."""
         rank = self.lora_r or 16

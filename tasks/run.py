@@ -34,7 +34,7 @@ from grpo_flow.workers.state.resume import (
 from grpo_flow.workers.rewards.functions import RewardTrainerState, resolve_reward_funcs
 from grpo_flow.workers.state.storage import RunStorage
 from grpo_flow.workers.data.models import resolve_model_path
-from grpo_flow.workers.phase import say
+from grpo_flow.workers.state.phase import say
 from grpo_flow.workers.data.tiny_model import read_build_info
 from grpo_flow.workers.state.tracking import undelivered, wandb_finish
 

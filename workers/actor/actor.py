@@ -354,9 +354,7 @@ class Actor:
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """What this run publishes to rollout workers: full (merged) weights, or the adapter alone."""
-        from grpo_flow.workers.backends.weight_sync import publishes_adapter
-
-        if publishes_adapter(self.config):
+        if self.config.publishes_adapter:
             return self.adapter_state_dict()
         return self.policy_state_dict()
 

@@ -19,7 +19,6 @@ import torch
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.backends import vllm_env
 from grpo_flow.workers.backends.servers import STATE_DICT, ActorServer, RolloutServer
-from grpo_flow.workers.backends.weight_sync import sync_method
 from grpo_flow.workers.backends.workers import Handle, Placement
 from grpo_flow.workers.rollout.process_engine import ProcessRolloutEngine
 from grpo_flow.workers.rollout.transformers_engine import GENERATION_LOCK, TransformersRolloutEngine
@@ -84,7 +83,7 @@ class LocalPlacement(Placement):
         """In memory for transformers engines; by the run's method (`lora` for adapters) for vLLM's processes."""
         if not self.uses_vllm:
             return STATE_DICT
-        return sync_method(self.config)
+        return self.config.sync_method
 
     def engine_pid(self, index: int) -> int | None:
         return getattr(self.servers[index].engine, "pid", None) if index < len(self.servers) else None

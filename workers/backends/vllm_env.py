@@ -137,14 +137,13 @@ def engine_dtype(config: GRPOFlowConfig, gpu: bool) -> str:
 
 def engine_options(config: GRPOFlowConfig, worker_index: int, gpu: bool) -> Any:
     """The `VLLMOptions` of rollout worker `worker_index` for a run's config."""
-    from grpo_flow.workers.backends.weight_sync import publishes_adapter
     from grpo_flow.workers.rollout.vllm_engine import VLLMOptions
 
     mode = config.resolved_vllm_mode
     sleep = config.vllm_enable_sleep_mode
     if sleep is None:  # TRL's colocate idea: free the GPU for the actor step, where vLLM can
         sleep = gpu and mode == "colocate"
-    adapters = publishes_adapter(config)
+    adapters = config.publishes_adapter
     return VLLMOptions(
         gpu_memory_utilization=config.vllm_gpu_memory_utilization or (0.3 if mode == "colocate" else 0.9),
         max_model_len=config.vllm_max_model_length

@@ -113,18 +113,6 @@ def check_weight_sync_config(config: Any) -> None:
         )
 
 
-def publishes_adapter(config: Any) -> bool:
-    """Whether rollout engines get the LoRA adapter alone: with use_lora, unless lora_publish is `merged`.
-    They hold the base model already, so the adapter is all that changes (the transformers engine puts it
-    on its model with peft, vLLM takes it as a LoRARequest)."""
-    return bool(config.use_lora) and (config.lora_publish != "merged" or config.weight_sync_method == "lora")
-
-
-def sync_method(config: Any) -> str:
-    """The weight_sync method a run's files or bytes travel by: `lora` where engines take the adapter."""
-    return "lora" if publishes_adapter(config) else str(config.weight_sync_method)
-
-
 def _save_state_dict(actor: Any, path: Path) -> None:
     from safetensors.torch import save_file
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.actor.actor import StaleActorError
 from grpo_flow.workers.backends.servers import StaleEngineError
-from grpo_flow.workers.backends.weight_sync import WeightPayload, publishes_adapter, sync_method
+from grpo_flow.workers.backends.weight_sync import WeightPayload
 from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
 from grpo_flow.workers.state.resume import replay_actor_to
 from grpo_flow.workers.state.location import is_url, local_root
@@ -81,7 +81,7 @@ class Placement:
 
     def weights_method(self) -> str:
         """How the engines take the actor's weights: `STATE_DICT`, or a weight_sync method."""
-        return sync_method(self.config)
+        return self.config.sync_method
 
     def publish(self, actor: Handle, version: int, method: str) -> tuple[Any, dict[str, Any]]:
         """(what the engines load, what was published): the first as this backend holds it."""
@@ -183,7 +183,7 @@ class Workers:
             *placement.lost_errors,
         )
         self._depth = threading.local()  # calls nest while healing: only the outermost one heals and retries
-        if publishes_adapter(config):
+        if config.publishes_adapter:
             from grpo_flow.workers.actor import trl_objective
 
             self.adapter_config: Any = trl_objective.lora_config(config)

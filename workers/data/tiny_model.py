@@ -129,7 +129,7 @@ def tiny_model_path(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME
 def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:
     """The folder of tiny model `name` (a TINY_MODELS key), building it (once, atomically) if it is not there yet."""
     from grpo_flow.workers.data.loaders import load_task
-    from grpo_flow.workers.phase import say
+    from grpo_flow.workers.state.phase import say
     from grpo_flow.workers.rollout.heldout import heldout_accuracy
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 

@@ -241,7 +241,7 @@ def build_tools_model(tokenizer: Any, seed: int = 0) -> Any:
 def ensure_tiny_tools_model(folder: str | os.PathLike) -> Path:
     """The `tiny-tools` model in `folder`, built (once, atomically) if it is not there yet, with its
     warm start's held-out accuracy with the tool and with it disabled in build_info.json."""
-    from grpo_flow.workers.phase import say
+    from grpo_flow.workers.state.phase import say
     from grpo_flow.workers.state.storage import clean_stale_temps, temp_prefix
 
     final = Path(folder)

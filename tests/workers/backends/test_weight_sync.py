@@ -23,8 +23,6 @@ from grpo_flow.workers.backends.weight_sync import (
     apply_weights,
     check_weight_sync_config,
     export_weights,
-    publishes_adapter,
-    sync_method,
     sync_weights,
     version_dir,
 )
@@ -222,7 +220,7 @@ def test_full_weight_methods_send_the_merged_weights_of_a_lora_actor(model_path,
 )
 def test_a_lora_run_publishes_the_adapter_unless_merged_is_asked_for(model_path, overrides, adapter, method):
     config = preset_config("tiny", **overrides)
-    assert (publishes_adapter(config), sync_method(config)) == (adapter, method)
+    assert (config.publishes_adapter, config.sync_method) == (adapter, method)
     actor = Actor(config, model_path)
     actor.load()
     published = actor.published_weights()
