@@ -221,6 +221,10 @@ def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False)
 
 
 def instant_model_dir(folder: Path) -> str:
-    """A model 'path' for instant runs: an empty folder (nothing loads it)."""
+    """A model 'path' for instant runs: the tiny byte-level tokenizer alone (the run's start reads it to check
+    prompts; no weights, nothing loads a model)."""
+    from grpo_flow.workers.data.tiny_model import build_tokenizer
+
     folder.mkdir(parents=True, exist_ok=True)
+    build_tokenizer().save_pretrained(folder)
     return str(folder)

@@ -95,7 +95,7 @@ def test_a_multi_turn_run_logs_episodes_with_the_models_tokens_masked_in(prefect
     assert metrics[0]["completions/mean_length"] == pytest.approx(step1.tool_mask.map(sum).mean())
 
     shown = subprocess.run(
-        [sys.executable, "-m", "grpo_flow.flows.cli", "rollouts", "tools-episodes", "--storage-root", str(storage_root)],
+        [sys.executable, "-m", "grpo_flow.flows.cli", "rollouts", "tools-episodes", "--json", "--storage-root", str(storage_root)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr

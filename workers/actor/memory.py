@@ -139,10 +139,9 @@ def read_model_info(model: str, storage_root: str | os.PathLike) -> ModelInfo | 
     from grpo_flow.workers.data.models import BUILTIN_MODELS, builtin_model_path, is_cached, is_gguf_path
 
     if model in BUILTIN_MODELS:
-        if is_cached(storage_root, model):
-            return model_info_from_config(
-                json.loads((builtin_model_path(storage_root, model) / "config.json").read_text())
-            )
+        built = builtin_model_path(storage_root, model) / "config.json"
+        if is_cached(storage_root, model) and built.is_file():
+            return model_info_from_config(json.loads(built.read_text()))
         return model_info_from_config(KNOWN_SHAPES[model]) if model in KNOWN_SHAPES else None
     if is_gguf_path(model):
         return model_info_from_gguf(Path(model).expanduser()) if Path(model).expanduser().is_file() else None
