@@ -8,21 +8,8 @@ import sys
 
 import pytest
 
-from cli_output import SIMPLE_MODE_SUMMARY_ROWS, SUMMARY_ROWS, summary_lines  # tests/flows/cli_output.py
+from cli_output import SIMPLE_MODE_SUMMARY_ROWS, SUMMARY_ROWS, run_cli, summary_lines  # tests/flows/cli_output.py
 from grpo_flow.flows.cli import build_config, main, make_parser, parse_overrides
-
-
-def run_cli(*args, env_extra=None, timeout=600, cwd=None):
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(env_extra or {})}
-    env.pop("WANDB_MODE", None)  # conftest's; with it transformers prints "Running in WANDB offline mode"
-    return subprocess.run(
-        [sys.executable, "-m", "grpo_flow.flows.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        cwd=cwd,
-    )
 
 
 def test_every_config_field_is_an_option():

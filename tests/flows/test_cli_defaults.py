@@ -2,31 +2,16 @@
 checked before anything loads (issue 34)."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from grpo_flow.flows.cli import build_config, make_parser, parse_overrides, starting_preset
 from grpo_flow.schemas.presets import PRESETS
+from cli_output import run_cli as cli  # tests/flows/cli_output.py
 
 # TRL's GRPOConfig defaults that grpo-flow's fields share (the others are listed in docs/quickstart.md).
 TRL_DEFAULTS = ("learning_rate", "num_generations", "max_completion_length", "temperature", "loss_type", "beta")
-
-
-def cli(*args, cwd=None, env_extra=None, timeout=600):
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(env_extra or {})}
-    env.pop("WANDB_MODE", None)
-    return subprocess.run(
-        [sys.executable, "-m", "grpo_flow.flows.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        cwd=cwd,
-    )
 
 
 def config_for(*argv):
