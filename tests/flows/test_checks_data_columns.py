@@ -38,15 +38,19 @@ def test_a_data_set_without_a_prompt_column_is_refused_in_each_local_format(tmp_
 
 def test_a_reward_keyword_the_data_set_has_no_column_for_is_refused(tmp_path, monkeypatch):
     (tmp_path / "d.jsonl").write_text('{"prompt": "1=", "solution": "1"}\n')
-    (tmp_path / "my_rewards.py").write_text("def exact(completions, answer, **kwargs):\n    return [0.0]\n")
-    field, message = refusal(tmp_path, monkeypatch, "hf:d.jsonl", reward="my_rewards:exact")
+    # a module name no other test imports: the worker process keeps imported modules
+    # a module name no other test in the worker process imports first
+    (tmp_path / "column_rewards.py").write_text("def exact(completions, answer, **kwargs):\n    return [0.0]\n")
+    field, message = refusal(tmp_path, monkeypatch, "hf:d.jsonl", reward="column_rewards:exact")
     assert (field, message) == (
         "reward_funcs",
         "exact needs the column 'answer', which data set 'd.jsonl' lacks (columns: prompt, solution)",
     )
     (tmp_path / "ok.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n')
     config = GRPOFlowConfig(
-        storage_root=str(tmp_path / "store"), dataset=f"hf:{tmp_path / 'ok.jsonl'}", reward_funcs=["my_rewards:exact"]
+        storage_root=str(tmp_path / "store"),
+        dataset=f"hf:{tmp_path / 'ok.jsonl'}",
+        reward_funcs=["column_rewards:exact"],
     )
     check_before_start(config)  # the column is there
 

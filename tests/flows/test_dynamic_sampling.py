@@ -45,18 +45,21 @@ def test_logged_groups_all_carry_signal_and_the_filtered_count_is_logged(prefect
     expected = 2 * (len(rows) + rounds)  # two shards a round
     policies = {}
     for _ in range(240):  # the server records task runs from their events: about a second, far more under load
-        policies = {name: retry_policies(config.run_id, name) for name in ("generate", "score")}
+        policies = {
+            name: retry_policies(config.run_id, [r["step"] for r in rows], name) for name in ("generate", "score")
+        }
         if all(len(p) == expected for p in policies.values()):
             break
         time.sleep(0.5)
     assert policies == {"generate": [(4, 0.5)] * expected, "score": [(3, 0.5)] * expected}
 
 
-def retry_policies(run_id: str, task_name: str) -> list[tuple[int, float]]:
-    """(retries, retry delay) of each `task_name` task run in the run's step subflows."""
+def retry_policies(run_id: str, steps: list[int], task_name: str) -> list[tuple[int, float]]:
+    """(retries, retry delay) of each `task_name` task run in the run's step subflows (named exactly: another
+    test's run, `tools-dynamic-sampling`, shares the server and this name as a suffix)."""
     with get_client(sync_client=True) as client:
         task_runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"{run_id}-step-")),
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"{run_id}-step-{n}" for n in steps])),
             task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=f"{task_name}-")),
         )
     return [(t.empirical_policy.retries, t.empirical_policy.retry_delay) for t in task_runs]
