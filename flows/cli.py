@@ -166,6 +166,7 @@ def command_train(args: argparse.Namespace) -> int:
     from grpo_flow.workers.actor import memory
 
     overrides = absolute_local_paths(parse_overrides(args))  # as config.json keeps them: absolute
+    from grpo_flow.workers.state.lock import RunLockedError, refuse_if_written
     from grpo_flow.workers.state.storage import RunStorage
 
     try:  # everything up to check_before_start runs in about a second: no torch, Prefect or model yet
@@ -180,6 +181,7 @@ def command_train(args: argparse.Namespace) -> int:
                 else "--resume needs --run-id"
             )
         if existing:
+            refuse_if_written(RunStorage(args.storage_root, overrides["run_id"]).run_dir)
             config = resume_config(RunStorage(args.storage_root, overrides["run_id"]), overrides, args)
             sources, unlisted = dict.fromkeys(overrides, "option"), "the run's config"
         else:
@@ -191,6 +193,8 @@ def command_train(args: argparse.Namespace) -> int:
         settings = settings_line(config, sources, [estimate] if estimate else [], unlisted=unlisted)
     except StartCheckError as error:
         raise UsageError(f"--{error.field.replace('_', '-')}: {error.message}") from None
+    except RunLockedError as error:
+        raise UsageError(f"--run-id: {error}") from None
     if args.fail_at:
         from grpo_flow.workers.state.faults import ENV_VAR, parse_fail_at
 

@@ -157,6 +157,23 @@ def live_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     return holder if holder is not None and holder_alive(holder) else None
 
 
+def locked_error(run_dir: Path, holder: dict[str, Any] | None) -> RunLockedError:
+    return RunLockedError(
+        f"run {run_dir.name!r} is being written by {describe_holder(holder)}; one writer per run "
+        f"(lock {lock_path(run_dir)}). Wait for it to end or stop it: a lock left by a killed process is taken "
+        "over at the next start",
+        holder,
+    )
+
+
+def refuse_if_written(run_dir: Path) -> None:
+    """Raise RunLockedError while a live process writes the run: a read, so a second writer is refused
+    before anything slower starts; `RunLock.acquire` still takes the lock exclusively after."""
+    holder = live_holder(run_dir)
+    if holder is not None:
+        raise locked_error(run_dir, holder)
+
+
 def _try_flock(fd: int) -> bool | None:
     """True: this process holds the kernel lock; False: another does; None: the file system has none."""
     if fcntl is None:
@@ -347,12 +364,7 @@ class RunLock:
             self._renewer.join(timeout=5)
 
     def _refuse(self, holder: dict[str, Any] | None) -> None:
-        raise RunLockedError(
-            f"run {self.run_dir.name!r} is being written by {describe_holder(holder)}; one writer per run "
-            f"(lock {self.path}). Wait for it to end or stop it: a lock left by a killed process is taken "
-            "over at the next start",
-            holder,
-        )
+        raise locked_error(self.run_dir, holder)
 
     def _cannot_write(self, error: OSError) -> LockWriteError:
         return LockWriteError(

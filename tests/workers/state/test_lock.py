@@ -17,6 +17,7 @@ from grpo_flow.workers.state.lock import (
     hold_run_lock,
     live_holder,
     read_holder,
+    refuse_if_written,
     release_run_lock,
     release_run_locks_of,
     this_host,
@@ -46,11 +47,15 @@ def test_a_second_process_is_refused_naming_the_holder_and_takes_over_once_it_is
             RunLock(run_dir).acquire()
         message = str(refused.value)
         assert f"pid {holder.pid} on host {this_host()} since 20" in message and "(holder)" in message
+        with pytest.raises(RunLockedError) as read_first:  # the start's early check, a read: the same words
+            refuse_if_written(run_dir)
+        assert str(read_first.value) == message
         assert live_holder(run_dir)["pid"] == holder.pid
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     assert read_holder(run_dir)["pid"] == holder.pid and live_holder(run_dir) is None  # left behind, and dead
+    refuse_if_written(run_dir)  # a dead holder's record does not refuse
     lock = RunLock(run_dir).acquire()
     assert lock.taken_over["pid"] == holder.pid
     assert read_holder(run_dir)["pid"] == os.getpid()
