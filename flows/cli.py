@@ -219,10 +219,8 @@ def command_train(args: argparse.Namespace) -> int:
     except Exception as error:  # missing Modal credentials or secret, no Ray cluster or too few GPUs: say which
         raise UsageError(f"--backend {config.backend}: {error}") from error
     hold_cli_lock(config)
-    if args.simple_mode:
-        if existing:
-            raise UsageError(f"--simple-mode: run {config.run_id!r} exists; simple mode does not resume")
-        return run_simple_mode(config, args, settings)
+    if args.simple_mode and existing:
+        raise UsageError(f"--simple-mode: run {config.run_id!r} exists; simple mode does not resume")
     from grpo_flow.flows.ephemeral_server import ServerStartError, start_ephemeral_server
     from grpo_flow.flows.quiet import log_path_for, quiet_prefect_run
 
@@ -233,6 +231,8 @@ def command_train(args: argparse.Namespace) -> int:
         give_back_cli_lock(config)  # nothing started: leave nothing behind
         print(f"grpo train: {error}", file=sys.stderr)
         return 1
+    if args.simple_mode:
+        return run_simple_mode(config, args, settings)
     return train_run(config, args, bool(existing), log_path, settings)
 
 

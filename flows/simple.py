@@ -14,13 +14,15 @@ import sys
 import time
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_flow.flows.grpo import grpo_run_name
+from grpo_flow.flows.run_loop import no_signal_warning
 from grpo_flow.schemas.config import new_run_id
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import RunPlan
+from grpo_flow.tasks.observability import USER_FACING
 from grpo_flow.tasks.run import finish_run, prepare_run
 from grpo_flow.workers.rewards.task import run_task
 from grpo_flow.workers.rewards.functions import resolve_reward_funcs
@@ -34,7 +36,17 @@ def trl_train(config: GRPOFlowConfig, plan: RunPlan, show_progress: bool = False
     from grpo_flow.workers.actor.simple_mode import train_with_trl
 
     funcs = resolve_reward_funcs(config.reward_funcs or list(plan.reward_names), plan.run_id)
-    return train_with_trl(config, plan, list(funcs.values()), run_task(config).train, show_progress)
+    rows: list[dict[str, Any]] = []
+
+    def warn_without_signal(row: dict[str, Any]) -> None:
+        rows.append(row)
+        warning = no_signal_warning(rows, config.no_signal_warning_steps)
+        if warning is not None:
+            get_run_logger().warning(warning, extra={USER_FACING: True})
+
+    return train_with_trl(
+        config, plan, list(funcs.values()), run_task(config).train, show_progress, warn_without_signal
+    )
 
 
 @flow(name="grpo-simple", flow_run_name=grpo_run_name, validate_parameters=True)

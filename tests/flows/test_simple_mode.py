@@ -69,3 +69,24 @@ def test_simple_mode_refuses_an_existing_run_before_starting(tmp_path, capsys):
     )
     assert main(["train", "--simple-mode", "--run-id", "taken", "--storage-root", str(tmp_path)]) == 2
     assert "--simple-mode: run 'taken' exists" in capsys.readouterr().err
+
+
+def test_simple_mode_with_lora_keeps_the_adapter_and_warns_when_no_group_differs(storage_root, tmp_path):
+    """TRL's loop gets the run's LoRA (peft), its checkpoints hold the adapter as the `grpo` flow's do, and a
+    reward that ties every group gets the same one-line warning as in the `grpo` flow."""
+    from cli_output import run_cli  # tests/flows/cli_output.py
+
+    (tmp_path / "flat_rewards.py").write_text("def same(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    trained = run_cli(
+        "train", "--simple-mode", "--preset", "tiny", "--use-lora", "true", "--reward-funcs", "flat_rewards:same",
+        "--max-steps", "2", "--save-steps", "2", "--no-signal-warning-steps", "2", "--run-id", "simple-lora",
+        "--storage-root", str(storage_root), "--no-progress", cwd=tmp_path,
+        env_extra={"PREFECT_HOME": str(tmp_path / "prefect-home")},
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    warnings = [line for line in trained.stderr.splitlines() if "no learning signal" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("grpo-flow: warning: steps 1-2: no learning signal"), warnings
+    storage = RunStorage(storage_root, "simple-lora")
+    files = storage.verify_checkpoint(2)["files"]
+    assert "adapter/adapter_model.safetensors" in files and "base_model.json" in files
+    assert not [name for name in files if name.startswith("model/")]  # no copy of the base model

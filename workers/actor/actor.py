@@ -31,6 +31,19 @@ MODEL_DIR = "model"  # in a checkpoint: a full fine-tune's weights and tokenizer
 ADAPTER_DIR = "adapter"  # in a LoRA run's checkpoint: the peft adapter and the tokenizer
 
 
+def save_policy(model: Any, tokenizer: Any, folder: Path, model_name: str, model_path: str, lora: bool) -> None:
+    """A checkpoint's weights: a full fine-tune's in `model/`, a folder any loader opens; a LoRA run's adapter
+    and tokenizer in `adapter/`, and in `base_model.json` the base model it adapts (name, folder,
+    fingerprint), not a copy of it (`grpo export` merges the two)."""
+    if lora:
+        model.save_pretrained(folder / ADAPTER_DIR)
+        tokenizer.save_pretrained(folder / ADAPTER_DIR)
+        (folder / BASE_MODEL_FILE).write_text(json.dumps(base_model_reference(model_name, model_path)))
+    else:
+        model.save_pretrained(folder / MODEL_DIR)
+        tokenizer.save_pretrained(folder / MODEL_DIR)
+
+
 class StaleActorError(RuntimeError):
     """The actor holds a different policy version than the caller expects."""
 
@@ -360,20 +373,8 @@ class Actor:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, folder: Path) -> dict[str, Any]:
-        """Weights, tokenizer, optimizer, scheduler and RNG states into `folder` (the caller commits it).
-
-        A full fine-tune's weights go to `model/`, a folder any loader opens. A LoRA run keeps only what
-        trains: the adapter and tokenizer in `adapter/`, and in `base_model.json` the base model it adapts
-        (name, folder, fingerprint), not a copy of it; `grpo export` merges the two.
-        """
-        if self.uses_lora:
-            self.model.save_pretrained(folder / ADAPTER_DIR)
-            self.tokenizer.save_pretrained(folder / ADAPTER_DIR)
-            reference = base_model_reference(self.config.model, self.model_path)
-            (folder / BASE_MODEL_FILE).write_text(json.dumps(reference))
-        else:
-            self.model.save_pretrained(folder / MODEL_DIR)
-            self.tokenizer.save_pretrained(folder / MODEL_DIR)
+        """Weights (`save_policy`), optimizer, scheduler and RNG states into `folder` (the caller commits it)."""
+        save_policy(self.model, self.tokenizer, folder, self.config.model, self.model_path, self.uses_lora)
         torch.save(self.objective.optimizer.state_dict(), folder / "optimizer.pt")
         torch.save(self.objective.lr_scheduler.state_dict(), folder / "scheduler.pt")
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grpo_flow.schemas.config import GRPOFlowConfig
@@ -18,10 +19,17 @@ from grpo_flow.schemas.records import RunPlan, metrics_table
 from grpo_flow.workers.state.storage import RunStorage
 
 
-def storage_callback(storage: RunStorage, config: GRPOFlowConfig, plan: RunPlan) -> Any:
-    """A transformers TrainerCallback writing TRL's logs and our checkpoints into the run's folder."""
+def storage_callback(
+    storage: RunStorage, config: GRPOFlowConfig, plan: RunPlan, on_row: Callable[[dict[str, Any]], None]
+) -> Any:
+    """A transformers TrainerCallback writing TRL's logs and our checkpoints into the run's folder (the
+    checkpoints in the `grpo` flow's layout: a LoRA run's holds the adapter); `on_row` gets each step's row."""
     import torch
     from transformers import TrainerCallback
+
+    from grpo_flow.workers.actor.actor import save_policy
+
+    lora = config.use_lora
 
     class StorageCallback(TrainerCallback):
         def __init__(self) -> None:
@@ -44,14 +52,14 @@ def storage_callback(storage: RunStorage, config: GRPOFlowConfig, plan: RunPlan)
                 "step_s": time.perf_counter() - self.step_started,
             }
             storage.write_metrics(step, metrics_table(row))
+            on_row(row)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             step = state.global_step
             if step % config.save_steps and step != plan.total_steps:
                 return
             staging = storage.staging_checkpoint_dir(step)
-            kwargs["model"].save_pretrained(staging / "model")
-            kwargs["processing_class"].save_pretrained(staging / "model")
+            save_policy(kwargs["model"], kwargs["processing_class"], staging, config.model, plan.model_path, lora)
             torch.save(kwargs["optimizer"].state_dict(), staging / "optimizer.pt")
             torch.save(kwargs["lr_scheduler"].state_dict(), staging / "scheduler.pt")
             storage.commit_checkpoint(
@@ -92,13 +100,15 @@ def train_with_trl(
     reward_funcs: list[Any],
     train_dataset: Any,
     show_progress: bool = False,
+    on_row: Callable[[dict[str, Any]], None] = lambda row: None,
 ) -> dict[str, Any]:
-    """Run GRPOTrainer.train() for the run's steps; returns TRL's final training output as numbers."""
+    """Run GRPOTrainer.train() for the run's steps (with peft's LoRA as the `grpo` flow's actor applies it);
+    returns TRL's final training output as numbers."""
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
 
     from grpo_flow.workers.rollout.base import load_generation_tokenizer
-    from grpo_flow.workers.actor.trl_objective import grpo_args
+    from grpo_flow.workers.actor.trl_objective import grpo_args, lora_config
 
     storage = RunStorage(plan.storage_root, plan.run_id)
     # The run's own storage holds what it logs; TRL's output_dir (save_strategy "no") holds nothing kept.
@@ -120,7 +130,8 @@ def train_with_trl(
         args=args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
-        callbacks=[storage_callback(storage, config, plan)],
+        callbacks=[storage_callback(storage, config, plan, on_row)],
+        peft_config=lora_config(config) if config.use_lora else None,
         **tools,
     )
     console_progress(trainer, plan.run_id, show_progress)
