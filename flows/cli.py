@@ -221,6 +221,13 @@ def command_train(args: argparse.Namespace) -> int:
     hold_cli_lock(config)
     if args.simple_mode and existing:
         raise UsageError(f"--simple-mode: run {config.run_id!r} exists; simple mode does not resume")
+    # Said before Prefect's server starts (seconds on a busy machine), so the first second says what runs.
+    if args.simple_mode:
+        print(f"grpo-flow: run {config.run_id} in simple mode (TRL's GRPOTrainer loop)", flush=True)
+    else:
+        what = "resuming run" if existing else "run"
+        print(f"grpo-flow: {what} {config.run_id} ({config.model}, {config.dataset})", flush=True)
+    print(settings, flush=True)
     from grpo_flow.flows.ephemeral_server import ServerStartError, start_ephemeral_server
     from grpo_flow.flows.quiet import log_path_for, quiet_prefect_run
 
@@ -232,20 +239,17 @@ def command_train(args: argparse.Namespace) -> int:
         print(f"grpo train: {error}", file=sys.stderr)
         return 1
     if args.simple_mode:
-        return run_simple_mode(config, args, settings)
-    return train_run(config, args, bool(existing), log_path, settings)
+        return run_simple_mode(config, args)
+    return train_run(config, args, log_path)
 
 
-def train_run(config: GRPOFlowConfig, args: argparse.Namespace, existing: bool, log_path: Any, settings: str) -> int:
+def train_run(config: GRPOFlowConfig, args: argparse.Namespace, log_path: Any) -> int:
     """The grpo flow on a thread, Ctrl-C and SIGTERM handled (flows/interrupt.py); the outcome in a few lines."""
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.flows.interrupt import exit_status, resume_command, run_until_signalled, stop_signal_number
     from grpo_flow.workers.state.storage import RunStorage
 
     storage = RunStorage(config.storage_root, config.run_id or "")
-    what = "resuming run" if existing else "run"
-    print(f"grpo-flow: {what} {config.run_id} ({config.model}, {config.dataset})", flush=True)
-    print(settings, flush=True)
     try:
         try:
             state = run_until_signalled(
@@ -349,12 +353,10 @@ def give_back_cli_lock(config: GRPOFlowConfig) -> None:
         pass
 
 
-def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace, settings: str) -> int:
+def run_simple_mode(config: GRPOFlowConfig, args: argparse.Namespace) -> int:
     """TRL's own GRPOTrainer loop in the `grpo-simple` flow, writing to the same storage layout."""
     from grpo_flow.flows.simple import grpo_simple
 
-    print(f"grpo-flow: run {config.run_id} in simple mode (TRL's GRPOTrainer loop)", flush=True)
-    print(settings, flush=True)
     try:
         summary = grpo_simple(config, show_progress=not args.no_progress)
     except Exception as error:
