@@ -14,6 +14,7 @@ from grpo_flow.schemas.presets import preset_config
 from grpo_flow.workers.actor.actor import Actor
 from grpo_flow.workers.data.models import resolve_model_path
 from grpo_flow.workers.state.storage import RunStorage
+from same_samples import assert_same_samples  # tests/same_samples.py
 
 SMALL = dict(max_steps=2, save_steps=1, prompts_per_step=4, num_generations=4, eval_prompts=0)
 
@@ -84,11 +85,7 @@ def test_grpo_eval_runs_a_lora_checkpoint_as_its_base_model_with_the_adapter(lor
     merged.load()
     adapter = checkpoint_engine(storage, 2, "cpu")
     prompts = load_task("last_digit").heldout.select(range(4))["prompt"]
-    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=7)
-    ours, theirs = adapter.generate(prompts, params), merged.generate(prompts, params)
-    assert ours.completion_token_ids == theirs.completion_token_ids
-    for a, b in zip(ours.sampling_logprobs, theirs.sampling_logprobs, strict=True):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+    assert_same_samples(adapter, merged, prompts, SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=7))
 
 
 def test_a_modal_runs_lora_checkpoint_is_fetched_from_its_volume_and_exported_the_same(

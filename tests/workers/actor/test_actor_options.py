@@ -21,6 +21,7 @@ from grpo_flow.workers.rollout.base import SamplingParams
 from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 from grpo_flow.workers.state.resume import BaseModelChangedError, model_fingerprint
+from same_samples import assert_same_samples  # tests/same_samples.py
 
 
 @pytest.fixture(scope="module")
@@ -207,11 +208,7 @@ def test_lora_trains_only_adapters_and_publishes_merged_weights(model_path, roll
     adapter = actor.adapter_state_dict()
     adapter_engine.load_state_dict(adapter, 1, trl_objective.lora_config(actor.config))
     prompts = load_task("last_digit").train.select(range(2))["prompt"]
-    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=5)
-    merged_out, adapter_out = engine.generate(prompts, params), adapter_engine.generate(prompts, params)
-    assert merged_out.completion_token_ids == adapter_out.completion_token_ids
-    for a, b in zip(merged_out.sampling_logprobs, adapter_out.sampling_logprobs, strict=True):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+    assert_same_samples(engine, adapter_engine, prompts, SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=5))
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
     assert adapter_bytes < sum(t.numel() * t.element_size() for t in merged_after.values()) / 10
 
