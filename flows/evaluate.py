@@ -358,7 +358,7 @@ def evaluate_checkpoint(
     if config.tools or config.environment_factory:  # single turns would score a policy that needs its tools
         raise EvaluationError(
             f"run {run_id!r} trains multi-turn episodes with tools, which grpo eval does not play yet; its held-out "
-            f"accuracy is in its summary (eval_prompts), or: python -m grpo_flow.benchmarks.tools_accuracy {run_id}"
+            f"accuracy is in its summary (eval_prompts), or, from a checkout: python -m benchmarks.tools_accuracy {run_id}"
         )
     settings = settings_for(config, k, prompts, temperature, seed, greedy)
     task_data = run_task(config)
