@@ -49,19 +49,6 @@ TASK_NAMES = (
     "math500",
     "mbpp",
 )  # workers/data/loaders.py builds each
-# Old name -> new name, for configs stored by an older grpo-flow (runs resume under the new names).
-RENAMED_FIELDS = {
-    "gpu_memory_utilization": "vllm_gpu_memory_utilization",
-    "max_model_len": "vllm_max_model_length",
-    # Each backend's resources under its name: Modal's GPU types beside Ray's GPU counts read as one field.
-    "actor_gpu": "modal_actor_gpu",
-    "actor_gpu_count": "modal_actor_gpu_count",
-    "rollout_gpu": "modal_rollout_gpu",
-    "actor_gpus": "ray_actor_gpus",
-    "rollout_gpus": "ray_rollout_gpus",
-    "actor_cpus": "ray_actor_cpus",
-    "rollout_cpus": "ray_rollout_cpus",
-}
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 RUN_ID_RULE = "1 to 128 letters, digits, '.', '_' or '-', the first a letter or digit"
 
@@ -784,17 +771,6 @@ class GRPOFlowConfig(BaseModel):
         description="wandb project when `report_to='wandb'`.",
         json_schema_extra={"group": "Evaluation and logging", "training": False},
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed_fields(cls, data: object) -> object:
-        """Configs stored by an older grpo-flow (RENAMED_FIELDS' old names) read under the new names."""
-        if isinstance(data, dict):
-            for old, new in RENAMED_FIELDS.items():
-                if old in data and new not in data:
-                    data = {**data, new: data[old]}
-                    del data[old]
-        return data
 
     @field_validator("run_id")
     @classmethod
