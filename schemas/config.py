@@ -934,8 +934,8 @@ def field_metadata(name: str) -> dict[str, Any]:
 
 
 CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
-    group: tuple(name for name in GRPOFlowConfig.model_fields if field_metadata(name).get("group") == group)
-    for group in GROUPS
+    title: tuple(name for name in GRPOFlowConfig.model_fields if field_metadata(name).get("group") == title)
+    for title in GROUPS
 }
 NON_TRAINING_FIELDS = frozenset(
     name for name in GRPOFlowConfig.model_fields if field_metadata(name).get("training") is False
