@@ -1,6 +1,6 @@
 """One-step-off pipelining (max_staleness 1) against synchronous training, in one invocation.
 
-    python -m grpo_flow.benchmarks.async [--steps 8] [--completion-length 48] [--json FILE]
+    python -m benchmarks.async [--steps 8] [--completion-length 48] [--json FILE]
 
 The same run twice on a generation-bound config (a randomly initialised Qwen2 that rarely
 stops, so every completion runs to full length): the same model, data, reward, seed, steps
@@ -18,7 +18,6 @@ JSON keys: `sync_steps_per_s`, `async_steps_per_s`, `speedup`, `sync_all_cores_s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -26,10 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+from benchmarks import harness
+from benchmarks.steps import save_random_model
 
 
 def run(
@@ -83,32 +80,32 @@ def run(
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--completion-length", type=int, default=48, help="tokens per completion (generation-bound)")
     parser.add_argument("--hidden-size", type=int, default=384)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
-    args = parser.parse_args(argv)
-    if args.steps < 2:
-        parser.error("--steps: at least 2 (the first step is left out)")
 
+
+def check(args: argparse.Namespace) -> str | None:
+    return "--steps: at least 2 (the first step is left out)" if args.steps < 2 else None
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     from prefect.testing.utilities import prefect_test_harness
 
-    from grpo_flow.benchmarks.vs_trl import build_shared_model
-
     root = tempfile.mkdtemp(prefix="grpo-flow-async-bench-")
+    model_path = str(Path(root) / "model")
     # A randomly initialised model rarely samples EOS, so every completion runs to full length:
     # generation-bound, and both sides generate the same number of tokens.
-    model_path, params = build_shared_model(Path(root) / "model", args.hidden_size, args.layers)
+    params = save_random_model(Path(model_path), args.hidden_size, args.layers)
+    cores = os.cpu_count() or 1
     with prefect_test_harness(server_startup_timeout=120):
-        cores = os.cpu_count() or 1
         sync_all_cores = run(root, model_path, "sync-all-cores", args.steps, args.completion_length, 0, threads=cores)
         sync = run(root, model_path, "sync", args.steps, args.completion_length, 0, threads=max(1, cores // 2))
         pipelined = run(root, model_path, "async", args.steps, args.completion_length, 1)
-    result = {
-        "cores": os.cpu_count(),
+    return {
+        "cores": cores,
         "parameters": params,
         "steps": args.steps,
         "completion_length": args.completion_length,
@@ -121,27 +118,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sync_all_cores_steps_per_s": sync_all_cores["steps_per_s"],
         "speedup_vs_all_cores": pipelined["steps_per_s"] / sync_all_cores["steps_per_s"],
     }
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    cores, half = result["cores"], max(1, result["cores"] // 2)
     print(
-        f"random Qwen2, {params / 1e6:.1f}M parameters, 4 prompts x 8 generations, up to {args.completion_length} tokens, {args.steps} steps "
-        f"(first left out), {os.cpu_count()} cores\n"
+        f"random Qwen2, {result['parameters'] / 1e6:.1f}M parameters, 4 prompts x 8 generations, up to "
+        f"{args.completion_length} tokens, {args.steps} steps (first left out), {cores} cores\n"
     )
-    print(f"{'side':<40}{'steps/s':>9}{'median step (s)':>17}{'tokens/step':>13}{'final reward':>14}")
-    half = max(1, (os.cpu_count() or 1) // 2)
     sides = (
-        (f"synchronous, {half} core(s) each", sync),
-        (f"synchronous, {os.cpu_count()} cores each in turn", sync_all_cores),
-        (f"one-step-off (max_staleness 1), {half} each", pipelined),
+        (f"synchronous, {half} core(s) each", result["sync"]),
+        (f"synchronous, {cores} cores each in turn", result["sync_all_cores"]),
+        (f"one-step-off (max_staleness 1), {half} each", result["async"]),
     )
-    for name, side in sides:
-        print(
-            f"{name:<40}{side['steps_per_s']:>9.3f}{side['median_step_s']:>17.3f}{side['tokens_per_step']:>13.1f}"
-            f"{side['final_reward']:>14.3f}"
-        )
+    keys = ("steps_per_s", "median_step_s", "tokens_per_step", "final_reward")
+    header = ("side", "steps/s", "median step (s)", "tokens/step", "final reward")
+    print(harness.table(header, [[name, *(side[k] for k in keys)] for name, side in sides], [3, 3, 1, 3]))
     print(f"\nspeedup (steps/s, async / sync with the same cores each): {result['speedup']:.2f}   (target >= 1.5)")
     print(f"speedup over a synchronous run using every core:       {result['speedup_vs_all_cores']:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return harness.main(__doc__, measure, report, argv, options=options, check=check)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Rollout engines side by side: vLLM (its own environment and process) against transformers.
 
-    python -m grpo_flow.benchmarks.engines [--hidden-size 384] [--layers 4] [--prompts 32] [--n 8]
-                                 [--max-tokens 32] [--repeats 3] [--dtypes float32,bfloat16]
-                                 [--json FILE]
-    python -m grpo_flow.benchmarks.engines --model smollm2-135m [--prompts 4] [--n 8] [--max-tokens 16]
-                                 [--storage-root DIR] [...]
+    python -m benchmarks.engines [--hidden-size 384] [--layers 4] [--prompts 32] [--n 8]
+                          [--max-tokens 32] [--repeats 3] [--dtypes float32,bfloat16]
+                          [--json FILE]
+    python -m benchmarks.engines --model smollm2-135m [--prompts 4] [--n 8] [--max-tokens 16]
+                          [--storage-root DIR] [...]
 
 One randomly initialised Qwen2 model (the project's builder), saved once; both engines load it
 with `from_pretrained`. Measured in one invocation:
@@ -41,21 +41,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from benchmarks import harness
+from benchmarks.steps import save_random_model
 
 SYNC_METHODS = ("reload", "volume", "direct", "checkpoint")
-
-
-def build_model(folder: Path, hidden_size: int, layers: int) -> int:
-    from grpo_flow.workers.data.tiny_model import build_model as build, build_tokenizer
-
-    tokenizer = build_tokenizer()
-    model = build(tokenizer, hidden_size=hidden_size, layers=layers, seed=1)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
-
 
 REAL_MODEL = "smollm2-135m"
 REAL_PROMPT_TOKENS = 128  # the smol-math preset's max_prompt_length
@@ -117,8 +106,7 @@ def all_syncs(engine: Any, actor: Any, run_dir: Path, methods: tuple[str, ...] =
     return seconds
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         choices=("random-qwen2", REAL_MODEL),
@@ -137,18 +125,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help=f"where {REAL_MODEL} is found or fetched (models/); default: $GRPO_FLOW_STORAGE or grpo-storage",
     )
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """Also fills in the defaults that depend on --model."""
     real = args.model == REAL_MODEL
     args.prompts = args.prompts or (4 if real else 32)
     args.max_tokens = args.max_tokens or (16 if real else 32)
     if not real and not 1 <= args.max_tokens <= 32:
-        parser.error("--max-tokens: 1 to 32 (the model holds 64 positions; prompts take up to 32)")
+        return "--max-tokens: 1 to 32 (the model holds 64 positions; prompts take up to 32)"
     if real and not 1 <= args.max_tokens <= 512:
-        parser.error(f"--max-tokens: 1 to 512 with --model {REAL_MODEL}")
+        return f"--max-tokens: 1 to 512 with --model {REAL_MODEL}"
     if not set(args.dtypes) <= {"float32", "bfloat16"}:
-        parser.error(f"--dtypes: float32 and/or bfloat16, comma-separated; got {','.join(args.dtypes)}")
+        return f"--dtypes: float32 and/or bfloat16, comma-separated; got {','.join(args.dtypes)}"
+    from grpo_flow.workers.backends.vllm_env import vllm_python
 
+    if not os.path.isfile(vllm_python()):
+        return f"no vLLM environment at {vllm_python()}: run `grpo setup-vllm` first"
+    return None
+
+
+def measure_engine(
+    engine: Any, started: float, actor: Any, batch: list[Any], params: Any, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One engine's row: its start (from `started`, before it was made), generation and log-probs."""
+    engine.load()
+    return {
+        "start_s": time.perf_counter() - started,
+        **timed_generation(engine, batch, params, args.repeats, args.prompt_tokens),
+        "logprobs_vs_actor": agreement(engine, actor, batch, params, args.prompt_tokens),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     from grpo_flow.schemas.config import GRPOFlowConfig
     from grpo_flow.workers.actor.actor import Actor
     from grpo_flow.workers.backends.vllm_env import vllm_python
@@ -158,35 +167,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from grpo_flow.workers.rollout.vllm_engine import VLLMOptions
     from grpo_flow.workers.rollout.vllm_process import VLLMProcessEngine
 
-    python = vllm_python()
-    if not os.path.isfile(python):
-        parser.error(f"no vLLM environment at {python}: run `grpo setup-vllm` first")
+    real = args.model == REAL_MODEL
     results: dict[str, Any] = {}
-    prompt_tokens = REAL_PROMPT_TOKENS if real else TINY_PROMPT_TOKENS
+    args.prompt_tokens = REAL_PROMPT_TOKENS if real else TINY_PROMPT_TOKENS
     # The real model's syncs move 540 MB each; `checkpoint` re-creates the engine, whose start is measured.
     methods = tuple(m for m in SYNC_METHODS if m != "checkpoint") if real else SYNC_METHODS
     with tempfile.TemporaryDirectory(prefix="grpo-flow-engines-") as tmp:
         if real:
             from grpo_flow.workers.data.models import resolve_model_path
 
-            storage_root = args.storage_root or os.environ.get("GRPO_FLOW_STORAGE") or "grpo-storage"
-            folder = Path(resolve_model_path(REAL_MODEL, storage_root))
+            folder = Path(resolve_model_path(REAL_MODEL, harness.storage_root(args.storage_root)))
             params_count = json.loads((folder / "build_info.json").read_text())["parameters"]
         else:
             folder = Path(tmp) / "model"
-            params_count = build_model(folder, args.hidden_size, args.layers)
+            params_count = save_random_model(folder, args.hidden_size, args.layers)
         batch = prompts(args.prompts, "smol_math" if real else "last_digit")
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=0)
-        config = GRPOFlowConfig(run_id="engines", storage_root=tmp, model=str(folder), max_prompt_length=prompt_tokens)
+        config = GRPOFlowConfig(
+            run_id="engines", storage_root=tmp, model=str(folder), max_prompt_length=args.prompt_tokens
+        )
         actor = Actor(config, folder)
         actor.load()
 
         started = time.perf_counter()
         engine: Any = TransformersRolloutEngine(folder)
-        engine.load()
-        row: dict[str, Any] = {"start_s": time.perf_counter() - started}
-        row.update(timed_generation(engine, batch, params, args.repeats, prompt_tokens))
-        row["logprobs_vs_actor"] = agreement(engine, actor, batch, params, prompt_tokens)
+        row = measure_engine(engine, started, actor, batch, params, args)
         row["sync_s"] = all_syncs(engine, actor, Path(tmp) / "run", methods)
         results["transformers (fp32)"] = row
 
@@ -196,15 +201,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 folder,
                 # tiny: max_model_len from the model's config (the builder's max_position_embeddings, 64);
                 # real: prompt + completion, as a grpo-flow run sizes it
-                options=VLLMOptions(dtype=dtype, max_model_len=prompt_tokens + args.max_tokens if real else None),
-                python=python,
+                options=VLLMOptions(dtype=dtype, max_model_len=args.prompt_tokens + args.max_tokens if real else None),
+                python=vllm_python(),
                 log_path=Path(tmp) / f"vllm-{dtype}.log",
             )
             try:
-                engine.load()
-                row = {"start_s": time.perf_counter() - started}
-                row.update(timed_generation(engine, batch, params, args.repeats, prompt_tokens))
-                row["logprobs_vs_actor"] = agreement(engine, actor, batch, params, prompt_tokens)
+                row = measure_engine(engine, started, actor, batch, params, args)
                 if dtype == "float32":
                     row["sync_s"] = all_syncs(engine, actor, Path(tmp) / "run", methods)
             except EngineProcessError as error:  # reported in its row; the other engines are still measured
@@ -212,14 +214,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             finally:
                 engine.close()
             results[f"vLLM ({dtype})"] = row
-    report(results, params_count, args)
-    out = {"parameters": params_count, "args": vars(args) | {"json": None}, "engines": results}
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
-    return out
+    return {
+        "parameters": params_count,
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+        "engines": results,
+    }
 
 
-def report(results: dict[str, Any], params_count: int, args: argparse.Namespace) -> None:
+def report(out: dict[str, Any], args: argparse.Namespace) -> None:
+    results, params_count = out["engines"], out["parameters"]
     model = (
         f"SmolLM2-135M-Instruct ({params_count / 1e6:.1f}M parameters), smol_math chat prompts"
         if args.model == REAL_MODEL
@@ -252,6 +255,10 @@ def report(results: dict[str, Any], params_count: int, args: argparse.Namespace)
             theirs = results[name]["sync_s"][method]
             line += f"{theirs:>16.3f}{theirs / seconds:>8.1f}"
         print(line)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return harness.main(__doc__, measure, report, argv, options=options, check=check)
 
 
 if __name__ == "__main__":

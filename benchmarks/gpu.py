@@ -1,7 +1,7 @@
 """GPU figures on a randomly initialised model of Qwen2.5-0.5B's shape: the actor's step
 throughput and model FLOPs utilisation, and generation throughput of transformers and of vLLM.
 
-    python -m grpo_flow.benchmarks.gpu [--rows 64] [--prompt-tokens 128] [--completion-tokens 256]
+    python -m benchmarks.gpu [--rows 64] [--prompt-tokens 128] [--completion-tokens 256]
                              [--steps 5] [--no-vllm] [--json FILE]
 
 Needs a CUDA GPU: without one it says so and exits with status 2 (`--device cpu --shape tiny`
@@ -37,15 +37,15 @@ runs the same code on the CPU with a tiny model, to check it, not to measure any
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from grpo_flow.benchmarks.memory import QWEN_05B_SHAPE, rollouts_table
+from benchmarks import harness
+from benchmarks.memory import QWEN_05B_SHAPE, rollouts_table
+from benchmarks.steps import save_random_model
 
 TINY_SHAPE = {
     **QWEN_05B_SHAPE,
@@ -90,26 +90,6 @@ def matmul_rate(device: str, dtype_name: str, size: int, repeats: int = 20) -> f
         synchronize(device)
         best = min(best, (time.perf_counter() - started) / repeats)
     return 2.0 * size**3 / best
-
-
-def build_model(folder: Path, shape: dict[str, Any]) -> int:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from grpo_flow.workers.data.tiny_model import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        **shape,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
 
 
 def actor_throughput(
@@ -277,8 +257,7 @@ def worker_placement(model_path: str, device: str, storage_root: Path) -> dict[s
     return {**placed, "vllm_cuda_visible_devices": visible}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=64, help="completions in an actor step (default 64)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per row (default 128)")
     parser.add_argument("--completion-tokens", type=int, default=256, help="completion tokens (default 256)")
@@ -290,36 +269,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu with --shape tiny to check the code")
     parser.add_argument("--shape", choices=("qwen0.5b", "tiny"), default="qwen0.5b")
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM generation out")
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
-    args = parser.parse_args(argv)
 
+
+def check(args: argparse.Namespace) -> str | None:
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        return (
+            "benchmarks/gpu.py needs a CUDA GPU and torch with CUDA; this machine has none "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False). Nothing was measured."
+        )
+    if args.device == "cpu" and args.shape != "tiny":
+        return "--device cpu is for checking the code: use it with --shape tiny"
+    if not args.no_vllm:
+        from grpo_flow.workers.backends.vllm_env import vllm_python
+
+        if not Path(vllm_python()).is_file():
+            return f"no vLLM environment at {vllm_python()}: run `grpo setup-vllm` first, or pass --no-vllm"
+    return None
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(
-            "benchmarks/gpu.py needs a CUDA GPU and torch with CUDA; this machine has none "
-            f"(torch {torch.__version__}, torch.cuda.is_available() is False). Nothing was measured.",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    if args.device == "cpu" and args.shape != "tiny":
-        parser.error("--device cpu is for checking the code: use it with --shape tiny")
-    python = None
-    if not args.no_vllm:
-        from grpo_flow.workers.backends.vllm_env import vllm_python
-
-        python = vllm_python()
-        if not Path(python).is_file():
-            parser.error(f"no vLLM environment at {python}: run `grpo setup-vllm` first, or pass --no-vllm")
-
     on_gpu = args.device.startswith("cuda")
-    gpu_name = torch.cuda.get_device_name(args.device) if on_gpu else "cpu (code check only)"
     shape = QWEN_05B_SHAPE if args.shape == "qwen0.5b" else TINY_SHAPE
     with tempfile.TemporaryDirectory(prefix="grpo-flow-gpu-") as tmp:
         model_path = str(Path(tmp) / f"{args.shape}-shape")
-        parameters = build_model(Path(model_path), shape)
+        parameters = save_random_model(Path(model_path), shape=shape, seed=0)
         placement = worker_placement(model_path, "cuda" if on_gpu else "cpu", Path(tmp) / "storage")
         actor = actor_throughput(
             model_path,
@@ -332,26 +311,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         matmul_dtype = "bfloat16" if actor["bf16"] else "float32"
         rate = matmul_rate(args.device, matmul_dtype, args.matmul_size if on_gpu else 512)
+        sizes = (args.gen_prompts, args.gen_n, args.completion_tokens)
         generation = [
-            generation_throughput(model_path, args.device, args.gen_prompts, args.gen_n, args.completion_tokens, dtype)
-            for dtype in ("float32", "bfloat16")
+            generation_throughput(model_path, args.device, *sizes, dtype) for dtype in ("float32", "bfloat16")
         ]
         vllm = []
-        if python is not None:
+        if not args.no_vllm:
+            from grpo_flow.workers.backends.vllm_env import vllm_python
+
             vllm = [
-                vllm_generation_throughput(
-                    model_path,
-                    args.gen_prompts,
-                    args.gen_n,
-                    args.completion_tokens,
-                    dtype,
-                    python,
-                    Path(tmp),
-                )
+                vllm_generation_throughput(model_path, *sizes, dtype, vllm_python(), Path(tmp))
                 for dtype in ("bfloat16", "float32")
             ]
-    result = {
-        "device": gpu_name,
+    return {
+        "device": torch.cuda.get_device_name(args.device) if on_gpu else "cpu (code check only)",
         "torch": torch.__version__,
         "shape": args.shape,
         "parameters": parameters,
@@ -373,13 +346,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "gen_n": args.gen_n,
         },
     }
-    print_report(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
 
 
-def print_report(r: dict[str, Any]) -> None:
+def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
     a, w = r["actor"], r["workload"]
     print(
         f"\n{r['device']}, torch {r['torch']}; randomly initialised {r['shape']} shape, {r['parameters'] / 1e6:.0f}M parameters\n"
@@ -414,6 +383,10 @@ def print_report(r: dict[str, Any]) -> None:
                 f"  {g['dtype']:<9} {g['tokens_per_s']:>12,.0f} tokens/s   ({g['call_s']:.2f} s per call, "
                 f"engine start {g['start_s']:.1f} s); x{g['tokens_per_s'] / plain[g['dtype']]:.2f} transformers"
             )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return harness.main(__doc__, measure, print_report, argv, options=options, check=check)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ Reward functions are the real ones: scoring is part of the DAG (and `last_digit`
 No model is loaded: the config's `model` can be any folder, `instant_model_dir()` makes one.
 
 `instant_workers(ray=True)` puts the same instant workers in Ray actors instead: the Ray backend's
-placement with `InstantActorServer` / `InstantRolloutServer` (the servers around the instant
+placement running `InstantActorServer` / `InstantRolloutServer` (the servers around the instant
 classes), so every call crosses Ray as a real run's does, the weights
 (`checkpoint_bytes` of them) included. What a step costs then, less the local instant step, is
-what Ray adds.
+what Ray adds. The production classes are composed, not given hooks: the actor server builds its
+actor by the name `Actor` in its module, which is swapped for the instant one while it is made.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any, Iterator
 
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.actor.actor import StaleActorError
+from grpo_flow.workers.backends import servers
 from grpo_flow.workers.backends.local import InProcess, LocalPlacement
 from grpo_flow.workers.backends.servers import ActorServer, RolloutServer
 from grpo_flow.workers.backends.workers import Handle
@@ -160,12 +162,23 @@ class InstantActor:
 CHECKPOINT_BYTES = 16384
 
 
+@contextlib.contextmanager
+def instant_actor(checkpoint_bytes: int) -> Iterator[None]:
+    """Inside the block, an `ActorServer` made builds an instant actor instead of loading the model."""
+    saved = servers.Actor
+    servers.Actor = lambda config, model_path, device="cpu": InstantActor(config, checkpoint_bytes)  # type: ignore
+    try:
+        yield
+    finally:
+        servers.Actor = saved
+
+
 class InstantActorServer(ActorServer):
     """The actor server around an instant actor (what the Ray backend starts as the actor)."""
 
     def __init__(self, config_json: str, model_path: str, device: str = "cpu") -> None:
-        config = GRPOFlowConfig.model_validate_json(config_json)
-        super().__init__(config_json, model_path, device, actor=InstantActor(config, CHECKPOINT_BYTES))
+        with instant_actor(CHECKPOINT_BYTES):
+            super().__init__(config_json, model_path, device)
 
 
 class InstantRolloutServer(RolloutServer):
@@ -185,7 +198,8 @@ class InstantPlacement(LocalPlacement):
 
     def start(self) -> tuple[Handle, list[Handle]]:
         config_json = self.config.model_dump_json()
-        actor = ActorServer(config_json, self.model_path, actor=InstantActor(self.config, self.checkpoint_bytes))
+        with instant_actor(self.checkpoint_bytes):
+            actor = ActorServer(config_json, self.model_path)
         self.servers = [
             RolloutServer(config_json, self.model_path, i, engine=InstantRolloutEngine(f"rollout-{i}"))
             for i in range(self.config.num_rollout_workers)
@@ -206,7 +220,10 @@ def instant_workers(checkpoint_bytes: int = CHECKPOINT_BYTES, ray: bool = False)
         if ray:
             from grpo_flow.workers.backends.ray_backend import RayPlacement
 
-            return RayPlacement(config, model_path, worker_classes=(InstantActorServer, InstantRolloutServer))
+            class InstantRayPlacement(RayPlacement):
+                worker_classes = (InstantActorServer, InstantRolloutServer)
+
+            return InstantRayPlacement(config, model_path)
         return InstantPlacement(config, model_path, checkpoint_bytes)
 
     saved = backends.placement

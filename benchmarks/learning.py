@@ -1,6 +1,6 @@
 """Learning, side by side with TRL: held-out accuracy against step and against seconds.
 
-    python -m grpo_flow.benchmarks.learning [--tasks last_digit reverse_digits digit_lookup smol_math] [--seeds 3]
+    python -m benchmarks.learning [--tasks last_digit reverse_digits digit_lookup smol_math] [--seeds 3]
         [--first-seed 0]
         [--sides trl grpo_flow [trl_resampled]] [--steps N] [--eval-every K] [--eval-prompts 200]
         [--json FILE] [--png FILE] [--storage-root DIR]
@@ -68,9 +68,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_flow.benchmarks.steps import in_fresh_process, quiet
+from benchmarks import harness
+from benchmarks.harness import in_fresh_process
 
-quiet()  # before Prefect is first imported
+harness.quiet()  # before Prefect is first imported
 import grpo_flow.flows  # noqa: E402,F401  Prefect's recorder batched before its server starts (flows/__init__.py)
 
 # The task's preset, the steps and the evaluation interval each runs by default.
@@ -247,7 +248,7 @@ def run_trl(
     its sampling draws from) is `sampling_seed`, `seed` unless given."""
     from transformers import TrainerCallback
 
-    from grpo_flow.benchmarks.trl_side import grpo_config, grpo_trainer
+    from benchmarks.trl_side import grpo_config, grpo_trainer
 
     run = SideRun(seed)
     per_call: list[float] = []
@@ -308,7 +309,7 @@ def trl_tools(work: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_grpo_flow(model_path: str, preset: str, steps: int, seed: int, at: list[int], workdir: Path) -> SideRun:
-    from grpo_flow.benchmarks.steps import StepClock
+    from benchmarks.steps import StepClock
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.schemas.presets import preset_config
     from grpo_flow.workers import backends
@@ -546,7 +547,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def trl_args_for(work: dict[str, Any], steps: int) -> Any:
-    from grpo_flow.benchmarks.trl_side import grpo_config
+    from benchmarks.trl_side import grpo_config
 
     with tempfile.TemporaryDirectory() as tmp:
         shared = {k: v for k, v in work.items() if k in SHARED_FIELDS}
@@ -613,7 +614,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [name for name, result in results.items() if "runs" in result]  # this benchmark's entries
+    names = [name for name, result in results.items() if isinstance(result, dict) and "runs" in result]  # tasks
     figure, axes = plt.subplots(len(names), 2, figsize=(10, 3.4 * len(names)), squeeze=False)
     for row, name in enumerate(names):
         result = results[name]
@@ -640,8 +641,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), help=f"any of: {', '.join(TASKS)}")
     parser.add_argument("--seeds", type=int, default=3, help="runs per side: seeds F .. F+N-1 (F: --first-seed)")
     parser.add_argument("--first-seed", type=int, default=0, help="first seed (to split the seeds over invocations)")
@@ -655,7 +655,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the task's, see TASKS)")
     parser.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
     parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts per evaluation")
-    parser.add_argument("--json", type=Path, default=None, help="write (merge into) this file, one object per task")
     parser.add_argument("--png", type=Path, default=None, help="plot every task in the JSON (or this run) here")
     parser.add_argument(
         "--storage-root",
@@ -664,24 +663,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="where the models are found or made (models/: the tiny ones built, smollm2-135m fetched and "
         "converted); default: a fresh temporary folder",
     )
-    args = parser.parse_args(argv)
-    # transformers' deprecation notices about TrainingArguments fields TRL sets, once per run: noise here.
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is experimental in TRL 1.16
+
+
+def check(args: argparse.Namespace) -> str | None:
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
-        parser.error(f"--tasks: unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")
+        return f"--tasks: unknown task {unknown[0]!r}; known: {', '.join(TASKS)}"
     unknown = [side for side in args.sides if side not in SIDES]
     if unknown:
-        parser.error(f"--sides: unknown side {unknown[0]!r}; known: {', '.join(SIDES)}")
+        return f"--sides: unknown side {unknown[0]!r}; known: {', '.join(SIDES)}"
     if args.first_seed < 0:
-        parser.error(f"--first-seed: must be 0 or more, got {args.first_seed}")
+        return f"--first-seed: must be 0 or more, got {args.first_seed}"
     for option in ("seeds", "steps", "eval_every", "eval_prompts"):
         value = getattr(args, option)
         if value is not None and value < 1:
-            parser.error(f"--{option.replace('_', '-')}: must be at least 1, got {value}")
+            return f"--{option.replace('_', '-')}: must be at least 1, got {value}"
+    return None
 
-    results: dict[str, Any] = {}
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """This invocation's tasks, merged into the earlier figures of `--json` (other tasks kept)."""
+    # transformers' deprecation notices about TrainingArguments fields TRL sets, once per run: noise here.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is experimental in TRL 1.16
+    everything: dict[str, Any] = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
     with tempfile.TemporaryDirectory(prefix="grpo-flow-learning-") as tmp:
         workdir = Path(tmp)
         storage_root = args.storage_root or workdir / "storage"
@@ -690,16 +695,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             every = min(args.eval_every or TASKS[name]["eval_every"], steps)
             seeds = list(range(args.first_seed, args.first_seed + args.seeds))
             sides = [side for side in SIDES if side in args.sides]
-            results[name] = benchmark_task(name, steps, every, seeds, sides, args.eval_prompts, storage_root, workdir)
-    everything: dict[str, Any] = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
-    for name, result in results.items():
-        everything[name] = results[name] = merge(everything.get(name), result)
-        print_report(name, results[name])
-    if args.json:
-        args.json.write_text(json.dumps(everything, indent=1) + "\n")
+            result = benchmark_task(name, steps, every, seeds, sides, args.eval_prompts, storage_root, workdir)
+            everything[name] = merge(everything.get(name), result)
+    return everything
+
+
+def report(everything: dict[str, Any], args: argparse.Namespace) -> None:
+    for name in args.tasks:
+        print_report(name, everything[name])
     if args.png:
         plot(everything, args.png)
-    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return harness.main(__doc__, measure, report, argv, options=options, check=check)
 
 
 if __name__ == "__main__":

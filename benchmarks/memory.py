@@ -1,10 +1,10 @@
 """Peak resident memory of the actor process for one step, CPU, with and without gradient
 checkpointing, each measurement in a fresh process.
 
-    python -m grpo_flow.benchmarks.memory [--models tiny,qwen0.5b] [--rows 8] [--prompt-tokens 64]
-                                [--completion-tokens 32] [--json FILE]
-    python -m grpo_flow.benchmarks.memory --models smollm2-135m [--storage-root DIR] [--json FILE]
-    python -m grpo_flow.benchmarks.memory --models smollm2-135m --completions 32,64,128,256
+    python -m benchmarks.memory [--models tiny,qwen0.5b] [--rows 8] [--prompt-tokens 64]
+                         [--completion-tokens 32] [--json FILE]
+    python -m benchmarks.memory --models smollm2-135m [--storage-root DIR] [--json FILE]
+    python -m benchmarks.memory --models smollm2-135m --completions 32,64,128,256
 
 Models:
 - `tiny`: the tiny preset's model (the built one under the default storage root or
@@ -51,6 +51,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import harness
+from benchmarks.steps import default_tiny_model, save_random_model
+
 QWEN_05B_SHAPE = {
     "vocab_size": 151936,
     "hidden_size": 896,
@@ -80,28 +83,6 @@ def supports_gradient_checkpointing() -> bool:
 
 
 # -- child processes -----------------------------------------------------------------------------
-def build_qwen_shape(folder: Path) -> dict[str, Any]:
-    """Qwen2.5-0.5B's shape, random weights, fp32, with the project's byte-level tokenizer (token ids
-    are random anyway)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from grpo_flow.workers.data.tiny_model import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        **QWEN_05B_SHAPE,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return {"parameters": sum(p.numel() for p in model.parameters())}
-
-
 def rollouts_table(rows: int, prompt_tokens: int, completion_tokens: int, vocab: int, seed: int = 0) -> Any:
     """A step's logged rows as the actor reads them (the columns `Actor.step` uses)."""
     import pyarrow as pa
@@ -192,9 +173,6 @@ def actor_estimate(config: Any) -> int:
 def measure_run(model_path: str, workdir: str) -> dict[str, Any]:
     """One smol-math step through the `grpo` flow (transformers engine), as `grpo train --preset smol-math
     --max-steps 1` runs it: the flow process's peak, with the actor and the rollout engine in it."""
-    from grpo_flow.benchmarks.steps import quiet
-
-    quiet()
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.schemas.presets import preset_config
 
@@ -212,8 +190,8 @@ def child_main(args: argparse.Namespace) -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    if args.child == "build":
-        result = build_qwen_shape(Path(args.model_path))
+    if args.child == "build":  # Qwen2.5-0.5B's shape, random weights (token ids are random anyway)
+        result = {"parameters": save_random_model(Path(args.model_path), shape=QWEN_05B_SHAPE, seed=0)}
     elif args.child == "run":
         result = measure_run(args.model_path, args.workdir)
     else:
@@ -230,13 +208,13 @@ def child_main(args: argparse.Namespace) -> None:
 
 # -- parent -------------------------------------------------------------------------------------------
 def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "grpo_flow.benchmarks.memory", *argv],
+        [sys.executable, "-m", "benchmarks.memory", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env={**os.environ, **harness.QUIET_ENV},
+        cwd=harness.ROOT,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -287,13 +265,14 @@ def completions_sweep(path: str, counts: list[int], timeout: float) -> dict[str,
 
 
 def tiny_model(workdir: Path, given: str | None) -> str:
-    from grpo_flow.benchmarks.steps import build_tiny_architecture, default_tiny_model
+    model = given or default_tiny_model()
+    if model is None:
+        model = str(workdir / "tiny-architecture")
+        save_random_model(Path(model))
+    return model
 
-    return given or default_tiny_model() or build_tiny_architecture(workdir / "tiny-architecture")
 
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models", default="tiny,qwen0.5b", help=f"comma-separated: {', '.join(MODELS)} (default: tiny,qwen0.5b)"
     )
@@ -313,62 +292,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "flow's step, its actor step at each of these numbers of completions per step (e.g. 32,64,128,256)",
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed each child process")
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     # internal: one measurement in this (fresh) process
     parser.add_argument("--child", choices=("build", "step", "run"), help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--preset", default="tiny", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def check(args: argparse.Namespace) -> str | None:
+    unknown = set(models_of(args)) - set(MODELS)
+    return f"--models: unknown {sorted(unknown)}; known: {', '.join(MODELS)}" if unknown else None
+
+
+def models_of(args: argparse.Namespace) -> list[str]:
+    return [m.strip() for m in args.models.split(",") if m.strip()]
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.child:
         child_main(args)
         return {}
-
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = set(models) - set(MODELS)
-    if unknown:
-        parser.error(f"--models: unknown {sorted(unknown)}; known: {', '.join(MODELS)}")
     results: dict[str, Any] = {"gradient_checkpointing_supported": supports_gradient_checkpointing(), "models": {}}
     with tempfile.TemporaryDirectory(prefix="grpo-flow-memory-") as tmp:
-        workdir = Path(tmp)
-        for name in models:
-            if name == "tiny":
-                path = tiny_model(workdir, args.tiny_model)
-                shape = ["--rows", "256", "--prompt-tokens", "7", "--completion-tokens", "2"]  # 32 x 8, `35060=` + 2
-                built: dict[str, Any] = {}
-            elif name == REAL_MODEL:
-                from grpo_flow.workers.data.models import resolve_model_path
-
-                storage_root = args.storage_root or os.environ.get("GRPO_FLOW_STORAGE") or "grpo-storage"
-                path = resolve_model_path(REAL_MODEL, storage_root)
-                if args.completions:
-                    counts = [int(c) for c in args.completions.split(",")]
-                    results["models"][name] = {"completions": completions_sweep(path, counts, args.timeout)}
-                    continue
-                shape = [*real_model_shape(path), "--preset", "smol-math"]
-                built = {"run": run_child(["--child", "run", "--model-path", path, "--workdir", tmp], args.timeout)}
-            else:
-                path = str(workdir / "qwen2.5-0.5b-shape")
-                built = run_child(["--child", "build", "--model-path", path], args.timeout)
-                if "error" in built:
-                    results["models"][name] = {"error": "building the model: " + built["error"]}
-                    continue
-                shape = [
-                    "--rows",
-                    str(args.rows),
-                    "--prompt-tokens",
-                    str(args.prompt_tokens),
-                    "--completion-tokens",
-                    str(args.completion_tokens),
-                ]
-            runs = {}
-            for checkpointing in (0, 1):
-                runs["with_gc" if checkpointing else "without_gc"] = run_child(
-                    ["--child", "step", "--model-path", path, "--checkpointing", str(checkpointing), *shape],
-                    args.timeout,
-                )
-            results["models"][name] = {**built, **runs}
+        for name in models_of(args):
+            results["models"][name] = measure_model(name, args, Path(tmp))
     qwen = results["models"].get("qwen0.5b", {})
     peaks = [r["peak_bytes"] for k, r in qwen.items() if k.endswith("_gc") and "peak_bytes" in r]
     results["qwen05b_fits_16gib"] = bool(peaks) and max(peaks) < LIMIT_GIB * GIB
@@ -376,13 +324,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for key in ("without_gc", "with_gc", "run"):
             if "peak_bytes" in entry.get(key, {}):
                 results[f"{name}_{key}_peak_gib"] = entry[key]["peak_bytes"] / GIB
-    print_report(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
-def print_report(results: dict[str, Any]) -> None:
+def measure_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One model's steps without and with gradient checkpointing, each in a fresh process (and for the real
+    model, the flow's step; or with --completions, the sweep instead)."""
+    built: dict[str, Any] = {}
+    if name == "tiny":
+        path = tiny_model(workdir, args.tiny_model)
+        shape = ["--rows", "256", "--prompt-tokens", "7", "--completion-tokens", "2"]  # 32 x 8, `35060=` + 2
+    elif name == REAL_MODEL:
+        from grpo_flow.workers.data.models import resolve_model_path
+
+        path = resolve_model_path(REAL_MODEL, harness.storage_root(args.storage_root))
+        if args.completions:
+            return {"completions": completions_sweep(path, [int(c) for c in args.completions.split(",")], args.timeout)}
+        shape = [*real_model_shape(path), "--preset", "smol-math"]
+        built = {"run": run_child(["--child", "run", "--model-path", path, "--workdir", str(workdir)], args.timeout)}
+    else:
+        path = str(workdir / "qwen2.5-0.5b-shape")
+        built = run_child(["--child", "build", "--model-path", path], args.timeout)
+        if "error" in built:
+            return {"error": "building the model: " + built["error"]}
+        shape = ["--rows", str(args.rows), "--prompt-tokens", str(args.prompt_tokens)]
+        shape += ["--completion-tokens", str(args.completion_tokens)]
+    runs = {
+        "with_gc" if checkpointing else "without_gc": run_child(
+            ["--child", "step", "--model-path", path, "--checkpointing", str(checkpointing), *shape], args.timeout
+        )
+        for checkpointing in (0, 1)
+    }
+    return {**built, **runs}
+
+
+def print_report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.child:
+        return
     print("\nPeak resident memory of the actor process, one step on CPU (fp32, AdamW), a fresh process each\n")
     print(
         f"{'model':<14}{'params':>9}{'batch (rows x prompt+completion)':>34}{'grad ckpt':>11}"
@@ -439,6 +417,10 @@ def print_sweep(name: str, sweep: dict[str, Any]) -> None:
             f"{count:>11}{r['micro_batches']:>15.0f}{r['max_tokens_per_microbatch']:>13.0f}{r['peak_bytes'] / GIB:>10.2f}"
             f"{r['estimate_bytes'] / GIB:>14.2f}{r['estimate_bytes'] / r['peak_bytes']:>10.2f}"
         )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return harness.main(__doc__, measure, print_report, argv, options=options, check=check)
 
 
 if __name__ == "__main__":

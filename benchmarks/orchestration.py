@@ -1,8 +1,8 @@
 """Orchestration overhead: the real step DAG with workers that return instantly, against real
 steps of the tiny preset, in one invocation.
 
-    python -m grpo_flow.benchmarks.orchestration [--steps 30] [--real-steps 5] [--database ephemeral|sqlite|postgres]
-                                       [--tiny-model DIR] [--backend local|ray] [--json FILE]
+    python -m benchmarks.orchestration [--steps 30] [--real-steps 5] [--database ephemeral|sqlite|postgres]
+                                 [--tiny-model DIR] [--backend local|ray] [--json FILE]
 
 Instant side: the `grpo` flow, its `grpo-step` subflows and every task in them, on the tiny
 preset's config (32 prompts x 8 generations, 2 rollout shards, completions of 2 tokens, a
@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import statistics
 import tempfile
@@ -66,17 +65,8 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
-from grpo_flow.benchmarks.steps import (
-    ApiCounter,
-    StepClock,
-    build_tiny_architecture,
-    default_tiny_model,
-    median_of,
-    quiet,
-    run_steps_directly,
-)
-
-quiet()
+from benchmarks import harness
+from benchmarks.steps import ApiCounter, StepClock, default_tiny_model, median_of, run_steps_directly, save_random_model
 
 PREFECT_DEFAULT_RECORDER = {  # Prefect 3.8's own defaults, which `import flows` overrides
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "1",
@@ -155,7 +145,7 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
 def run_instant(
     workdir: Path, steps: int, profile: int, step_subflows: bool = True, ray: bool = False
 ) -> dict[str, Any]:
-    from grpo_flow.benchmarks.instant_workers import instant_model_dir, instant_workers
+    from benchmarks.instant_workers import instant_model_dir, instant_workers
 
     run_id = ("instant" if step_subflows else "instant-no-subflows") + ("-ray" if ray else "")
     model = instant_model_dir(workdir / "instant-model")
@@ -202,7 +192,8 @@ def run_real(workdir: Path, steps: int, model: str | None, ray: bool = False) ->
     from grpo_flow.workers.backends import release
 
     if model is None:
-        model = build_tiny_architecture(workdir / "tiny-architecture")
+        model = str(workdir / "tiny-architecture")
+        save_random_model(Path(model))
     config = tiny_config(model, str(workdir / "storage"), "real-ray" if ray else "real", steps, ray=ray)
     try:
         return {**run_flow_timed(config), "model": model}
@@ -305,7 +296,8 @@ def parameter_walk_ms(repeats: int = 3) -> dict[str, dict[str, float]]:
     return out
 
 
-def print_report(instant: dict, flat: dict, real: dict, floor: dict, result: dict) -> None:
+def print_report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    instant, flat, real, floor = (result[k] for k in ("instant", "instant_no_subflows", "real", "prefect_floor"))
     ms = 1000.0
     print("\nOrchestration overhead: the tiny preset's step DAG with instant workers vs real tiny steps")
     print(f"(Prefect server: {result['database']})")
@@ -397,8 +389,7 @@ def print_report(instant: dict, flat: dict, real: dict, floor: dict, result: dic
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="steps with instant workers (default 30)")
     parser.add_argument("--real-steps", type=int, default=5, help="real tiny-preset steps (default 5)")
     parser.add_argument("--floor-steps", type=int, default=10, help="subflows for the Prefect-alone floor (default 10)")
@@ -430,12 +421,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="ray: also run the instant and real steps on Ray actors (RAY_ADDRESS, else a local Ray instance) "
         "and print what Ray adds per step against the local backend",
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
-    args = parser.parse_args(argv)
-    for name in ("steps", "real_steps", "floor_steps"):
-        if getattr(args, name) < 2:
-            parser.error(f"--{name.replace('_', '-')} must be at least 2 (the first step is a warm-up)")
 
+
+def check(args: argparse.Namespace) -> str | None:
+    short = [name for name in ("steps", "real_steps", "floor_steps") if getattr(args, name) < 2]
+    if short:
+        return f"--{short[0].replace('_', '-')} must be at least 2 (the first step is a warm-up)"
+    return None
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.backend == "ray" and not os.environ.get("RAY_ADDRESS"):
         # The local Ray instance serves this process alone: its processes listen on the loopback address
         # (Ray maps 127.0.0.1 to the machine's outward address unless this is 0; read when Ray is imported).
@@ -449,13 +444,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flat = run_instant(workdir, args.steps, 0, step_subflows=False)
         floor = run_prefect_floor(args.floor_steps, TASKS_PER_STEP)
         real = run_real(workdir, args.real_steps, model)
+        ray = None
         if args.backend == "ray":
-            ray_instant = run_instant(workdir, args.steps, 0, ray=True)
-            ray_real = run_real(workdir, args.real_steps, model, ray=True)
-    walk = parameter_walk_ms()
+            ray = (run_instant(workdir, args.steps, 0, ray=True), run_real(workdir, args.real_steps, model, ray=True))
     result = {
         "database": args.database,
-        "parameter_walk_ms": walk,
+        "parameter_walk_ms": parameter_walk_ms(),
         "orchestration_ms_per_step": instant["median_step_s"] * 1000,
         "tiny_step_ms": real["median_step_s"] * 1000,
         "share_of_tiny_step": instant["median_step_s"] / real["median_step_s"],
@@ -481,27 +475,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "instant": instant,
         "instant_no_subflows": flat,
         "real": real,
+        "prefect_floor": floor,
     }
-    if args.backend == "ray":
-        result.update(
-            ray_instant_ms_per_step=ray_instant["median_step_s"] * 1000,
-            ray_adds_ms_per_step=(ray_instant["median_step_s"] - instant["median_step_s"]) * 1000,
-            ray_instant_ratio=ray_instant["median_step_s"] / instant["median_step_s"],
-            ray_instant_stage_ms={k: v * 1000 for k, v in ray_instant["median_stage_s"].items()},
-            ray_no_prefect_ms_per_step=ray_instant["median_direct_step_s"] * 1000,
-            ray_adds_no_prefect_ms_per_step=(ray_instant["median_direct_step_s"] - instant["median_direct_step_s"])
-            * 1000,
-            ray_no_prefect_ratio=ray_instant["median_direct_step_s"] / instant["median_direct_step_s"],
-            ray_real_step_ms=ray_real["median_step_s"] * 1000,
-            ray_real_adds_ms_per_step=(ray_real["median_step_s"] - real["median_step_s"]) * 1000,
-            ray_real_ratio=ray_real["median_step_s"] / real["median_step_s"],
-            ray_instant=ray_instant,
-            ray_real=ray_real,
-        )
-    print_report(instant, flat, real, floor, result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return result | (ray_figures(instant, real, *ray) if ray else {})
+
+
+def ray_figures(instant: dict, real: dict, ray_instant: dict, ray_real: dict) -> dict[str, Any]:
+    """What the Ray backend adds against the local one, in ms per step and as ratios."""
+    ms = 1000.0
+    return {
+        "ray_instant_ms_per_step": ray_instant["median_step_s"] * ms,
+        "ray_adds_ms_per_step": (ray_instant["median_step_s"] - instant["median_step_s"]) * ms,
+        "ray_instant_ratio": ray_instant["median_step_s"] / instant["median_step_s"],
+        "ray_instant_stage_ms": {k: v * ms for k, v in ray_instant["median_stage_s"].items()},
+        "ray_no_prefect_ms_per_step": ray_instant["median_direct_step_s"] * ms,
+        "ray_adds_no_prefect_ms_per_step": (ray_instant["median_direct_step_s"] - instant["median_direct_step_s"]) * ms,
+        "ray_no_prefect_ratio": ray_instant["median_direct_step_s"] / instant["median_direct_step_s"],
+        "ray_real_step_ms": ray_real["median_step_s"] * ms,
+        "ray_real_adds_ms_per_step": (ray_real["median_step_s"] - real["median_step_s"]) * ms,
+        "ray_real_ratio": ray_real["median_step_s"] / real["median_step_s"],
+        "ray_instant": ray_instant,
+        "ray_real": ray_real,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return harness.main(__doc__, measure, print_report, argv, options=options, check=check)
 
 
 if __name__ == "__main__":

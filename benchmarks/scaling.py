@@ -1,6 +1,6 @@
 """Costs that stay flat as a run grows, with instant workers, in one invocation.
 
-    python -m grpo_flow.benchmarks.scaling [--steps 500] [--window 10] [--resumes 3] [--json FILE]
+    python -m benchmarks.scaling [--steps 500] [--window 10] [--resumes 3] [--json FILE]
 
 One run of `--steps` steps on the tiny preset's config (32 prompts x 8 generations, 2 shards),
 a checkpoint every step (`--save-steps`), workers that answer at once
@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import inspect
 import io
-import json
 import shutil
 import statistics
 import subprocess
@@ -43,9 +42,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from grpo_flow.benchmarks.steps import StepClock, median_of, quiet, run_steps_directly
-
-quiet()
+from benchmarks import harness
+from benchmarks.steps import StepClock, median_of, run_steps_directly
 
 LOGGING_TASKS = ("write_rollouts", "commit_rollouts", "log_metrics", "save_checkpoint")
 
@@ -62,14 +60,17 @@ class LoggingClock:
 
         originals = []
         for name in LOGGING_TASKS:
-            task = getattr(rollout, name, None) or getattr(train, name)
-            originals.append((task, task.fn))
-            task.fn = self._timed(task.fn)
+            module = rollout if hasattr(rollout, name) else train
+            owner, attribute = getattr(module, name), "fn"  # a Prefect task: its body
+            if not hasattr(owner, "fn"):  # a plain function, which its task looks up in the module
+                owner, attribute = module, name
+            originals.append((owner, attribute, getattr(owner, attribute)))
+            setattr(owner, attribute, self._timed(getattr(owner, attribute)))
         try:
             yield self
         finally:
-            for task, fn in originals:
-                task.fn = fn
+            for owner, attribute, original in originals:
+                setattr(owner, attribute, original)
 
     def _timed(self, fn: Any) -> Any:
         signature = inspect.signature(fn)
@@ -182,8 +183,7 @@ def cli_latency(storage_root: str, argv: list[str], repeats: int) -> dict[str, f
     return {"command_s": statistics.median(walls), "in_process_s": statistics.median(inproc)}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=500, help="length of the long run (default 500)")
     parser.add_argument("--window", type=int, default=10, help="steps compared at each end (default 10)")
     parser.add_argument(
@@ -198,27 +198,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="direct",
         help="how the steps between the two windows are written (default direct)",
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
-    args = parser.parse_args(argv)
-    if args.window < 2 or args.steps < 2 * args.window or args.short_steps < 2:
-        parser.error("need --window >= 2, --steps >= 2 x --window and --short-steps >= 2")
 
-    from grpo_flow.benchmarks.instant_workers import instant_model_dir, instant_workers
+
+def check(args: argparse.Namespace) -> str | None:
+    if args.window < 2 or args.steps < 2 * args.window or args.short_steps < 2:
+        return "need --window >= 2, --steps >= 2 x --window and --short-steps >= 2"
+    return None
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.instant_workers import instant_model_dir, instant_workers
 
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="grpo-flow-scaling-"))
+    storage_root = str(workdir / "storage")
     try:
         model = instant_model_dir(workdir / "instant-model")
         with instant_workers():
             long_run = build_run(workdir, model, "long", args.steps, args.window, args.save_steps, args.fill)
-            run_flow(
-                scaling_config(str(workdir / "storage"), model, "short", args.short_steps, args.save_steps), StepClock()
-            )
+            run_flow(scaling_config(storage_root, model, "short", args.short_steps, args.save_steps), StepClock())
             resumes: dict[str, list[dict[str, float]]] = {"short": [], "long": []}
             for i in range(1, args.resumes + 1):
                 resumes["short"].append(resume_once(workdir, model, "short", args.short_steps + i, args.save_steps))
                 resumes["long"].append(resume_once(workdir, model, "long", args.steps + i, args.save_steps))
-        storage_root = str(workdir / "storage")
         runs_latency = cli_latency(storage_root, ["runs"], args.cli_repeats)
         rollouts_latency = cli_latency(
             storage_root, ["rollouts", "long", "--step", str(args.steps // 2)], args.cli_repeats
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     resume_short = statistics.median(r["to_first_step_s"] for r in resumes["short"])
     resume_long = statistics.median(r["to_first_step_s"] for r in resumes["long"])
-    result = {
+    return {
         "late_over_early": long_run["logging_late_ms"] / long_run["logging_early_ms"],
         "step_late_over_early": long_run["step_late_ms"] / long_run["step_early_ms"],
         "resume_500_over_10": resume_long / resume_short,
@@ -252,10 +254,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **long_run,
         "wall_s": time.perf_counter() - started,
     }
-    print_report(result, args)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
 
 
 def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
@@ -294,6 +292,10 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
         f"{r['grpo_rollouts_in_process_s']:>10.3f}   [target < 1 s]"
     )
     print(f"{'grpo verify long (every byte), s':<58}{r['grpo_verify_s']:>10.2f}{r['grpo_verify_in_process_s']:>10.3f}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return harness.main(__doc__, measure, print_report, argv, options=options, check=check)
 
 
 if __name__ == "__main__":

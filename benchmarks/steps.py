@@ -1,5 +1,6 @@
-"""Shared helpers for the benchmarks that run the real `grpo` flow: per-step wall times taken
-around each `grpo-step` subflow call, without editing the flow."""
+"""What the benchmarks that run the real `grpo` flow share: per-step wall times taken around each
+`grpo-step` subflow call without editing the flow, Prefect API counts, the step's tasks without Prefect,
+and randomly initialised models to run them on."""
 
 from __future__ import annotations
 
@@ -12,20 +13,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-
-QUIET_ENV = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_LOGGING_LEVEL": "WARNING",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "HF_HUB_OFFLINE": "1",
-}
-
-
-def quiet() -> None:
-    """Before Prefect is first imported: its settings are read then."""
-    for name, value in QUIET_ENV.items():
-        os.environ.setdefault(name, value)
 
 
 class StepClock:
@@ -178,31 +165,33 @@ class ApiCounter:
         }
 
 
-def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)` in a new Python process (spawned), its result returned: a side measured this way
-    inherits nothing from the sides before it (their freed memory, threads, a Prefect server or engine)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(function, *args).result()
-
-
 def median_of(values: dict[int, float], steps: range | list[int]) -> float:
     chosen = [values[s] for s in steps if s in values]
     return statistics.median(chosen) if chosen else float("nan")
 
 
-def build_tiny_architecture(folder: Path) -> str:
-    """The tiny preset's model architecture and tokenizer, randomly initialised (no format warm start:
-    building that takes minutes, and a step's cost depends on the shapes, not on the weights)."""
+def save_random_model(
+    folder: Path, hidden_size: int = 64, layers: int = 2, shape: dict[str, Any] | None = None, seed: int = 1
+) -> int:
+    """A randomly initialised Qwen2 with the project's byte-level tokenizer, saved to `folder`; its parameter
+    count. `shape`: Qwen2Config's sizes (Qwen2.5-0.5B's, say); else the tiny model's architecture at
+    `hidden_size` x `layers` (its defaults are the tiny preset's: a step's cost depends on the shapes, not on
+    the weights, and the format warm start takes minutes to build)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer)
+    if shape is None:
+        model = build_model(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed)
+    else:
+        ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, **ids, bos_token_id=tokenizer.eos_token_id))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return str(folder)
+    return sum(p.numel() for p in model.parameters())
 
 
 def default_tiny_model() -> str | None:

@@ -1,6 +1,6 @@
 """How fast `grpo train` refuses bad input and stops on a signal, as a user sees it (real processes).
 
-    python -m grpo_flow.benchmarks.stopping [--storage-root DIR] [--repeats 3]
+    python -m benchmarks.stopping [--storage-root DIR] [--repeats 3] [--json FILE]
 
 Figures (seconds, median over --repeats):
 - `checks_s`: from start to exit 2 for each kind of bad input (a reward path, reward_weights, a data
@@ -11,13 +11,12 @@ Figures (seconds, median over --repeats):
   run stops at once after flows/interrupt.GRACE_S;
 - `second_ctrl_c_s`: from a second Ctrl-C (0.5 s after the first, during that stuck step) to the exit;
 - `help_lines`: lines of `grpo train --help`.
-Each run starts its own ephemeral Prefect server, as a user's does. Prints one JSON object last.
+Each run starts its own ephemeral Prefect server, as a user's does.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -26,6 +25,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
 
 REWARDS = Path(__file__).resolve().parents[1] / "tests" / "flows"  # fault_rewards.slow_last_digit
 BAD_INPUT = {
@@ -35,6 +37,7 @@ BAD_INPUT = {
     "model path": ["--model", "./no-such-model"],
     "storage root": ["--storage-root", "/sys/grpo-flow-check"],
 }
+STOPS = ("ctrl_c_s", "overrun_s", "second_ctrl_c_s")
 
 
 def grpo(*args: str) -> list[str]:
@@ -71,11 +74,12 @@ def timed_stop(root: Path, run_id: str, sleep_s: float, second: bool, env: dict[
     return time.perf_counter() - sent
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-root", default=None, help="where the runs go (default: a temporary folder)")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.storage_root or tempfile.mkdtemp(prefix="grpo-stopping-"))
     home = root / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
@@ -85,23 +89,29 @@ def main() -> None:
     checks = {
         name: statistics.median(timed_refusal(a, root) for _ in range(args.repeats)) for name, a in BAD_INPUT.items()
     }
-    stops: dict[str, list[float]] = {"ctrl_c_s": [], "overrun_s": [], "second_ctrl_c_s": []}
+    stops: dict[str, list[float]] = {name: [] for name in STOPS}
     for i in range(args.repeats):
         stops["ctrl_c_s"].append(timed_stop(root, f"stop-{i}", 0, False, env))
         stops["overrun_s"].append(timed_stop(root, f"overrun-{i}", 60, False, env))
         stops["second_ctrl_c_s"].append(timed_stop(root, f"twice-{i}", 60, True, env))
     help_text = subprocess.run(grpo("train", "--help"), capture_output=True, text=True).stdout
-    result = {
+    return {
         "checks_s": {name: round(s, 2) for name, s in checks.items()},
         **{name: round(statistics.median(values), 2) for name, values in stops.items()},
         **{name.replace("_s", "_max_s"): round(max(values), 2) for name, values in stops.items()},
         "help_lines": len(help_text.splitlines()),
     }
-    for name, seconds in result["checks_s"].items():
-        print(f"refused bad {name:<16} {seconds:6.2f} s")
-    for name in stops:
-        print(f"{name:<24} {result[name]:6.2f} s median, {result[name.replace('_s', '_max_s')]:6.2f} s max")
-    print(json.dumps(result))
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    rows = [[f"refused bad {name}", seconds, ""] for name, seconds in result["checks_s"].items()]
+    rows += [[name, result[name], result[name.replace("_s", "_max_s")]] for name in STOPS]
+    print(harness.table(("seconds", "median", "max"), rows, 2))
+    print(f"grpo train --help: {result['help_lines']} lines")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return harness.main(__doc__, measure, report, argv, options=options)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Held-out accuracy of a run with tools, with its tools and with them disabled, before and after RL.
 
-    python -m grpo_flow.benchmarks.tools_accuracy RUN_ID [--storage-root DIR] [--prompts 200]
+    python -m benchmarks.tools_accuracy RUN_ID [--storage-root DIR] [--prompts 200] [--json FILE]
 
 For the run's start model and each of its checkpoints: greedy multi-turn episodes on the first
 `--prompts` held-out prompts, scored by the run's accuracy reward, once with the tools called as in
 training and once with every call answered by an error (`the tools are disabled`), the tools never run.
 The second figure is what the policy does when its tools cannot help: for a task that needs its tool
-it stays near a guess's. Prints one JSON object.
+it stays near a guess's.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import argparse
 import json
 import time
 from typing import Any
+
+from benchmarks import harness
 
 
 def tools_accuracy(storage_root: str, run_id: str, prompts: int) -> dict[str, Any]:
@@ -48,17 +50,26 @@ def tools_accuracy(storage_root: str, run_id: str, prompts: int) -> dict[str, An
     return result
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_id", metavar="RUN_ID")
     parser.add_argument("--storage-root", default="grpo-storage")
     parser.add_argument("--prompts", type=int, default=200, help="held-out prompts (default: 200)")
-    args = parser.parse_args(argv)
-    if args.prompts < 1:
-        parser.error(f"--prompts: must be at least 1, got {args.prompts}")
-    result = tools_accuracy(args.storage_root, args.run_id, args.prompts)
+
+
+def check(args: argparse.Namespace) -> str | None:
+    return f"--prompts: must be at least 1, got {args.prompts}" if args.prompts < 1 else None
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    return tools_accuracy(args.storage_root, args.run_id, args.prompts)
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=1))
-    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return harness.main(__doc__, measure, report, argv, options=options, check=check)
 
 
 if __name__ == "__main__":

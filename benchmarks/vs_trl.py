@@ -1,8 +1,8 @@
 """grpo-flow against TRL's GRPOTrainer on the same work, in one invocation.
 
-    python -m grpo_flow.benchmarks.vs_trl [--steps 8] [--hidden-size 384] [--layers 4] [--json FILE]
-    python -m grpo_flow.benchmarks.vs_trl --engine vllm [--steps 8] [...]
-    python -m grpo_flow.benchmarks.vs_trl --model smollm2-135m [--steps 6] [--sides trl grpo_flow grpo_flow_vllm]
+    python -m benchmarks.vs_trl [--steps 8] [--hidden-size 384] [--layers 4] [--json FILE]
+    python -m benchmarks.vs_trl --engine vllm [--steps 8] [...]
+    python -m benchmarks.vs_trl --model smollm2-135m [--steps 6] [--sides trl grpo_flow grpo_flow_vllm]
         [--storage-root DIR] [--json FILE]
 
 With `--engine vllm` both sides generate with vLLM as well: grpo-flow with
@@ -56,12 +56,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from grpo_flow.benchmarks.steps import in_fresh_process
-
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+from benchmarks import harness
+from benchmarks.harness import in_fresh_process
+from benchmarks.steps import save_random_model
 
 # TRL's colocated vLLM, sized for a CPU (its KV cache through vLLM's own variable; no sleep mode there).
 VLLM_COLOCATE = {
@@ -109,16 +106,6 @@ WORK = {  # identical for both sides
 }
 
 
-def build_shared_model(folder: Path, hidden_size: int, layers: int) -> tuple[str, int]:
-    from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
-
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, hidden_size=hidden_size, layers=layers, seed=1)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder), sum(p.numel() for p in model.parameters())
-
-
 def timed_method(obj: Any, name: str, sink: list[float]) -> None:
     """Replace obj.name with a wrapper that appends each call's seconds to sink."""
     original = getattr(obj, name)
@@ -142,7 +129,7 @@ def real_spec(steps: int) -> dict[str, Any]:
     """TRL's side of the real-model comparison: the smol-math preset's task, reward, GRPO fields and LoRA, and
     the prompts in the order grpo-flow's run visits them (a plain list, so a process of the vLLM environment,
     which has no Prefect, can take it)."""
-    from grpo_flow.benchmarks.learning import SHARED_FIELDS, planned_order
+    from benchmarks.learning import SHARED_FIELDS, planned_order
     from grpo_flow.schemas.presets import preset_config
     from grpo_flow.workers.data.loaders import load_task
 
@@ -168,7 +155,7 @@ def run_trl(
     (its generation)."""
     from transformers import TrainerCallback
 
-    from grpo_flow.benchmarks.trl_side import grpo_config, grpo_trainer
+    from benchmarks.trl_side import grpo_config, grpo_trainer
     from grpo_flow.workers.data.loaders import load_task
     from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS
 
@@ -293,7 +280,7 @@ def run_grpo_flow(
     config: Any = None,
 ) -> dict[str, Any]:
     """grpo-flow's side: the tiny work (tiny_config) unless given a config."""
-    from grpo_flow.benchmarks.steps import StepClock, median_of
+    from benchmarks.steps import StepClock, median_of
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.workers.state.storage import RunStorage
 
@@ -337,20 +324,20 @@ def run_grpo_flow(
     }
 
 
-def print_report(params: int, hidden: int, layers: int, steps: int, trl: dict, ours: dict, flat: dict) -> None:
-    ratio = ours["step_s"] / trl["step_s"]
-    work = WORK
+def print_report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    trl, ours, flat = result["trl"], result["grpo_flow"], result["grpo_flow_no_subflows"]
+    ratio, work, steps = result["ratio"], WORK, args.steps
     print(
-        f"\nSame work: Qwen2, {params / 1e6:.1f}M parameters (hidden {hidden}, {layers} layers), fp32 on CPU; "
+        f"\nSame work: Qwen2, {result['parameters'] / 1e6:.1f}M parameters (hidden {args.hidden_size}, "
+        f"{args.layers} layers), fp32 on CPU; "
         f"{work['prompts_per_step']} prompts x {work['num_generations']} generations = "
         f"{work['prompts_per_step'] * work['num_generations']} completions per step, at most "
         f"{work['max_completion_length']} new tokens, loss {work['loss_type']}, lr {work['learning_rate']}, "
         f"{steps} steps (first step left out of medians); both sides generate with transformers.\n"
     )
-    print(f"{'side':<12}{'median step (s)':>17}{'tokens generated/step':>24}{'steps':>7}")
-    print(f"{'TRL':<12}{trl['step_s']:>17.3f}{trl['tokens_per_step']:>24.1f}{trl['steps']:>7}")
-    print(f"{'grpo-flow':<12}{ours['step_s']:>17.3f}{ours['tokens_per_step']:>24.1f}{ours['steps']:>7}")
-    print(f"{'  no subflows':<12}{flat['step_s']:>17.3f}{flat['tokens_per_step']:>24.1f}{flat['steps']:>7}")
+    rows = [[name, side["step_s"], side["tokens_per_step"], side["steps"]] for name, side in
+            (("TRL", trl), ("grpo-flow", ours), ("  no subflows", flat))]  # fmt: skip
+    print(harness.table(("side", "median step (s)", "tokens generated/step", "steps"), rows, [3, 1, 0]))
     print(
         f"\nratio grpo-flow / TRL: {ratio:.2f} with step subflows (target <= 1.2; inside its step subflow: "
         f"{ours['in_subflow_step_s']:.3f} s), {flat['step_s'] / trl['step_s']:.2f} without (target <= 1.0)"
@@ -375,10 +362,10 @@ def run_trl_in_vllm_env(
     out = workdir / "trl-vllm.json"
     spec_file = workdir / "trl-vllm-spec.json"
     spec_file.write_text(json.dumps(spec or tiny_spec()))
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(harness.ROOT)
     # vLLM's CPU build reserves its KV cache as a fraction of RAM unless told a size (GiB)
     env = {**os.environ, "PYTHONPATH": root, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    argv = [python, "-m", "grpo_flow.benchmarks.vs_trl", "--trl-side", model_path, str(out), str(spec_file)]
+    argv = [python, "-m", "benchmarks.vs_trl", "--trl-side", model_path, str(out), str(spec_file)]
     done = subprocess.run([*argv, "--steps", str(steps)], capture_output=True, text=True, env=env, cwd=root)
     if out.exists():
         return json.loads(out.read_text())
@@ -420,8 +407,7 @@ def print_engine_report(params: int, steps: int, sides: dict[str, dict[str, Any]
                 print(f"  {phase:<58}{seconds:>8.3f}")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps", type=int, default=None, help="steps per side (default: 8; 6 with --model smollm2-135m)"
     )
@@ -453,78 +439,97 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help=f"where {REAL_MODEL} is found or fetched and converted (models/); default: $GRPO_FLOW_STORAGE or "
         "grpo-storage",
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     parser.add_argument("--trl-side", nargs="+", metavar="MODEL OUT [SPEC]", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.trl_side:  # the TRL + vLLM side, run by run_trl_in_vllm_env inside the vLLM environment
-        model_path, out, *spec_file = args.trl_side
-        spec = json.loads(Path(spec_file[0]).read_text()) if spec_file else None
-        partial: dict[str, Any] = {}
-        try:
-            side = run_trl(model_path, args.steps or 8, Path(out).parent, use_vllm=True, partial=partial, spec=spec)
-        except Exception as error:  # reported in place of TRL's figures, with what was measured before it
-            side = {"error": f"{type(error).__name__}: {error}", **partial}
-        Path(out).write_text(json.dumps(side))
-        return side
+
+
+def check(args: argparse.Namespace) -> str | None:
+    if args.trl_side:
+        return None
     if args.model == REAL_MODEL:
         unknown = [side for side in args.sides if side not in REAL_SIDES]
         if unknown:
-            parser.error(f"--sides: unknown side {unknown[0]!r}; known: {', '.join(REAL_SIDES)}")
+            return f"--sides: unknown side {unknown[0]!r}; known: {', '.join(REAL_SIDES)}"
         if args.steps is not None and args.steps < 1:
-            parser.error(f"--steps: must be at least 1, got {args.steps}")
-        return real_main(args)
-    args.steps = args.steps or 8
-    if args.steps < 3:
-        parser.error("--steps must be at least 3 (the first step of each side is a warm-up)")
+            return f"--steps: must be at least 1, got {args.steps}"
+    elif args.steps is not None and args.steps < 3:
+        return "--steps must be at least 3 (the first step of each side is a warm-up)"
+    return None
 
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    if args.trl_side:
+        return trl_side(args)
+    if args.model == REAL_MODEL:
+        return measure_real(args)
+    args.steps = args.steps or 8
     with tempfile.TemporaryDirectory(prefix="grpo-flow-vs-trl-") as tmp:
         workdir = Path(tmp)
-        model_path, params = build_shared_model(workdir / "model", args.hidden_size, args.layers)
+        model_path = str(workdir / "model")
+        params = save_random_model(Path(model_path), args.hidden_size, args.layers)
         if params < 5_000_000:
-            parser.error(f"the model has {params} parameters; the comparison needs at least 5M")
+            raise SystemExit(f"the model has {params} parameters; the comparison needs at least 5M")
         # Each side in a process of its own: none inherits what the sides before it left behind.
-        trl = in_fresh_process(run_trl, model_path, args.steps, workdir)
-        ours = in_fresh_process(run_grpo_flow, model_path, args.steps, workdir)
+        sides = {
+            "TRL, transformers": in_fresh_process(run_trl, model_path, args.steps, workdir),
+            "grpo-flow, transformers": in_fresh_process(run_grpo_flow, model_path, args.steps, workdir),
+        }
         if args.engine == "vllm":
-            sides = {
-                "TRL, transformers": trl,
-                "grpo-flow, transformers": ours,
-                "TRL, vLLM colocate": run_trl_in_vllm_env(model_path, args.steps, workdir),
-                "grpo-flow, vLLM": in_fresh_process(run_grpo_flow, model_path, args.steps, workdir, True, "vllm"),
-            }
+            sides["TRL, vLLM colocate"] = run_trl_in_vllm_env(model_path, args.steps, workdir)
+            sides["grpo-flow, vLLM"] = in_fresh_process(run_grpo_flow, model_path, args.steps, workdir, True, "vllm")
         else:
-            flat = in_fresh_process(run_grpo_flow, model_path, args.steps, workdir, False)
-    for side in [trl, ours, *(sides.values() if args.engine == "vllm" else [flat])]:
+            sides["grpo-flow, no subflows"] = in_fresh_process(run_grpo_flow, model_path, args.steps, workdir, False)
+    for side in sides.values():
         side.pop("prompts", None)  # checked only with --model smollm2-135m, where TRL gets grpo-flow's order
+    result: dict[str, Any] = {"parameters": params, "steps": args.steps, "work": WORK}
     if args.engine == "vllm":
-        print_engine_report(params, args.steps, sides)
-        result = {"parameters": params, "steps": args.steps, "work": WORK, "sides": sides}
+        result["sides"] = sides
         if "error" not in sides["TRL, vLLM colocate"]:
             result["ratio_vllm"] = sides["grpo-flow, vLLM"]["step_s"] / sides["TRL, vLLM colocate"]["step_s"]
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
         return result
-    print_report(params, args.hidden_size, args.layers, args.steps, trl, ours, flat)
-    result = {
+    trl, ours, flat = sides.values()
+    return result | {
         "grpo_flow_step_s": ours["step_s"],
         "trl_step_s": trl["step_s"],
         "ratio": ours["step_s"] / trl["step_s"],
         "grpo_flow_no_subflows_step_s": flat["step_s"],
         "ratio_no_subflows": flat["step_s"] / trl["step_s"],
-        "parameters": params,
-        "steps": args.steps,
-        "work": WORK,
         "grpo_flow": ours,
         "grpo_flow_no_subflows": flat,
         "trl": trl,
     }
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+
+
+def trl_side(args: argparse.Namespace) -> dict[str, Any]:
+    """The TRL + vLLM side, run by run_trl_in_vllm_env inside the vLLM environment: its figures (or its error)
+    go to the file it names."""
+    model_path, out, *spec_file = args.trl_side
+    spec = json.loads(Path(spec_file[0]).read_text()) if spec_file else None
+    partial: dict[str, Any] = {}
+    try:
+        side = run_trl(model_path, args.steps or 8, Path(out).parent, use_vllm=True, partial=partial, spec=spec)
+    except Exception as error:  # reported in place of TRL's figures, with what was measured before it
+        side = {"error": f"{type(error).__name__}: {error}", **partial}
+    Path(out).write_text(json.dumps(side))
+    return side
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.trl_side:
+        return
+    if args.model == REAL_MODEL:
+        print_real_report(result)
+    elif args.engine == "vllm":
+        print_engine_report(result["parameters"], args.steps, result["sides"])
+    else:
+        print_report(result, args)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return harness.main(__doc__, measure, report, argv, options=options, check=check)
 
 
 def run_real_side(side: str, model_path: str, steps: int, workdir: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """One side of the real-model comparison (real_main runs each in a process of its own)."""
+    """One side of the real-model comparison (measure_real runs each in a process of its own)."""
     if side == "trl":
         return run_trl(model_path, steps, workdir, spec=spec)
     if side == "trl_batching":  # transformers' continuous batching (paged attention) in TRL
@@ -541,14 +546,13 @@ def run_real_side(side: str, model_path: str, steps: int, workdir: Path, spec: d
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
 
 
-def real_main(args: argparse.Namespace) -> dict[str, Any]:
+def measure_real(args: argparse.Namespace) -> dict[str, Any]:
     """--model smollm2-135m: TRL and grpo-flow (transformers, vLLM) on the smol-math preset's work."""
-    from grpo_flow.benchmarks.learning import config_differences, trl_args_for
+    from benchmarks.learning import config_differences, trl_args_for
     from grpo_flow.workers.data.models import resolve_model_path
 
     steps = args.steps or 6
-    storage_root = args.storage_root or os.environ.get("GRPO_FLOW_STORAGE") or "grpo-storage"
-    model_path = resolve_model_path(REAL_MODEL, storage_root)
+    model_path = resolve_model_path(REAL_MODEL, harness.storage_root(args.storage_root))
     sides = [side for side in REAL_SIDES if side in args.sides] + (["trl_vllm"] if args.trl_vllm else [])
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="grpo-flow-vs-trl-smol-") as tmp:
@@ -589,9 +593,6 @@ def real_main(args: argparse.Namespace) -> dict[str, Any]:
                 result[f"generate_tokens_per_s_ratio_{key}"] = (
                     done[side]["generate_tokens_per_s"] / done["trl"]["generate_tokens_per_s"]
                 )
-    print_real_report(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

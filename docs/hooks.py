@@ -239,7 +239,7 @@ def packages() -> str:
     lines = []
     for package in PACKAGES:
         folder = REPO / package
-        dotted = "grpo_flow." + package.replace("/", ".")
+        dotted = ("" if package == "benchmarks" else "grpo_flow.") + package.replace("/", ".")  # not installed
         lines += [f"### `{dotted}`", "", text(summary(folder / "__init__.py")) or "", ""]
         modules = [path for path in sorted(folder.glob("*.py")) if path.name != "__init__.py"]
         if modules:

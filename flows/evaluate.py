@@ -109,15 +109,6 @@ def pass_k_values(k: int) -> list[int]:
 
 
 # -- eval files ----------------------------------------------------------------------------------------
-def eval_path(storage: RunStorage, step: int) -> Path:
-    return storage.eval_path(step)
-
-
-def evaluated_steps(storage: RunStorage) -> list[int]:
-    """Checkpoint steps that have an eval file."""
-    return storage.evaluated_steps()
-
-
 def supersede(storage: RunStorage, step: int) -> Path:
     """Move a checkpoint's stored evaluation to eval/superseded/ (never deleted), so it can be made again."""
     path = storage.eval_path(step)
@@ -348,7 +339,7 @@ def evaluate_checkpoint(
     from grpo_flow.workers.rollout.base import SamplingParams
 
     storage = RunStorage(storage_root, run_id)
-    path = eval_path(storage, step)
+    path = storage.eval_path(step)
     if path.exists() and force:
         supersede(storage, step)
     if path.exists():
@@ -358,7 +349,7 @@ def evaluate_checkpoint(
     if config.tools or config.environment_factory:  # single turns would score a policy that needs its tools
         raise EvaluationError(
             f"run {run_id!r} trains multi-turn episodes with tools, which grpo eval does not play yet; its held-out "
-            f"accuracy is in its summary (eval_prompts), or: python -m grpo_flow.benchmarks.tools_accuracy {run_id}"
+            f"accuracy is in its summary (eval_prompts), or, from a checkout: python -m benchmarks.tools_accuracy {run_id}"
         )
     settings = settings_for(config, k, prompts, temperature, seed, greedy)
     task_data = run_task(config)
@@ -426,8 +417,8 @@ def publish_evaluation(run_id: str, storage_root: str, summary: dict[str, Any]) 
 
     storage = RunStorage(storage_root, run_id)
     history = []
-    for step in evaluated_steps(storage):
-        stored = read_eval_summary(eval_path(storage, step))
+    for step in storage.evaluated_steps():
+        stored = read_eval_summary(storage.eval_path(step))
         history.append({"checkpoint_step": step, **{name: stored[name] for name in metric_names(stored)}})
     create_table_artifact(
         key=artifact_key("eval", run_id),
@@ -496,7 +487,7 @@ def needs_evaluation(storage: RunStorage) -> tuple[int | None, str]:
     newest = storage.latest_valid_checkpoint()
     if newest is None:
         return None, "no valid checkpoint"
-    done = evaluated_steps(storage)
+    done = storage.evaluated_steps()
     if done and newest <= done[-1]:
         return None, f"checkpoint {newest} is not newer than its last evaluation ({done[-1]})"
     return newest, ""

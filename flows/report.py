@@ -53,11 +53,11 @@ def _series(table: Any, column: str) -> tuple[list[int], list[float]]:
 
 def _eval_series(storage: RunStorage) -> dict[str, tuple[list[int], list[float]]]:
     """pass@1, pass@k (the largest k) and greedy accuracy per evaluated checkpoint."""
-    from grpo_flow.flows.evaluate import eval_path, evaluated_steps, read_eval_summary
+    from grpo_flow.flows.evaluate import read_eval_summary
 
     series: dict[str, tuple[list[int], list[float]]] = {}
-    for step in evaluated_steps(storage):
-        summary = read_eval_summary(eval_path(storage, step))
+    for step in storage.evaluated_steps():
+        summary = read_eval_summary(storage.eval_path(step))
         passes = sorted((k for k in summary if k.startswith("pass@")), key=lambda k: int(k.split("@")[1]))
         names = ([passes[0], passes[-1]] if passes else []) + ["greedy_accuracy"]
         for name in dict.fromkeys(names):

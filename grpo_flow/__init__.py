@@ -6,7 +6,7 @@ The public face, in TRL's style::
 
 Names load on first use (as TRL's `trl/__init__.py` does), so `import grpo_flow` imports
 neither torch nor Prefect. The subpackages are the repository's top-level folders:
-`grpo_flow.flows`, `.tasks`, `.workers`, `.schemas`, `.deployments`, `.benchmarks`.
+`grpo_flow.flows`, `.tasks`, `.workers`, `.schemas`, `.deployments` (benchmarks/ runs from a checkout).
 """
 
 from __future__ import annotations

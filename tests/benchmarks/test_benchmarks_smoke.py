@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from grpo_flow.benchmarks.gpu import model_flops_per_step
-from grpo_flow.benchmarks.instant_workers import instant_model_dir, instant_workers
-from grpo_flow.benchmarks.memory import rollouts_table
-from grpo_flow.benchmarks.steps import ApiCounter, StepClock, run_steps_directly
+from benchmarks.gpu import model_flops_per_step
+from benchmarks.instant_workers import instant_model_dir, instant_workers
+from benchmarks.memory import rollouts_table
+from benchmarks.steps import ApiCounter, StepClock, run_steps_directly
 from grpo_flow.schemas.presets import preset_config
 from grpo_flow.workers.state.storage import RunStorage
 
@@ -57,7 +57,7 @@ def test_orchestration_ray_side_runs_flow_and_direct_steps_on_ray_actors(
     the next run (a leftover placement group once kept the real Ray run waiting for its placement)."""
     import ray
 
-    from grpo_flow.benchmarks.orchestration import run_instant
+    from benchmarks.orchestration import run_instant
 
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
     result = run_instant(tmp_path, 2, 0, ray=True)
@@ -92,8 +92,6 @@ def test_gpu_benchmark_refuses_without_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    done = subprocess.run(
-        [sys.executable, "-m", "grpo_flow.benchmarks.gpu"], capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "needs a CUDA GPU" in done.stderr

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from grpo_flow.benchmarks.engines import SYNC_METHODS, main
+from benchmarks.engines import SYNC_METHODS, main
 
 
 @pytest.mark.vllm

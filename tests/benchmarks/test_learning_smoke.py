@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grpo_flow.benchmarks.learning import eval_steps, main
+from benchmarks.learning import eval_steps, main
 
 KEYS = {"trl_gain", "grpo_flow_gain", "trl_final", "grpo_flow_final", "trl_wall_s", "grpo_flow_wall_s"}
 

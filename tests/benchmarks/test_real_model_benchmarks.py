@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from grpo_flow.benchmarks import engines, memory, vs_trl
+from benchmarks import engines, memory, vs_trl
 
 
 @pytest.mark.real_model

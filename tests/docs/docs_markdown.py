@@ -146,7 +146,7 @@ def grpo_argv(argv: list[str]) -> list[str] | None:
     return None
 
 
-MODULE_RUN = re.compile(r"python3? -m (grpo_flow(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
+MODULE_RUN = re.compile(r"python3? -m ((?:grpo_flow|benchmarks)(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
 
 
 def module_exists(name: str) -> bool:

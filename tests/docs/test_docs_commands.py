@@ -2,7 +2,7 @@
 
 - `grpo ...` and `python -m grpo_flow ...` in shell blocks are parsed by the real parser
   (`make_parser()`); a `grpo train` line's options must also make a valid config.
-- `python -m grpo_flow.X` anywhere in the docs names a module that exists; in shell blocks, each
+- `python -m grpo_flow.X` (or `benchmarks.X`) anywhere in the docs names a module that exists; in shell blocks, each
   `--option` it is given must appear in that module's `--help`.
 """
 
@@ -95,7 +95,8 @@ def test_module_options_exist(page):
     problems = []
     for command in shell_commands(page):
         argv = command.argv
-        if len(argv) < 3 or argv[1] != "-m" or not argv[2].startswith("grpo_flow.") or not argv[0].startswith("python"):
+        module = argv[2] if len(argv) > 2 and argv[0].startswith("python") and argv[1] == "-m" else ""
+        if not module.startswith(("grpo_flow.", "benchmarks.")):
             continue
         options = [token.split("=")[0] for token in argv[3:] if token.startswith("--")]
         if not options:

@@ -113,4 +113,4 @@ def test_the_module_map_covers_every_module(hooks):
             if path.name != "__init__.py":
                 assert f"| `{path.stem}` |" in page
     linked = {path.name for path in (ROOT / "grpo_flow").iterdir() if path.is_symlink()}
-    assert linked == {package for package in hooks.PACKAGES if "/" not in package}
+    assert linked == {package for package in hooks.PACKAGES if "/" not in package} - {"benchmarks"}  # not installed

@@ -12,9 +12,7 @@ from grpo_flow.flows.cli import main
 from grpo_flow.flows.evaluate import (
     EvalSettings,
     EvaluationError,
-    eval_path,
     evaluate,
-    evaluated_steps,
     pass_at_k,
     pass_k_values,
     read_eval_summary,
@@ -164,7 +162,7 @@ def test_the_grpo_flow_makes_a_step_artifact_per_step_and_a_progress_artifact(ev
 def test_evaluate_a_named_checkpoint(eval_root):
     root, wandb_dir = eval_root
     summary = evaluate(run_id="evaluated", storage_root=str(root), checkpoint=1, k=4, prompts=8)
-    path = eval_path(RunStorage(root, "evaluated"), 1)
+    path = RunStorage(root, "evaluated").eval_path(1)
     assert summary["path"] == str(path) and not summary["already_evaluated"]
     table = pq.read_table(path)
     assert table.num_rows == 8 * 4 + 8  # k samples per prompt, and one greedy completion each
@@ -188,7 +186,7 @@ def test_evaluate_a_named_checkpoint(eval_root):
 
 def test_an_evaluated_checkpoint_is_read_back_not_measured_again(eval_root):
     root, _ = eval_root
-    path = eval_path(RunStorage(root, "evaluated"), 1)
+    path = RunStorage(root, "evaluated").eval_path(1)
     if not path.exists():
         evaluate(run_id="evaluated", storage_root=str(root), checkpoint=1, k=4, prompts=8)
     before = (path.read_bytes(), path.stat().st_mtime_ns)
@@ -200,14 +198,14 @@ def test_an_evaluated_checkpoint_is_read_back_not_measured_again(eval_root):
 def test_nightly_evaluates_runs_with_a_newer_checkpoint_and_skips_the_rest(eval_root):
     root, _ = eval_root
     storage = RunStorage(root, "evaluated")
-    if not evaluated_steps(storage):
+    if not storage.evaluated_steps():
         evaluate(run_id="evaluated", storage_root=str(root), checkpoint=1, k=4, prompts=8)
     outcome = evaluate(storage_root=str(root), k=2, prompts=4, greedy=False)  # checkpoint 2 > evaluated 1
     assert set(outcome["evaluated"]) == {"evaluated"} and outcome["evaluated"]["evaluated"]["checkpoint_step"] == 2
     assert outcome["skipped"] == {"no-checkpoint": "no valid checkpoint"} and outcome["failed"] == {}
-    assert evaluated_steps(storage) == [1, 2]
-    assert pq.read_table(eval_path(storage, 2)).num_rows == 4 * 2  # no greedy rows when greedy=False
-    assert math.isnan(read_eval_summary(eval_path(storage, 2))["greedy_accuracy"])
+    assert storage.evaluated_steps() == [1, 2]
+    assert pq.read_table(storage.eval_path(2)).num_rows == 4 * 2  # no greedy rows when greedy=False
+    assert math.isnan(read_eval_summary(storage.eval_path(2))["greedy_accuracy"])
     again = evaluate(storage_root=str(root), k=2, prompts=4)
     assert again["evaluated"] == {} and "not newer than its last evaluation (2)" in again["skipped"]["evaluated"]
     (sweep, *_) = read_artifacts("evaluate-nightly")
@@ -346,7 +344,7 @@ def test_grpo_eval_of_an_evaluated_checkpoint_shows_the_stored_result_without_lo
 
     root, _ = eval_root
     storage = RunStorage(root, "evaluated")
-    path = eval_path(storage, 1)
+    path = storage.eval_path(1)
     if not path.exists():
         evaluate(run_id="evaluated", storage_root=str(root), checkpoint=1, k=4, prompts=8)
     stored = read_eval_summary(path)

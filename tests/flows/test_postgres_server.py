@@ -80,7 +80,7 @@ def test_serve_a_run_that_fails_then_flow_run_retry_resumes_it_then_nightly(post
     """On PostgreSQL: `grpo serve`; `prefect deployment run grpo/tiny` that fails at step 2 (a fault
     injected in the serving process); `prefect flow-run retry` of that flow run, served by a
     `grpo serve` without the fault, resumes it at step 2 and completes it; the nightly evaluation."""
-    from grpo_flow.flows.evaluate import eval_path, read_eval_summary
+    from grpo_flow.flows.evaluate import read_eval_summary
     from grpo_flow.workers.state.storage import RunStorage
 
     url, _ = postgres_server
@@ -129,7 +129,7 @@ def test_serve_a_run_that_fails_then_flow_run_retry_resumes_it_then_nightly(post
 
         done = deployment_run(env, "evaluate/nightly", "prompts=16")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        evaluated = read_eval_summary(eval_path(run, 3))
+        evaluated = read_eval_summary(run.eval_path(3))
         assert evaluated["num_prompts"] == 16 and 0.0 <= evaluated["pass@1"] <= evaluated["pass@4"] <= 1.0
         assert '"checkpoint_step": 3' in artifact(url, "eval-pg-retry").data
     finally:

@@ -167,7 +167,7 @@ def stop(process: subprocess.Popen) -> None:
 def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, tiny_model, tmp_path):
     """`grpo serve`, then `prefect deployment run` as a user types it: a run, a run failed at step 2
     on purpose and resumed there, the nightly evaluation by hand; checked on disk and through the API."""
-    from grpo_flow.flows.evaluate import eval_path, read_eval_summary
+    from grpo_flow.flows.evaluate import read_eval_summary
     from grpo_flow.workers.state.storage import RunStorage
 
     url, store = real_server, tmp_path / "store"
@@ -269,7 +269,7 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         done = deployment_run(env, "evaluate/nightly", "prompts=16")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         for run_id in ("dep-run", "dep-resume"):
-            evaluated = read_eval_summary(eval_path(RunStorage(store, run_id), 3))
+            evaluated = read_eval_summary(RunStorage(store, run_id).eval_path(3))
             assert evaluated["samples_per_prompt"] == 4 and evaluated["num_prompts"] == 16
             assert 0.0 <= evaluated["pass@1"] <= evaluated["pass@4"] <= 1.0
             table = artifact(url, f"eval-{run_id}")

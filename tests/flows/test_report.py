@@ -137,7 +137,7 @@ def write_metrics(root, run_id: str, steps: int, with_kl: bool) -> RunStorage:
 
 
 def test_report_plots_what_the_run_logged(tmp_path):
-    from grpo_flow.flows.evaluate import EVAL_METADATA_KEY, eval_path, write_once
+    from grpo_flow.flows.evaluate import EVAL_METADATA_KEY, write_once
     from grpo_flow.flows.report import write_report
 
     write_metrics(tmp_path, "no-kl", 5, with_kl=False)
@@ -149,7 +149,7 @@ def test_report_plots_what_the_run_logged(tmp_path):
     storage = write_metrics(tmp_path, "with-kl", 3, with_kl=True)
     summary = {"checkpoint_step": 3, "pass@1": 0.4, "pass@8": 0.9, "greedy_accuracy": 0.5}
     write_once(
-        eval_path(storage, 3),
+        storage.eval_path(3),
         pa.table({"x": [1]}).replace_schema_metadata({EVAL_METADATA_KEY: json.dumps(summary).encode()}),
     )
     report = write_report(tmp_path, "with-kl", tmp_path / "out" / "curves.png")

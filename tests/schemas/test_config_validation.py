@@ -95,15 +95,3 @@ def test_training_hash_follows_training_fields_only():
 def test_total_steps_follows_trl_rule():
     assert GRPOFlowConfig(max_steps=5).total_steps(1000) == 5
     assert GRPOFlowConfig(max_steps=-1, num_train_epochs=2, prompts_per_step=8).total_steps(100) == 25
-
-
-def test_configs_stored_under_old_field_names_read_under_the_new_ones():
-    """Runs stored by an older grpo-flow resume: vLLM's names and the backends' unprefixed resource fields."""
-    from grpo_flow.schemas.config import RENAMED_FIELDS
-
-    old = {"actor_gpu": "H100", "actor_gpu_count": 2, "rollout_gpu": "L4", "actor_cpus": 2.0, "rollout_gpus": 0.5}
-    config = GRPOFlowConfig.model_validate({**old, "max_model_len": 96})
-    assert (config.modal_actor_gpu, config.modal_actor_gpu_count, config.modal_rollout_gpu) == ("H100", 2, "L4")
-    assert (config.ray_actor_cpus, config.ray_rollout_gpus, config.vllm_max_model_length) == (2.0, 0.5, 96)
-    assert set(RENAMED_FIELDS.values()) <= set(GRPOFlowConfig.model_fields)
-    assert not set(RENAMED_FIELDS) & set(GRPOFlowConfig.model_fields)

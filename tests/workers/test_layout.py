@@ -23,7 +23,7 @@ ALLOWED_UPWARD = {
     ("workers/data/tiny_tools.py", "workers.rollout"),
     ("workers/data/tiny_tools.py", "workers.tools"),
 }
-SUBPACKAGES = ["flows", "tasks", "workers", "schemas", "deployments", "benchmarks"]
+SUBPACKAGES = ["flows", "tasks", "workers", "schemas", "deployments"]
 
 
 def imports(path: Path) -> list[str]:
@@ -102,7 +102,7 @@ def test_grpo_flow_is_the_package_init_and_a_link_to_each_top_level_folder():
     assert others == ["__init__.py", "__main__.py"]
 
 
-@pytest.mark.parametrize("folder", [*SUBPACKAGES, "tests", "grpo_flow"])
+@pytest.mark.parametrize("folder", [*SUBPACKAGES, "benchmarks", "tests", "grpo_flow"])
 def test_project_code_is_imported_only_as_grpo_flow(folder):
     for path in (
         sorted((ROOT / folder).rglob("*.py")) if folder != "grpo_flow" else sorted((ROOT / folder).glob("*.py"))

@@ -277,9 +277,7 @@ def build_worker_app(
         gpu=actor_gpu_spec(config),
         timeout=actor_timeout_s,
         # Safe to retry: the actor answers a retried step it already took, and refuses a version it does not hold.
-        retries=modal.Retries(
-            max_retries=getattr(config, "actor_retries", 1), backoff_coefficient=2.0, initial_delay=5.0
-        ),
+        retries=modal.Retries(max_retries=config.actor_retries, backoff_coefficient=2.0, initial_delay=5.0),
     )
     rollout_options: dict[str, Any] = dict(
         gpu=config.modal_rollout_gpu,

@@ -310,15 +310,11 @@ class RayPlacement(Placement):
     """The run's workers as Ray actors in a placement group of the run's cluster."""
 
     check_storage = True  # workers on other nodes must see the storage root
+    worker_classes: tuple[type, type] = WORKER_CLASSES  # (actor, rollout): the classes run as Ray actors
 
-    def __init__(
-        self, config: GRPOFlowConfig, model_path: str | Path, worker_classes: tuple[type, type] | None = None
-    ) -> None:
-        """`worker_classes`: the (actor, rollout) classes to run as Ray actors, the servers by default
-        (benchmarks/instant_workers.py passes ones with the same verbs that answer at once)."""
+    def __init__(self, config: GRPOFlowConfig, model_path: str | Path) -> None:
         resolved = str(Path(model_path).resolve()) if Path(model_path).exists() else str(model_path)
         super().__init__(config, resolved)
-        self.worker_classes = worker_classes or WORKER_CLASSES
         self.ray = connect(config)
         self.lost_errors = lost_errors()
         self.handles: list[RayHandle] = []

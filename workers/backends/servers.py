@@ -81,15 +81,13 @@ class ActorServer:
         device: str = "cpu",
         storage_root: str | None = None,
         storage: SharedStorage | None = None,
-        actor: Any = None,
     ) -> None:
-        """`actor`: an `Actor` built elsewhere (benchmarks' instant actor); loaded here either way."""
         self.config = GRPOFlowConfig.model_validate_json(config_json)
         self.root = local_root(storage_root or self.config.storage_root)
         self.storage = storage or LocalDisk()
         self.storage.reload()  # the model may have been uploaded by another worker
         self.run_dir = self.root / "runs" / (self.config.run_id or "unnamed")
-        self.actor = actor if actor is not None else Actor(self.config, model_path, device=device)
+        self.actor = Actor(self.config, model_path, device=device)
         self.actor.load()
 
     def ready(self, marker: str | None = None) -> dict[str, Any]:

@@ -135,7 +135,7 @@ def test_timeouts_and_retries_are_declared():
     actor, rollout = service_function(worker_app.actor_cls), service_function(worker_app.rollout_cls)
     assert actor._function_info.timeout == ACTOR_TIMEOUT_S and rollout._function_info.timeout == ROLLOUT_TIMEOUT_S
     assert actor._function_info.startup_timeout == rollout._function_info.startup_timeout == STARTUP_TIMEOUT_S
-    assert actor._function_info.max_retries == getattr(config, "actor_retries", 1) >= 1
+    assert actor._function_info.max_retries == config.actor_retries >= 1
     assert rollout._function_info.max_retries == getattr(config, "generate_retries", 2) >= 1
     assert worker_app.options["RolloutWorker"]["max_containers"] == 1
     assert worker_app.options["ActorWorker"]["scaledown_window"] >= 60
