@@ -890,10 +890,10 @@ def make_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: no limit)")
     serve.add_argument(
-        "--auto-resume",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the grpo-resume automation: a crashed or failed grpo deployment run is resumed (default: on)",
+        "--no-auto-resume",
+        dest="auto_resume",
+        action="store_false",
+        help="remove the grpo-resume automation (by default a crashed or failed grpo deployment run is resumed)",
     )
     serve.add_argument(
         "--max-auto-resumes",
