@@ -5,6 +5,11 @@
                    same deployment with the same run id: it resumes from the run's last checkpoint,
                    as `grpo train --resume` does.
 
+    grpo-guard     a `grpo.step.completed` of a grpo deployment run whose reward is not finite (NaN:
+                   no reward function applied to any completion) cancels that flow run. `grpo serve`
+                   then ends it with SIGTERM during the next step: the run is recorded `interrupted`
+                   after the step that tripped the guard, whose rows are kept, and is not resumed.
+
 A run that fails on bad input emits no `grpo.run.failed` (it fails before its loop starts) and ends
 Failed, not Crashed, so it is never resumed. The automation passes `auto_resume_limit` with the run
 id; the resumed run counts the run's resumes (`resumes/`, resumes by hand included) and refuses to
@@ -19,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 RESUME_AUTOMATION = "grpo-resume"
+GUARD_AUTOMATION = "grpo-guard"
 DEFAULT_MAX_RESUMES = 3
 
 
@@ -52,6 +58,28 @@ def resume_automation(max_resumes: int) -> Any:
     )
 
 
+def guard_automation() -> Any:
+    """`grpo-guard`, which cancels a grpo deployment run at a step whose reward is NaN."""
+    from prefect.automations import Automation
+    from prefect.events.actions import CancelFlowRun
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    trigger = EventTrigger(
+        expect={"grpo.step.completed"},
+        match={"grpo.reward.finite": "false"},  # the label flows/events.py puts on the step's resource
+        match_related={"prefect.resource.role": "deployment"},
+        posture=Posture.Reactive,
+        threshold=1,
+    )
+    # The action cancels the flow run the event is related to: the run's own (events are emitted there).
+    return Automation(
+        name=GUARD_AUTOMATION,
+        description="Cancel a grpo deployment run at a step whose reward is NaN. Created by `grpo serve`.",
+        trigger=trigger,
+        actions=[CancelFlowRun()],
+    )
+
+
 def put_automation(automation: Any) -> None:
     """Create `automation`, or replace the one of the same name (so serving again changes nothing)."""
     from prefect.automations import Automation
@@ -75,14 +103,16 @@ def delete_automation(name: str) -> None:
         pass
 
 
-def set_up_automations(auto_resume: bool, max_resumes: int) -> str | None:
+def set_up_automations(auto_resume: bool, max_resumes: int, nan_guard: bool = True) -> str | None:
     """The automations as the options ask; returns a one-line warning when the server refuses them."""
+    wanted = {RESUME_AUTOMATION: auto_resume, GUARD_AUTOMATION: nan_guard}
     try:
-        if auto_resume:
-            put_automation(resume_automation(max_resumes))
-        else:
-            delete_automation(RESUME_AUTOMATION)
+        for name, on in wanted.items():
+            if not on:
+                delete_automation(name)
+            else:
+                put_automation(resume_automation(max_resumes) if name == RESUME_AUTOMATION else guard_automation())
     except Exception as error:  # an old server or one without the permission: training works without it
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return f"could not set up automation {RESUME_AUTOMATION} ({first_line}); runs are not resumed automatically"
+        return f"could not set up automation {name} ({first_line}); runs are neither resumed nor guarded automatically"
     return None

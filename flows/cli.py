@@ -564,7 +564,7 @@ def command_serve(args: argparse.Namespace) -> int:
         return 1
     from grpo_flow.deployments.automations import set_up_automations
 
-    warning = set_up_automations(args.auto_resume, args.max_auto_resumes)
+    warning = set_up_automations(args.auto_resume, args.max_auto_resumes, args.nan_guard)
     if warning:
         print(f"grpo serve: warning: {warning}", file=sys.stderr, flush=True)
     names = ", ".join([f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"])
@@ -894,6 +894,13 @@ def make_parser() -> argparse.ArgumentParser:
         dest="auto_resume",
         action="store_false",
         help="remove the grpo-resume automation (by default a crashed or failed grpo deployment run is resumed)",
+    )
+    serve.add_argument(
+        "--no-nan-guard",
+        dest="nan_guard",
+        action="store_false",
+        help="remove the grpo-guard automation (by default a grpo deployment run is cancelled at a step "
+        "whose reward is NaN)",
     )
     serve.add_argument(
         "--max-auto-resumes",

@@ -1,9 +1,13 @@
-"""The grpo-resume automation `grpo serve` creates, on a real server: a deployment run killed mid-run
-is resumed with no command typed; a run that fails on bad input is not, nor one cancelled by hand."""
+"""The automations `grpo serve` creates, on a real server: a deployment run killed mid-run is resumed
+with no command typed (grpo-resume); a run that fails on bad input is not, nor one cancelled by hand;
+a run whose reward turns NaN at step 3 is cancelled there (grpo-guard)."""
 
+import math
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from test_real_server import (
@@ -15,10 +19,11 @@ from test_real_server import (
     stop,
 )
 
-from grpo_flow.deployments.automations import RESUME_AUTOMATION, set_up_automations
+from grpo_flow.deployments.automations import GUARD_AUTOMATION, RESUME_AUTOMATION, set_up_automations
 from grpo_flow.workers.state.storage import RunStorage
 
 pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent  # fault_rewards.py, for the flow runs `grpo serve` starts
 
 
 def automations_named(url: str, name: str) -> list:
@@ -56,7 +61,11 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
         serve = subprocess.Popen(
             [sys.executable, "-m", "grpo_flow.flows.cli", "serve", "--storage-root", str(store)]
             + ["--max-auto-resumes", "2"],
-            env={**env, "PREFECT_RUNNER_POLL_FREQUENCY": "2"},
+            env={
+                **env,
+                "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])),
+            },
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -71,6 +80,7 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
                 assert set_up_automations(True, 2) is None
             (automation,) = automations_named(url, RESUME_AUTOMATION)
             assert automation.actions[0].parameters["auto_resume_limit"] == 2
+            assert len(automations_named(url, GUARD_AUTOMATION)) == 1
 
             small = {"model": model, "max_steps": 3, "prompts_per_step": 8, "num_generations": 4, "eval_prompts": 0}
             with prefect_client(url) as client:
@@ -84,6 +94,15 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
                 # Held in step 2 until it is cancelled, as a user would from the UI.
                 held = {**small, "run_id": "auto-cancel", "save_steps": 1, "fail_at": "metrics@2:hang"}
                 cancelled = client.create_flow_run_from_deployment(tiny.id, parameters=held)
+                # Its reward NaN from step 3: the guard cancels it before its last step.
+                nan = {
+                    **small,
+                    "run_id": "auto-nan",
+                    "max_steps": 12,
+                    "reward_funcs": ["fault_rewards:none_from_step_3"],
+                    "max_no_reward_steps": 10,  # so that the run does not fail on its own first
+                }
+                client.create_flow_run_from_deployment(tiny.id, parameters=nan)
 
             storage, held_storage = RunStorage(store, "auto-kill"), RunStorage(store, "auto-cancel")
             deadline = time.monotonic() + 600
@@ -99,7 +118,8 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
             )
             assert done.returncode == 0, done.stdout + done.stderr
             # Until the killed run's second flow run has completed and the held one is cancelled.
-            while (states(url, "auto-kill"), states(url, "auto-cancel")) != (["CRASHED", "COMPLETED"], ["CANCELLED"]):
+            wanted = (["CRASHED", "COMPLETED"], ["CANCELLED"], ["CANCELLED"])
+            while (states(url, "auto-kill"), states(url, "auto-cancel"), states(url, "auto-nan")) != wanted:
                 assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-5000:]
                 time.sleep(2)
         finally:
@@ -118,3 +138,10 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
         assert states(url, "auto-cancel") == ["CANCELLED"]  # not resumed
         (bad_run,) = flow_runs_named(url, "auto-bad")
         assert bad_run.state.type.value == "FAILED" and "prompts_per_step" in bad_run.state.message
+        # The guard: cancelled (once, not resumed) after step 3, the first whose reward is NaN, and
+        # before its last step; every logged row kept.
+        guarded = RunStorage(store, "auto-nan")
+        assert guarded.read_summary()["status"] == "interrupted"
+        rewards = guarded.read_metrics()["reward"].to_pylist()
+        assert 3 <= len(rewards) < 12 and guarded.logged_steps() == list(range(1, len(rewards) + 1))
+        assert [r is None or math.isnan(r) for r in rewards[:3]] == [False, False, True]

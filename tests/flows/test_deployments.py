@@ -168,7 +168,7 @@ def test_a_server_that_cannot_create_automations_gets_a_one_line_warning():
         server.shutdown()
     assert warning is not None and "\n" not in warning
     assert warning.startswith("could not set up automation grpo-resume (") and "404" in warning
-    assert warning.endswith("runs are not resumed automatically")
+    assert warning.endswith("runs are neither resumed nor guarded automatically")
 
 
 def test_storage_root_falls_back_to_the_environment(monkeypatch):
