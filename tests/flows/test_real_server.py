@@ -213,6 +213,7 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
             "Europe/Berlin",
             "--eval-k",
             "4",
+            "--no-auto-resume",  # the failed run below is resumed by hand (test_automations.py: by the automation)
         ],
         # The runner looks for scheduled work every 10 s by default; every 2 s here.
         env={**env, "PREFECT_RUNNER_POLL_FREQUENCY": "2"},
