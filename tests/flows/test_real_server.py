@@ -268,14 +268,14 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         assert storage.checkpoint_committed(3)
         assert events[0].payload["total_steps"] == 3 and events[-1].payload["status"] == "completed"
         # Its log tab: one line per step with the step's numbers, no "Finished in state Completed()".
-        log = flow_run_log(url, flow_run.id)
-        step_lines = [line for line in log if line.startswith("dep-run: step ")]
-        assert [line.split()[2] for line in step_lines] == ["1/3", "2/3", "3/3"], log
+        run_log = flow_run_log(url, flow_run.id)
+        step_lines = [line for line in run_log if line.startswith("dep-run: step ")]
+        assert [line.split()[2] for line in step_lines] == ["1/3", "2/3", "3/3"], run_log
         for line, row in zip(step_lines, metrics, strict=True):
             assert f"reward {row['reward']:.3f}" in line and line.endswith(f"  {row['step_s']:.2f} s")
             assert f"last_digit {row['rewards/last_digit/mean']:.3f}" in line
-        finished = [line for line in log if line.startswith("Finished in state")]
-        assert finished == ["Finished in state Completed()"], log  # the run's own, once
+        finished = [line for line in run_log if line.startswith("Finished in state")]
+        assert finished == ["Finished in state Completed()"], run_log  # the run's own, once
 
         # A run that fails at step 2 on purpose, then the same deployment with its run id resumes it.
         done = deployment_run(
