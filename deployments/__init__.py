@@ -1,6 +1,6 @@
 """Prefect deployments of grpo-flow, and how they are served.
 
-    grpo/tiny  grpo/gsm8k  grpo/math  grpo/mbpp    a GRPO run from a preset (deployments/grpo.py)
+    grpo/tiny  grpo/smol-math  grpo/gsm8k  grpo/math  grpo/mbpp    a GRPO run from a preset (deployments/grpo.py)
     evaluate/nightly                                pass@k of new checkpoints, cron 02:00 (flows/evaluate.py)
 
 Serve them (a process that registers them and runs their flow runs):

@@ -16,7 +16,9 @@ So against the `grpo` flow itself, `--param max_steps=3` is refused and
   partial config, or a whole one: `--params '{"config": {...}}'`). It is also the way to set an
   optional field to None (`--param config='{"epsilon_high": null}'`);
 - `allow_config_change`: as the `grpo` flow's; `fail_at`: a testing aid, a fault injected into this
-  flow run alone (workers/state/faults.py).
+  flow run alone (workers/state/faults.py);
+- `auto_resume_limit`: set by the `grpo-resume` automation (deployments/automations.py) on the run
+  it starts: the run refuses to start when it was resumed that many times already.
 
 Precedence: preset < single fields < `config`. The deployment itself sets one single field,
 `storage_root` (deployments/serve.py), and an explicit `config` object must be able to win
@@ -53,7 +55,7 @@ from grpo_flow.workers.state.resume import ResumeError, check_config_change, con
 from grpo_flow.workers.state.storage import RunStorage
 
 # Parameters of the wrapper that are not config fields.
-OWN_PARAMETERS = ("preset", "config", "allow_config_change", "fail_at")
+OWN_PARAMETERS = ("preset", "config", "allow_config_change", "fail_at", "auto_resume_limit")
 
 
 class DeploymentConfigError(ValueError):
@@ -129,11 +131,24 @@ def _rename_flow_run(name: str) -> None:
         logging.getLogger("grpo_flow.deployments").warning("could not rename flow run to %s: %s", name, error)
 
 
+def check_auto_resume_limit(config: GRPOFlowConfig, limit: int | None) -> None:
+    """A run started by the grpo-resume automation stops there once the run was resumed `limit` times."""
+    if limit is None or config.run_id is None:
+        return
+    resumes = RunStorage(config.storage_root, config.run_id).resume_count()
+    if resumes >= limit:
+        raise DeploymentConfigError(
+            f"auto_resume_limit: run {config.run_id} was resumed {resumes} times already (limit {limit}); "
+            f"not resumed again automatically: resume it by hand with `--param run_id={config.run_id}`"
+        )
+
+
 def _grpo_preset(**parameters: Any) -> dict[str, Any]:
     """A GRPO run from a preset plus overrides (or the rest of an existing run); returns its summary."""
     preset, overrides, allow_config_change, fail_at = split_parameters(parameters)
     logger = get_run_logger()
     config = resolve_config(preset, overrides, allow_config_change)
+    check_auto_resume_limit(config, parameters.get("auto_resume_limit"))
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
         _rename_flow_run(config.run_id)
@@ -211,6 +226,16 @@ def deployment_signature() -> inspect.Signature:
             annotation=Optional[str],  # noqa: UP045
             default=Field(
                 None, description="Testing aid: `stage@step` or `stage@step:kill` (workers/state/faults.py)."
+            ),
+        ),
+        inspect.Parameter(
+            "auto_resume_limit",
+            keyword,
+            annotation=Optional[int],  # noqa: UP045
+            default=Field(
+                None,
+                ge=0,
+                description="Set by the grpo-resume automation: do not start if the run was resumed this many times.",
             ),
         ),
     ]

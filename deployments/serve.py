@@ -1,6 +1,6 @@
 """The deployments, built once for `grpo serve` and for the work-pool helper.
 
-    grpo/tiny  grpo/gsm8k  grpo/math  grpo/mbpp    a run from the preset (deployments/grpo.py)
+    grpo/tiny  grpo/smol-math  grpo/gsm8k  grpo/math  grpo/mbpp    a run from the preset (deployments/grpo.py)
     evaluate/nightly                                flows/evaluate.py's sweep, cron 02:00
 
 Each deployment's parameters are visible defaults (`prefect deployment inspect grpo/tiny`):
@@ -44,7 +44,7 @@ NIGHTLY_CRON = "0 2 * * *"
 NIGHTLY_TIMEZONE = "UTC"
 CRON_ENV = "GRPO_FLOW_NIGHTLY_CRON"
 TIMEZONE_ENV = "GRPO_FLOW_NIGHTLY_TZ"
-GRPO_PRESETS = ("tiny", "gsm8k", "math", "mbpp")  # the deployments `grpo/<preset>`
+GRPO_PRESETS = ("tiny", "smol-math", "gsm8k", "math", "mbpp")  # the deployments `grpo/<preset>`
 PAUSE_TIMEOUT_S = 10.0
 STOP_GRACE_S = 20.0
 

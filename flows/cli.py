@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from grpo_flow.deployments.automations import DEFAULT_MAX_RESUMES
 from grpo_flow.flows.cli_common import UsageError, named_run, quiet_prefect, reach
 from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
 from grpo_flow.schemas.presets import PRESETS, preset_fields
@@ -554,6 +555,8 @@ def command_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--eval-prompts: must be at least 1, got {args.eval_prompts}")
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit: must be at least 1, got {args.limit}")
+    if args.max_auto_resumes < 1:
+        raise UsageError(f"--max-auto-resumes: must be at least 1, got {args.max_auto_resumes}")
     try:
         cron, timezone = nightly_schedule(args.nightly_cron, args.timezone)
     except DeploymentSettingsError as error:
@@ -565,6 +568,11 @@ def command_serve(args: argparse.Namespace) -> int:
     except ServerStartError as error:
         print(f"grpo serve: {error}", file=sys.stderr)
         return 1
+    from grpo_flow.deployments.automations import set_up_automations
+
+    warning = set_up_automations(args.auto_resume, args.max_auto_resumes, args.nan_guard)
+    if warning:
+        print(f"grpo serve: warning: {warning}", file=sys.stderr, flush=True)
     names = ", ".join([f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"])
     print(
         f"grpo serve: {names} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
@@ -887,6 +895,26 @@ def make_parser() -> argparse.ArgumentParser:
         help="nightly: held-out prompts per run (default: each run's eval_prompts)",
     )
     serve.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: no limit)")
+    serve.add_argument(
+        "--no-auto-resume",
+        dest="auto_resume",
+        action="store_false",
+        help="remove the grpo-resume automation (by default a crashed or failed grpo deployment run is resumed)",
+    )
+    serve.add_argument(
+        "--no-nan-guard",
+        dest="nan_guard",
+        action="store_false",
+        help="remove the grpo-guard automation (by default a grpo deployment run is cancelled at a step "
+        "whose reward is NaN)",
+    )
+    serve.add_argument(
+        "--max-auto-resumes",
+        type=int,
+        default=DEFAULT_MAX_RESUMES,
+        metavar="K",
+        help=f"most times the automation resumes one run (default: {DEFAULT_MAX_RESUMES})",
+    )
     serve.set_defaults(handler=command_serve)
 
     evaluate = commands.add_parser("eval", help="pass@1 and pass@k of a run's checkpoint on held-out prompts")

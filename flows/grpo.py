@@ -32,6 +32,7 @@ from typing import Any
 from prefect import flow, unmapped
 from prefect.runtime import flow_run
 
+from grpo_flow.flows.quiet import keep_completed_states_out
 from grpo_flow.flows.run_loop import RunLoop, as_is, in_background, step_subflow
 from grpo_flow.schemas.config import GRPOFlowConfig, new_run_id
 from grpo_flow.schemas.records import RunPlan
@@ -204,6 +205,7 @@ def grpo(
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
     fail_at()  # a bad GRPO_FLOW_FAIL_AT fails here, before anything starts
+    keep_completed_states_out()  # the run's log tab: one line per step, not one per task run
     with shown_phases(sys.stderr if show_progress else None):
         return run_grpo(config, allow_config_change, show_progress, progress_every)
 

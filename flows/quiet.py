@@ -3,6 +3,7 @@ a log file, `<storage_root>/logs/prefect.log`.
 
     log_path = quiet_prefect_run(storage_root)   # `grpo train` (without --verbose), GRPOFlowTrainer.train()
     with quiet_libraries(): ...                  # no transformers progress bars or advisory warnings
+    keep_completed_states_out()                  # the grpo flow: no "Finished in state Completed()" per task
 
 Prefect logs every task run to the console (about a dozen lines a step), a failed run's traceback
 several times over, and at exit whatever its background services hit. The Prefect UI and
@@ -95,6 +96,30 @@ def route_prefect_console(path: Path) -> None:
     root = logging.getLogger()
     if _USER_HANDLER not in root.handlers:
         root.addHandler(_USER_HANDLER)
+
+
+class _CompletedStates(logging.Filter):
+    """Drops Prefect's INFO line "Finished in state Completed()" of each task run and step subflow run: a
+    dozen a step, they would bury the run's one line per step in the UI's log tab. Any other state is kept,
+    and every line when the logger is set to DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return True
+        if record.name == "prefect.flow_runs" and getattr(record, "flow_name", None) != "grpo-step":
+            return True
+        return not record.getMessage().startswith("Finished in state Completed(")
+
+
+_COMPLETED_STATES = _CompletedStates()
+
+
+def keep_completed_states_out() -> None:
+    """Install the filter above on Prefect's task and flow run loggers, once a process."""
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if _COMPLETED_STATES not in logger.filters:
+            logger.addFilter(_COMPLETED_STATES)
 
 
 def _writes_to_terminal(handler: logging.Handler) -> bool:

@@ -22,6 +22,7 @@ import collections
 import contextvars
 import functools
 import math
+import re
 import statistics
 import sys
 import time
@@ -31,11 +32,12 @@ from contextlib import ExitStack, closing, nullcontext
 from typing import Any, TextIO
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import TerminationSignal
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Cancelled
 from prefect.utilities.annotations import quote
 
-from grpo_flow.flows import ephemeral_database_in_memory
+from grpo_flow.flows import ephemeral_database_in_memory, events
 from grpo_flow.flows.interrupt import interrupted_summary, resume_command, stop_requested, stop_signal_name
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import RunPlan
@@ -100,6 +102,17 @@ def no_signal_warning(rows: Sequence[Mapping[str, Any]], steps: int) -> str | No
     )
 
 
+def step_numbers(plan: RunPlan, row: Mapping[str, Any]) -> str:
+    """`RUN: step 3/10  reward 0.250  last_digit 0.250  kl 0.0012  loss 0.0100`: a step's headline numbers,
+    each reward function's mean (its accuracy, for a 0/1 reward) named after it; kl when it is logged."""
+    parts = [f"{plan.run_id}: step {row['step']}/{plan.total_steps}", f"reward {row['reward']:.3f}"]
+    parts += [f"{name[8:-5]} {value:.3f}" for name, value in row.items() if re.fullmatch(r"rewards/.+/mean", name)]
+    if "kl" in row:
+        parts.append(f"kl {row['kl']:.4f}")
+    parts.append(f"loss {row['loss']:.4f}")
+    return "  ".join(parts)
+
+
 RECENT_STEPS = 5  # the ETA is the steps left times the mean of this many recent steps
 
 
@@ -147,10 +160,9 @@ class StepProgress:
     def update(self, step: int, row: dict[str, Any]) -> None:
         if not self.show:
             return
-        reward, loss = f"{row['reward']:.3f}", f"{row['loss']:.4f}"
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(reward=reward, loss=loss)
+            self.bar.set_postfix(reward=f"{row['reward']:.3f}", loss=f"{row['loss']:.4f}")
             return
         now = self.clock()
         self.recent.append(now - self.last)
@@ -161,8 +173,7 @@ class StepProgress:
             left = self.plan.total_steps - step
             eta = f"  ETA {duration_text(left * per_step)}" if left else ""
             print(
-                f"{self.plan.run_id}: step {step}/{self.plan.total_steps}  reward {reward}  loss {loss}  "
-                f"{per_step:.2f} s/step{eta}",
+                f"{step_numbers(self.plan, row)}  {per_step:.2f} s/step{eta}",
                 file=self.stream,
                 flush=True,
             )
@@ -195,6 +206,9 @@ class RunLoop:
         self._stack.enter_context(temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}))
         collide = self.config.step_subflows and not ephemeral_database_in_memory()
         self._stack.enter_context(artifact_writes_paused() if collide else nullcontext())
+        plan = self.plan
+        started = {"first_step": plan.first_step, "total_steps": plan.total_steps, "resumes": plan.resumes}
+        events.emit(events.RUN_STARTED, plan.run_id, {**started, "model": self.config.model})
         return self
 
     @property
@@ -225,9 +239,20 @@ class RunLoop:
         if warning is not None:
             get_run_logger().warning(warning, extra={USER_FACING: True})
         self.step_walls.append(time.perf_counter() - self._step_started)
+        get_run_logger().info("%s  %.2f s", step_numbers(self.plan, row), row["step_s"])  # the UI's log tab
+        self._emit_step_events(row)
         publish(update_run_progress, self.progress_artifact, row["step"], self.plan.total_steps)
         self.progress.update(row["step"], row)
         return int(row.get("synced_version", rollout_version))
+
+    def _emit_step_events(self, row: dict[str, Any]) -> None:
+        """grpo.step.completed, and grpo.checkpoint.saved when the step saved one (run_step's rule)."""
+        plan, step = self.plan, row["step"]
+        events.step_completed(plan.run_id, row)
+        if step % self.config.save_steps == 0 or step == plan.total_steps:
+            path = RunStorage(plan.storage_root, plan.run_id).checkpoint_dir(step)
+            payload = {"step": step, "path": str(path), "policy_version": row["policy_version"]}
+            events.emit(events.CHECKPOINT_SAVED, plan.run_id, payload)
 
     def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:
         self._stack.close()
@@ -247,6 +272,9 @@ class RunLoop:
             )
             if isinstance(error, KeyboardInterrupt):  # Ctrl-C in a Python session (the API)
                 summary = interrupted_summary(summary, plan.run_id, failed_step - 1, plan.total_steps)
+            elif isinstance(error, TerminationSignal):  # a served run cancelled (its runner's SIGTERM): not failed
+                summary = interrupted_summary(summary, plan.run_id, failed_step - 1, plan.total_steps)
+                summary["interrupted_by"] = "SIGTERM"
             self._finish(summary)
             return
         if not self.finished:  # stopped by a signal between two steps
@@ -276,4 +304,8 @@ class RunLoop:
 
     def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         flush_artifacts()  # every step's artifacts written before the run reports its outcome
-        return finish_run(self.config, self.plan, summary)
+        summary = finish_run(self.config, self.plan, summary)
+        events.emit(
+            events.RUN_FAILED if summary["status"] == "failed" else events.RUN_FINISHED, self.plan.run_id, summary
+        )
+        return summary

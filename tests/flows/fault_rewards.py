@@ -22,3 +22,11 @@ def slow_last_digit(completions, answer, **kwargs):
 def never_applies(completions, **kwargs):
     """None for every sample: "does not apply" to anything."""
     return [None] * len(completions)
+
+
+def none_from_step_3(completions, answer, trainer_state, **kwargs):
+    """last_digit's score in steps 1 and 2, then None for every sample: from step 3 no function applies
+    to any completion, so the step's reward is NaN."""
+    if trainer_state.global_step >= 2:  # global_step is the step before this one
+        return [None] * len(completions)
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]

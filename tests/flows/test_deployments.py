@@ -16,7 +16,13 @@ from prefect.cli._utilities import load_json_key_values
 from prefect.utilities.schema_tools import validate
 from prefect.utilities.schema_tools.validation import ValidationError as SchemaValidationError
 
-from grpo_flow.deployments.grpo import DeploymentConfigError, grpo_preset, resolve_config, split_parameters
+from grpo_flow.deployments.grpo import (
+    DeploymentConfigError,
+    check_auto_resume_limit,
+    grpo_preset,
+    resolve_config,
+    split_parameters,
+)
 from grpo_flow.deployments.serve import DeploymentSettingsError, build_deployments, nightly_schedule
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.presets import PRESETS, preset_config
@@ -123,6 +129,48 @@ def test_an_existing_run_id_resumes_from_the_runs_own_config(tmp_path):
     assert allowed.learning_rate == 1e-4
 
 
+def test_a_run_started_by_the_resume_automation_stops_at_its_limit(tmp_path):
+    storage = RunStorage(tmp_path, "again")
+    storage.write_config(preset_config("tiny", run_id="again", storage_root=str(tmp_path)).model_dump(mode="json"))
+    config = resolve_config("tiny", {"run_id": "again", "storage_root": str(tmp_path)})
+    check_auto_resume_limit(config, 2)  # never resumed: it may be
+    check_auto_resume_limit(config, None)  # not started by the automation
+    storage.write_resume({"step": 1})
+    storage.write_resume({"step": 2})
+    with pytest.raises(DeploymentConfigError, match=r"^auto_resume_limit: run again was resumed 2 times already"):
+        check_auto_resume_limit(config, 2)
+
+
+def test_a_server_that_cannot_create_automations_gets_a_one_line_warning():
+    """A server without the automations API (an old one; here, one that answers 404 to everything)."""
+    import http.server
+    import threading
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from grpo_flow.deployments.automations import set_up_automations
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        do_POST = do_PUT = do_DELETE = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{server.server_port}/api"}):
+            warning = set_up_automations(True, 3)
+    finally:
+        server.shutdown()
+    assert warning is not None and "\n" not in warning
+    assert warning.startswith("could not set up automation grpo-resume (") and "404" in warning
+    assert warning.endswith("runs are neither resumed nor guarded automatically")
+
+
 def test_storage_root_falls_back_to_the_environment(monkeypatch):
     monkeypatch.setenv("GRPO_FLOW_STORAGE", "/data/grpo")
     assert split_parameters({"preset": "tiny"})[1] == {"storage_root": "/data/grpo"}
@@ -161,8 +209,8 @@ def test_the_wrapper_runs_the_grpo_flow_under_the_run_id(prefect_server, storage
 # -- deployments and schedule ----------------------------------------------------------------------------
 def test_build_deployments_names_entrypoints_parameters_and_schedule(tmp_path):
     deployments = {d.name: d for d in build_deployments(tmp_path / "store", timezone="Europe/Berlin", k=4)}
-    assert set(deployments) == {"tiny", "gsm8k", "math", "mbpp", "nightly"}
-    for preset in ("tiny", "gsm8k", "math", "mbpp"):
+    assert set(deployments) == {"tiny", "smol-math", "gsm8k", "math", "mbpp", "nightly"}
+    for preset in ("tiny", "smol-math", "gsm8k", "math", "mbpp"):
         deployment = deployments[preset]
         assert deployment.flow_name == "grpo" and deployment.entrypoint == "grpo_flow.deployments.grpo.grpo_preset"
         assert deployment.parameters == {"preset": preset, "storage_root": str((tmp_path / "store").absolute())}
@@ -212,6 +260,11 @@ def test_entrypoints_load_from_any_working_directory(tmp_path, monkeypatch):
             "grpo serve: --nightly-cron: 'daily' is not a valid cron",
         ),
         (["serve", "--eval-k", "0"], {"PREFECT_API_URL": "http://127.0.0.1:9/api"}, "--eval-k: must be at least 1"),
+        (
+            ["serve", "--max-auto-resumes", "0"],
+            {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
+            "grpo serve: --max-auto-resumes: must be at least 1, got 0",
+        ),
     ],
 )
 def test_serve_refuses_bad_input_before_registering_anything(tmp_path, args, env, expected):

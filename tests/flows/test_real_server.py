@@ -89,7 +89,7 @@ def test_a_run_is_recorded_by_the_server_in_prefect_api_url(real_server, tiny_mo
 
 
 # -- deployments on a real server: `grpo serve`, `prefect deployment run`, a process work pool ---------
-GRPO_DEPLOYMENTS = {"grpo/tiny", "grpo/gsm8k", "grpo/math", "grpo/mbpp", "evaluate/nightly"}
+GRPO_DEPLOYMENTS = {"grpo/tiny", "grpo/smol-math", "grpo/gsm8k", "grpo/math", "grpo/mbpp", "evaluate/nightly"}
 
 
 @contextlib.contextmanager
@@ -152,6 +152,34 @@ def step_flow_runs(url: str, run_id: str, steps: int) -> list[tuple[str, str]]:
     return [(r.name, r.state.type.value) for r in sorted(runs, key=lambda r: r.start_time or r.created)]
 
 
+def run_events(url: str, run_id: str, until: str = "grpo.run.finished", timeout_s: float = 60.0) -> list:
+    """The run's `grpo.*` events, oldest first, once `until` is among them (the server stores events in
+    the background, so they may come a moment after the flow run ends)."""
+    from prefect.events.filters import EventFilter, EventOrder, EventResourceFilter
+
+    query = EventFilter(resource=EventResourceFilter(id=[f"grpo.run.{run_id}"]), order=EventOrder.ASC)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with prefect_client(url) as client:
+            found = client.read_events(query, limit=50).events
+        if any(e.event == until for e in found) or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
+def related_ids(event, role: str) -> list[str]:
+    return [r.id for r in event.related if r.role == role]
+
+
+def flow_run_log(url: str, flow_run_id) -> list[str]:
+    """The messages of a flow run's log tab (its own and its task runs' lines)."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with prefect_client(url) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in sorted(logs, key=lambda log: log.timestamp)]
+
+
 def stop(process: subprocess.Popen) -> None:
     """SIGTERM to the process group (Prefect shuts the runner down on it), SIGKILL if it lingers."""
     try:
@@ -185,6 +213,7 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
             "Europe/Berlin",
             "--eval-k",
             "4",
+            "--no-auto-resume",  # the failed run below is resumed by hand (test_automations.py: by the automation)
         ],
         # The runner looks for scheduled work every 10 s by default; every 2 s here.
         env={**env, "PREFECT_RUNNER_POLL_FREQUENCY": "2"},
@@ -224,6 +253,29 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         assert f"| reward | {reward:.6g} |" in steps[-1].data
         progress = artifact(url, "grpo-progress-dep-run")
         assert progress.type == "progress" and float(progress.data) == 100.0 and progress.description == "step 3 / 3"
+        # Its events, in order, about the run, related to its flow run and deployment; step payloads are
+        # the metrics rows, the checkpoint's payload names it (tiny saves every 20 steps, and at the last).
+        events = run_events(url, "dep-run")
+        steps = ["grpo.step.completed"] * 3
+        assert [e.event for e in events] == ["grpo.run.started", *steps, "grpo.checkpoint.saved", "grpo.run.finished"]
+        assert all(related_ids(e, "flow-run") == [f"prefect.flow-run.{flow_run.id}"] for e in events)
+        assert all(related_ids(e, "deployment") == [f"prefect.deployment.{tiny.id}"] for e in events)
+        metrics = storage.read_metrics().to_pylist()
+        assert [e.payload for e in events if e.event == "grpo.step.completed"] == metrics
+        assert [e.resource["grpo.reward.finite"] for e in events if e.event == "grpo.step.completed"] == ["true"] * 3
+        saved = [e.payload for e in events if e.event == "grpo.checkpoint.saved"]
+        assert saved == [{"step": 3, "path": str(storage.checkpoint_dir(3)), "policy_version": 3}]
+        assert storage.checkpoint_committed(3)
+        assert events[0].payload["total_steps"] == 3 and events[-1].payload["status"] == "completed"
+        # Its log tab: one line per step with the step's numbers, no "Finished in state Completed()".
+        run_log = flow_run_log(url, flow_run.id)
+        step_lines = [line for line in run_log if line.startswith("dep-run: step ")]
+        assert [line.split()[2] for line in step_lines] == ["1/3", "2/3", "3/3"], run_log
+        for line, row in zip(step_lines, metrics, strict=True):
+            assert f"reward {row['reward']:.3f}" in line and line.endswith(f"  {row['step_s']:.2f} s")
+            assert f"last_digit {row['rewards/last_digit/mean']:.3f}" in line
+        finished = [line for line in run_log if line.startswith("Finished in state")]
+        assert finished == ["Finished in state Completed()"], run_log  # the run's own, once
 
         # A run that fails at step 2 on purpose, then the same deployment with its run id resumes it.
         done = deployment_run(
@@ -232,6 +284,8 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         assert done.returncode == 1 and "Failed" in done.stdout, done.stdout[-3000:]
         resumed = RunStorage(store, "dep-resume")
         assert resumed.read_summary()["status"] == "failed" and resumed.read_summary()["failed_step"] == 2
+        failed = run_events(url, "dep-resume", until="grpo.run.failed")
+        assert [e.event for e in failed][-1] == "grpo.run.failed" and failed[-1].payload["failed_step"] == 2
         assert resumed.logged_steps() == [1]
         done = deployment_run(env, "grpo/tiny", "run_id=dep-resume")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,0 +1,147 @@
+"""The automations `grpo serve` creates, on a real server: a deployment run killed mid-run is resumed
+with no command typed (grpo-resume); a run that fails on bad input is not, nor one cancelled by hand;
+a run whose reward turns NaN at step 3 is cancelled there (grpo-guard)."""
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_real_server import (
+    GRPO_DEPLOYMENTS,
+    client_env,
+    deployment_names,
+    prefect_client,
+    running_prefect_server,
+    stop,
+)
+
+from grpo_flow.deployments.automations import GUARD_AUTOMATION, RESUME_AUTOMATION, set_up_automations
+from grpo_flow.workers.state.storage import RunStorage
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent  # fault_rewards.py, for the flow runs `grpo serve` starts
+
+
+def automations_named(url: str, name: str) -> list:
+    with prefect_client(url) as client:
+        return client.read_automations_by_name(name)
+
+
+def flow_runs_named(url: str, name: str) -> list:
+    """The flow runs called `name` (a run id), oldest first."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with prefect_client(url) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+    return sorted(runs, key=lambda run: run.created)
+
+
+def states(url: str, name: str) -> list[str]:
+    return [run.state.type.value for run in flow_runs_named(url, name)]
+
+
+def status(storage: RunStorage) -> str | None:
+    """summary.json's status; None while there is none (a run under way, or killed)."""
+    return (storage.read_summary() or {}).get("status")
+
+
+def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_root):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+
+    model, store = str(ensure_tiny_model(storage_root)), tmp_path / "store"
+    with running_prefect_server(tmp_path / "server-home") as url:
+        env = client_env(url, tmp_path / "client-home")
+        log = open(tmp_path / "serve.log", "w")
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "grpo_flow.flows.cli", "serve", "--storage-root", str(store)]
+            + ["--max-auto-resumes", "2"],
+            env={
+                **env,
+                "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])),
+            },
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not GRPO_DEPLOYMENTS <= deployment_names(url):
+                assert serve.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+                time.sleep(1)
+            # Serving again replaces the automation rather than adding a second one.
+            with temporary_settings(updates={PREFECT_API_URL: url}):
+                assert set_up_automations(True, 2) is None
+            (automation,) = automations_named(url, RESUME_AUTOMATION)
+            assert automation.actions[0].parameters["auto_resume_limit"] == 2
+            assert len(automations_named(url, GUARD_AUTOMATION)) == 1
+
+            small = {"model": model, "max_steps": 3, "prompts_per_step": 8, "num_generations": 4, "eval_prompts": 0}
+            with prefect_client(url) as client:
+                tiny = client.read_deployment_by_name("grpo/tiny")
+                # Bad input: fails before anything loads, so it is not resumed.
+                bad = {**small, "run_id": "auto-bad", "prompts_per_step": 6, "num_rollout_workers": 4}
+                client.create_flow_run_from_deployment(tiny.id, parameters=bad)
+                # SIGKILLed in step 2's scoring, as a preempted machine would be; step 1 is checkpointed.
+                killed = {**small, "run_id": "auto-kill", "save_steps": 1, "fail_at": "score@2:kill"}
+                client.create_flow_run_from_deployment(tiny.id, parameters=killed)
+                # Held in step 2 until it is cancelled, as a user would from the UI.
+                held = {**small, "run_id": "auto-cancel", "save_steps": 1, "fail_at": "metrics@2:hang"}
+                cancelled = client.create_flow_run_from_deployment(tiny.id, parameters=held)
+                # Its reward NaN from step 3: the guard cancels it before its last step.
+                nan = {
+                    **small,
+                    "run_id": "auto-nan",
+                    "max_steps": 12,
+                    "reward_funcs": ["fault_rewards:none_from_step_3"],
+                    "max_no_reward_steps": 10,  # so that the run does not fail on its own first
+                }
+                client.create_flow_run_from_deployment(tiny.id, parameters=nan)
+
+            storage, held_storage = RunStorage(store, "auto-kill"), RunStorage(store, "auto-cancel")
+            deadline = time.monotonic() + 600
+            while not held_storage.checkpoint_committed(1):
+                assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-5000:]
+                time.sleep(1)
+            done = subprocess.run(
+                [sys.executable, "-m", "prefect", "flow-run", "cancel", str(cancelled.id)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 0, done.stdout + done.stderr
+            # Until the killed run's second flow run has completed and the held one is cancelled.
+            wanted = (["CRASHED", "COMPLETED"], ["CANCELLED"], ["CANCELLED"])
+            while (states(url, "auto-kill"), states(url, "auto-cancel"), states(url, "auto-nan")) != wanted:
+                assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-5000:]
+                time.sleep(2)
+        finally:
+            stop(serve)
+            log.close()
+
+        assert (status(storage), status(held_storage)) == ("completed", "interrupted")
+        summary = storage.read_summary()
+        assert summary["resumed_from_step"] == 1 and summary["steps_completed"] == 3
+        assert storage.logged_steps() == [1, 2, 3] and storage.resume_count() == 1
+        first, second = flow_runs_named(url, "auto-kill")
+        assert second.deployment_id == tiny.id
+        assert second.parameters["run_id"] == "auto-kill" and second.parameters["auto_resume_limit"] == 2
+        assert "fail_at" not in second.parameters  # the deployment's own parameters, and the run id
+        assert held_storage.read_summary()["interrupted_by"] == "SIGTERM" and held_storage.logged_steps() == [1]
+        assert states(url, "auto-cancel") == ["CANCELLED"]  # not resumed
+        (bad_run,) = flow_runs_named(url, "auto-bad")
+        assert bad_run.state.type.value == "FAILED" and "prompts_per_step" in bad_run.state.message
+        # The guard: cancelled (once, not resumed) after step 3, the first whose reward is NaN, and
+        # before its last step; every logged row kept.
+        guarded = RunStorage(store, "auto-nan")
+        assert guarded.read_summary()["status"] == "interrupted"
+        rewards = guarded.read_metrics()["reward"].to_pylist()
+        assert 3 <= len(rewards) < 12 and guarded.logged_steps() == list(range(1, len(rewards) + 1))
+        assert [r is None or math.isnan(r) for r in rewards[:3]] == [False, False, True]
