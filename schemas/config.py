@@ -641,8 +641,7 @@ class GRPOFlowConfig(BaseModel):
         gt=0,
         description="Longest one call of a reward function may take (one call scores a rollout shard); past it "
         "the step fails naming the function and is not retried. Each call runs in a process forked for it, which "
-        "is killed at the deadline whatever it is doing (a loop, a sleep, a socket read); in a process that uses CUDA "
-        "(which a forked child cannot) the call runs on a thread, which is left running past the deadline. None: no limit.",
+        "is killed at the deadline whatever it is doing (a loop, a sleep, a socket read). None: no limit.",
         json_schema_extra=RETRIES,
     )
     max_no_reward_steps: int = Field(

@@ -13,8 +13,7 @@ functions' `log_extra`/`log_metric` calls are sent back and replayed by workers/
 A call whose changes must stay in this process (an environment's tool method: its instance holds the
 episode) runs `in_this_process` instead, on a daemon thread waited for up to the deadline: an async one
 is cancelled there, a sync one is left running (nothing stops a thread from outside), and cannot keep
-the process alive. So does every call in a process that has initialised CUDA: a forked child cannot use
-it, and a reward model on the GPU would fail there. Code that must not see this process at all (untrusted code given by path) runs in
+the process alive. Code that must not see this process at all (untrusted code given by path) runs in
 the sandbox (workers/rewards/sandbox.py).
 
 Only the standard library is imported: the sandbox's tool program imports workers/tools/calls.py.
@@ -26,7 +25,6 @@ import asyncio
 import contextvars
 import inspect
 import multiprocessing
-import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -51,20 +49,12 @@ class RemoteTraceback(Exception):
         return str(self.args[0])
 
 
-def cuda_in_use() -> bool:
-    """CUDA is initialised in this process: a forked child cannot use it (a reward model on the GPU would
-    fail there), so calls stay in this process, on a thread."""
-    torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.cuda.is_initialized())
-
-
 def call_with_deadline(
     func: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float, *, in_this_process: bool = False
 ) -> Any:
     """`func(**kwargs)`, awaited if it returns an awaitable, within `timeout_s` seconds: in a forked child
-    that is killed at the deadline, or `in_this_process` (and wherever CUDA is in use) on a thread that
-    is left behind."""
-    if in_this_process or cuda_in_use():
+    that is killed at the deadline, or `in_this_process` on a thread that is left behind."""
+    if in_this_process:
         return _on_a_thread(func, kwargs, timeout_s)
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
