@@ -5,12 +5,10 @@ completion_ids=..., **dataset_columns)` and returns one float (or None: "does no
 per completion. The total reward is the weighted sum of the functions that apply
 (TRL's nansum rule).
 
-With a timeout (the config's `reward_timeout_s`), each call of user code (and of the built-in
-environments, which parse math, run code or ask a judge) runs in a process forked for it and
+With a timeout (the config's `reward_timeout_s`), each call runs in a process forked for it and
 killed at the deadline, whatever it is doing (workers/rewards/deadline.py); its `log_extra` and
 `log_metric` calls are replayed here. The step then fails with a RewardTimeoutError naming the
-function and the step. The built-in text checks (QUICK_BUILTINS) run here: a fork would cost a
-step more than they do.
+function and the step.
 """
 
 from __future__ import annotations
@@ -105,9 +103,6 @@ BUILTIN_REWARDS: dict[str, RewardFunc] = {
     **_environment_rewards(),
 }
 
-
-# The built-in rewards that only read text (no environment behind them): no deadline, no process of their own.
-QUICK_BUILTINS = frozenset(func for func in BUILTIN_REWARDS.values() if not hasattr(func, "environment"))
 
 # Reward functions given as Python objects (the GRPOFlowTrainer API), by run: a config holds
 # only names (`registered:<name>`), so these live in the process that runs the flow.
@@ -421,16 +416,15 @@ def score_batch(
     seconds: dict[str, float] = {}
     for name, func in funcs.items():
         func_started = time.perf_counter()
-        timeout = None if func in QUICK_BUILTINS else timeout_s
         try:
-            raw = _call(func, timeout, **{key: fresh_copy(value) for key, value in kwargs.items()})
+            raw = _call(func, timeout_s, **{key: fresh_copy(value) for key, value in kwargs.items()})
         except DeadlineExceeded as timed_out:
             raise RewardTimeoutError(
                 f"reward function {name!r} did not return within reward_timeout_s={timeout_s:g} s on step "
                 f"{batch.step} ({len(batch)} completions); {timed_out}"
             ) from None
         except (Exception, SystemExit) as error:  # sys.exit() in a reward ended the run with no word
-            found = _failing_sample(func, kwargs, len(batch), timeout)
+            found = _failing_sample(func, kwargs, len(batch), timeout_s)
             where = f"sample {found[0]} (prompt_id {batch.prompt_id[found[0]]!r})" if found else "the batch"
             trace = found[1] if found else traceback.format_exc()
             if isinstance(error, SystemExit):

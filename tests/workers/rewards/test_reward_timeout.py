@@ -117,16 +117,3 @@ def test_a_timeout_is_not_retried():
 
     assert not worth_retrying(None, None, Failed(data=RewardTimeoutError("slow")))
     assert worth_retrying(None, None, Failed(data=ValueError("transient")))
-
-
-def test_the_built_in_text_checks_score_in_this_process(monkeypatch):
-    from grpo_flow.workers.rewards import functions
-
-    def no_fork(*args, **kwargs):
-        raise AssertionError("a built-in text check was given a process of its own")
-
-    monkeypatch.setattr(functions, "call_with_deadline", no_fork)
-    scored = score_batch(batch(["0", "1"], ["0", "0"]), {"last_digit": functions.last_digit}, None, timeout_s=30)
-    assert scored.rewards == {"last_digit": [1.0, 0.0]}
-    with pytest.raises(RewardFunctionError, match="a process of its own"):  # user code does get one
-        score_batch(batch(["0"], ["0"]), {"mine": lambda completions, **kwargs: [0.0]}, None, timeout_s=30)
