@@ -256,9 +256,8 @@ class GRPOFlowConfig(BaseModel):
         default=10.0,
         gt=0,
         description="Longest one tool call may take; past it the call ends and the model gets a tool message saying "
-        "so (never a failed step). A tool function's process (the sandbox's, or one forked for the call) is "
-        "killed; an environment's method, which runs in this process, is left on a daemon thread (an async one "
-        "is cancelled).",
+        "so (never a failed step). A sandboxed call is killed; one in this process is stopped at its next Python "
+        "instruction, or left on a daemon thread if blocked in C.",
         json_schema_extra=TOOLS,
     )
     sandbox_tools: bool = Field(
@@ -640,8 +639,10 @@ class GRPOFlowConfig(BaseModel):
         default=600.0,
         gt=0,
         description="Longest one call of a reward function may take (one call scores a rollout shard); past it "
-        "the step fails naming the function and is not retried. Each call runs in a process forked for it, which "
-        "is killed at the deadline whatever it is doing (a loop, a sleep, a socket read). None: no limit.",
+        "the step fails naming the function and is not retried. An async function is cancelled; a sync one runs "
+        "on its own thread, which is stopped at its next Python instruction, or, if it is blocked inside a C call "
+        "(a socket read, a sleep), left behind as a daemon thread that cannot keep the process alive. Code that "
+        "must be killable belongs in the sandbox (execute_in_sandbox). None: no limit.",
         json_schema_extra=RETRIES,
     )
     max_no_reward_steps: int = Field(

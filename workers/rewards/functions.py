@@ -5,20 +5,26 @@ completion_ids=..., **dataset_columns)` and returns one float (or None: "does no
 per completion. The total reward is the weighted sum of the functions that apply
 (TRL's nansum rule).
 
-With a timeout (the config's `reward_timeout_s`), each call runs in a process forked for it and
-killed at the deadline, whatever it is doing (workers/rewards/deadline.py); its `log_extra` and
-`log_metric` calls are replayed here. The step then fails with a RewardTimeoutError naming the
-function and the step.
+With a timeout (the config's `reward_timeout_s`), each call runs on a thread of its own, so the
+caller can stop waiting: an async function (or reward environment) is cancelled at the deadline
+by asyncio; a sync one gets an exception raised in its thread, which stops it at its next Python
+instruction; one blocked inside a C call (a sleep, a socket read) cannot be stopped from Python and
+is left on its daemon thread, which cannot keep the process alive. The step fails either way with a
+RewardTimeoutError naming the function and the step.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import ctypes
 import importlib
 import inspect
 import json
 import math
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +33,6 @@ from typing import Any
 
 from grpo_flow.schemas.records import REWARD_CALL_NAMES, RolloutBatch
 from grpo_flow.workers.data.loaders import extract_final_number
-from grpo_flow.workers.rewards.deadline import DeadlineExceeded, call_with_deadline
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
@@ -285,8 +290,8 @@ class RewardFunctionError(RuntimeError):
 
 
 class RewardTimeoutError(RewardFunctionError):
-    """A reward function did not return within reward_timeout_s: names the function and the step (its
-    process was killed)."""
+    """A reward function did not return within reward_timeout_s: names the function, the step and
+    what became of the call (cancelled, stopped, or left running on a daemon thread)."""
 
 
 @dataclass(frozen=True)
@@ -303,25 +308,77 @@ def _call(func: RewardFunc, timeout: float | None, /, **kwargs: Any) -> Any:
     from grpo_flow.workers.rewards.environments import run_coroutine
 
     if timeout is not None:
-        value, logged = call_with_deadline(_logging_call, {"func": func, "kwargs": kwargs}, timeout)
-        for name, args in logged:  # the calls it made in its own process
-            kwargs[name](*args)
-        return value
+        return _call_with_timeout(func, timeout, kwargs)
     result = func(**kwargs)
     return run_coroutine(result) if inspect.isawaitable(result) else result
 
 
-def _logging_call(func: RewardFunc, kwargs: dict[str, Any]) -> tuple[Any, list[tuple[str, tuple[Any, ...]]]]:
-    """In the call's process: `func(**kwargs)` and the log_extra/log_metric calls it made, for the parent."""
-    from grpo_flow.workers.rewards.environments import run_coroutine
+class _CallTimedOut(Exception):
+    """A reward call past its deadline; `outcome` says what became of it."""
 
-    logged: list[tuple[str, tuple[Any, ...]]] = []
-    recorders = {
-        "log_extra": lambda column, values: logged.append(("log_extra", (column, list(values)))),
-        "log_metric": lambda name, value: logged.append(("log_metric", (name, value))),
-    }
-    result = func(**(kwargs | {name: recorders[name] for name in recorders if name in kwargs}))
-    return (run_coroutine(result) if inspect.isawaitable(result) else result), logged
+    def __init__(self, outcome: str):
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+class _StopReward(BaseException):
+    """Raised inside a reward call's thread past its deadline. A BaseException, so that the function's
+    own `except Exception` (a retry loop, say) does not swallow it."""
+
+
+# How long a call that was told to stop (cancelled, or sent _StopReward) gets to end before it is
+# left behind.
+STOP_GRACE_S = 2.0
+
+
+def _call_with_timeout(func: RewardFunc, timeout: float, kwargs: dict[str, Any]) -> Any:
+    """`func(**kwargs)` on its own daemon thread; raises _CallTimedOut past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    # A reward environment's wrapper hands over its coroutine (if it has one) so asyncio can cancel it.
+    target = getattr(func, "scores_or_awaitable", func)
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    async def until_deadline(awaitable: Any) -> Any:
+        return await asyncio.wait_for(_awaited(awaitable), max(0.0, deadline - time.monotonic()))
+
+    def body() -> None:
+        try:
+            result = target(**kwargs)
+            if inspect.isawaitable(result):
+                outcome["async"] = True
+                result = asyncio.run(until_deadline(result))
+            outcome["value"] = result
+        except BaseException as error:  # handed to the caller below
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(body,), name="grpo-flow-reward", daemon=True)
+    thread.start()
+    if not done.wait(timeout) and outcome.get("async"):
+        done.wait(STOP_GRACE_S)  # asyncio cancels the coroutine at the same deadline
+    if done.is_set():
+        error = outcome.get("error")
+        if outcome.get("async") and isinstance(error, asyncio.TimeoutError):
+            raise _CallTimedOut("it was cancelled")
+        if error is not None:
+            raise error
+        return outcome["value"]
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0), ctypes.py_object(_StopReward))
+    if done.wait(STOP_GRACE_S):
+        if "value" in outcome:  # it returned just as the deadline passed
+            return outcome["value"]
+        raise _CallTimedOut("its thread was stopped")
+    raise _CallTimedOut(
+        "it is blocked in a call Python cannot interrupt (a sleep, a socket read), so its thread was left "
+        "running as a daemon thread, which cannot keep the process alive; code that must be killable "
+        "belongs in the sandbox (execute_in_sandbox)"
+    )
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _failing_sample(
@@ -332,7 +389,7 @@ def _failing_sample(
         one = {k: fresh_copy([v[i]]) if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
         try:
             _call(func, timeout, **one)
-        except DeadlineExceeded:
+        except _CallTimedOut:
             return None
         except (Exception, SystemExit):
             return i, traceback.format_exc()
@@ -418,10 +475,10 @@ def score_batch(
         func_started = time.perf_counter()
         try:
             raw = _call(func, timeout_s, **{key: fresh_copy(value) for key, value in kwargs.items()})
-        except DeadlineExceeded as timed_out:
+        except _CallTimedOut as timed_out:
             raise RewardTimeoutError(
                 f"reward function {name!r} did not return within reward_timeout_s={timeout_s:g} s on step "
-                f"{batch.step} ({len(batch)} completions); {timed_out}"
+                f"{batch.step} ({len(batch)} completions); {timed_out.outcome}"
             ) from None
         except (Exception, SystemExit) as error:  # sys.exit() in a reward ended the run with no word
             found = _failing_sample(func, kwargs, len(batch), timeout_s)

@@ -537,16 +537,6 @@ class _UidPool:
 _UID_POOL = _UidPool()
 
 
-def _new_uid_pool() -> None:
-    global _UID_POOL
-    _UID_POOL = _UidPool()
-
-
-# A process forked to run a reward within its deadline (workers/rewards/deadline.py) takes uids of its own
-# (its pid sets the range): its copy of the pool would hand out the uids its parent's programs hold.
-os.register_at_fork(after_in_child=_new_uid_pool)
-
-
 def _kernel_version() -> tuple[int, int]:
     try:
         major, minor = platform.release().split(".")[:2]

@@ -10,25 +10,30 @@ that are not an object or that the function refuses, an exception, or a call pas
 Where a call runs: a tool given as a `module:function` path runs, with `sandbox`, in the local sandbox
 (workers/rewards/sandbox.py: a fresh isolated process per call, no network, a read-only file system,
 killed at the timeout), because tool code, like reward code, is untrusted; it cannot keep state
-between calls, which TRL's plain tools do not either. Any other tool function (the Python API's
-lambdas and closures, which no other process can import) runs in a process forked from this one and
-killed at the timeout, as a reward function does (workers/rewards/deadline.py). An environment's
-methods run in this process, as its state lives in its instance for the whole episode: on a thread,
-waited for up to the timeout, then left behind on that daemon thread (an async one is cancelled).
+between calls, which TRL's plain tools do not either. A tool given as a Python object (the Python
+API's lambdas and closures, which no other process can import) and every environment method run in
+this process: an environment's state lives in its instance for the whole episode. Such a call runs on
+a thread of its own: past the timeout it is stopped at its next Python instruction, or, blocked in a C
+call (a sleep, a socket read), left behind on a daemon thread.
 
 Only the standard library is imported at module level: the sandbox imports this module to run a tool.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import ctypes
 import inspect
 import json
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 RESULT_MARKER = "\x1egrpo-flow-tool-result\x1e"  # the sandboxed program's answer follows it on stdout
+STOP_GRACE_S = 1.0  # how long a call told to stop gets to end before it is left behind
 
 
 @dataclass(frozen=True)
@@ -115,31 +120,45 @@ def run_tool_calls(requests: Sequence[ToolRequest], timeout_s: float, sandbox: b
 
 
 # -- in this process ------------------------------------------------------------------------------
+class _StopTool(BaseException):
+    """Raised inside a tool call's thread past its deadline; a BaseException, so the tool's own
+    `except Exception` does not swallow it."""
+
+
 def call_in_process(name: str, func: Callable[..., Any], arguments: dict[str, Any], timeout_s: float) -> ToolResult:
-    """`func(**arguments)` (awaited if async) within `timeout_s` seconds: a method (an environment's, whose
-    instance holds the episode) in this process, any other function in a process killed at the deadline."""
-    from grpo_flow.workers.rewards.deadline import DeadlineExceeded, call_with_deadline
+    """`func(**arguments)` (awaited if async) on a daemon thread of its own, at most `timeout_s` seconds."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
 
-    try:
-        kwargs = {"func": func, "arguments": arguments}
-        content = call_with_deadline(_content, kwargs, timeout_s, in_this_process=inspect.ismethod(func))
-    except DeadlineExceeded:
+    def body() -> None:
+        try:
+            value = func(**arguments)
+            if inspect.isawaitable(value):
+                value = asyncio.run(asyncio.wait_for(_awaited(value), timeout_s))
+            outcome["content"] = tool_content(value)
+        except BaseException as error:  # reported as the tool's message below
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(body,), name=f"tool-{name}", daemon=True)
+    thread.start()
+    if not done.wait(timeout_s):
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0), ctypes.py_object(_StopTool))
+        done.wait(STOP_GRACE_S)
+        if "content" in outcome:  # it returned just as the deadline passed
+            return ToolResult(name, outcome["content"])
         return ToolResult(name, error_content(f"Tool {name} did not return within {timeout_s:g} s"), failed=True)
-    except (Exception, SystemExit) as error:  # the tool's own failure is its message
+    error = outcome.get("error")
+    if isinstance(error, asyncio.TimeoutError):
+        return ToolResult(name, error_content(f"Tool {name} did not return within {timeout_s:g} s"), failed=True)
+    if error is not None:
         return ToolResult(name, error_content(str(error) or type(error).__name__), failed=True)
-    return ToolResult(name, content)
+    return ToolResult(name, outcome["content"])
 
 
-def _content(func: Callable[..., Any], arguments: dict[str, Any]) -> Any:
-    """The tool message's content, made where the call ran (awaited there if the tool is async)."""
-    value = func(**arguments)
-    if inspect.isawaitable(value):
-        return _then_content(value)
-    return tool_content(value)
-
-
-async def _then_content(awaitable: Any) -> str:
-    return tool_content(await awaitable)
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 # -- in the sandbox --------------------------------------------------------------------------------

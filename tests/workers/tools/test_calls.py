@@ -1,13 +1,11 @@
 """Tool calls: whatever goes wrong becomes the tool's message (TRL's `{'error': ...}`), never a failed step."""
 
-import asyncio
-import threading
 import time
 
 import pytest
 
 from grpo_flow.workers.tools.calls import ToolRequest, run_tool_calls, tool_content
-from grpo_flow.workers.tools.toolbox import Tool, build_toolbox
+from grpo_flow.workers.tools.toolbox import build_toolbox
 
 HERE = "fixture_tools"
 NAMES = ["add", "shout", "explode", "hang", "spin", "as_dict", "nothing", "image_blocks"]
@@ -63,7 +61,7 @@ def test_a_tool_busy_in_python_is_stopped_in_process_at_the_timeout(tools):
     assert result.failed and "did not return within 0.5 s" in result.content
 
 
-def test_a_tool_blocked_in_c_is_killed_out_of_process_and_the_turn_goes_on(tools):
+def test_a_tool_blocked_in_c_is_left_behind_in_process_and_the_turn_goes_on(tools):
     started = time.monotonic()
     results = run_tool_calls(
         [ToolRequest(call("hang", seconds=30), tools), ToolRequest(call("add", a=1, b=1), tools)],
@@ -72,44 +70,6 @@ def test_a_tool_blocked_in_c_is_killed_out_of_process_and_the_turn_goes_on(tools
     )
     assert time.monotonic() - started < 5
     assert results[0].failed and results[1].content == "2"
-
-
-class Lookup:
-    """An environment: its tool methods run in this process, where its instance keeps the episode's state."""
-
-    def __init__(self):
-        self.asked = []
-        self.release = threading.Event()
-
-    def ask(self, key: str) -> str:
-        self.asked.append(key)
-        return key.upper()
-
-    def stall(self) -> str:
-        self.release.wait()
-        return "late"
-
-    async def stall_async(self) -> str:
-        await asyncio.sleep(3600)
-        return "late"
-
-
-def test_an_environments_methods_keep_its_state_and_a_stuck_one_is_left_behind_on_a_thread():
-    env = Lookup()
-    tools = {name: Tool(name, getattr(env, name)) for name in ("ask", "stall", "stall_async")}
-    requests = [call("ask", key="a"), call("stall"), call("stall_async"), call("ask", key="b")]
-    started = time.monotonic()
-    results = run_tool_calls([ToolRequest(r, tools) for r in requests], timeout_s=0.3, sandbox=False)
-    assert time.monotonic() - started < 10
-    assert [r.content for r in results[::3]] == ["A", "B"] and env.asked == ["a", "b"]
-    assert [r.failed for r in results[1:3]] == [True, True]
-    assert "did not return within 0.3 s" in results[1].content
-    left = lambda: [t for t in threading.enumerate() if t.name == "grpo-flow-deadline"]  # noqa: E731
-    deadline = time.monotonic() + 10  # a liveness bound for the cancelled one's thread to end
-    while len(left()) > 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(left()) == 1 and left()[0].daemon  # the sync one; the async one was cancelled
-    env.release.set()
 
 
 def test_sandboxed_tools_cannot_reach_the_network_or_write_outside():
