@@ -177,8 +177,8 @@ class ActorWorker:
         return self.server.step(expected_version, rollouts)
 
     @modal.method()
-    def save_checkpoint(self, expected_version: int, folder: str, with_files: bool = False) -> Any:
-        return self.server.save_checkpoint(expected_version, folder, with_files)
+    def save_checkpoint(self, expected_version: int, step: int, extra: Any, files: Any = None) -> Any:
+        return self.server.save_checkpoint(expected_version, step, extra, files)
 
     @modal.method()
     def restore(self, folder: Any = None) -> Any:

@@ -38,7 +38,7 @@ from grpo_flow.workers.backends.modal_app import (
     build_worker_app,
     worker_config_json,
 )
-from grpo_flow.workers.state.storage import file_matches
+from grpo_flow.workers.state.storage import RunStorage, file_matches
 from grpo_flow.workers.backends.weight_sync import check_weight_sync_config
 from grpo_flow.workers.backends.workers import Handle, Placement
 
@@ -219,19 +219,42 @@ class ModalPlacement(Placement):
         with ThreadPoolExecutor(max_workers=len(calls)) as pool:
             return list(pool.map(lambda call: call(), calls))
 
-    def worker_folder(self, folder: Path) -> str:
-        return super().worker_folder(folder)
+    def worker_storage_differs(self) -> bool:
+        """Whether the workers see the run's storage elsewhere than this process (the Volume)."""
+        return self.worker_storage_root != str(self.config.storage_root)
 
-    def wants_checkpoint_files(self) -> bool:
-        return self.mode == "remote"
+    def checkpoint_written(
+        self, storage: RunStorage, step: int, answer: dict[str, Any], files: dict[str, bytes]
+    ) -> None:
+        """The actor wrote and committed `checkpoints/step-N` on the Volume (a 0.5B model's optimizer state
+        is GBs: it stays there). The run's own folder gets a checkpoint of its own, committed the same way,
+        holding a pointer with the Volume path and each file's size and sha256, the actor's manifest fields
+        and `files` (`checkpoint_model_files` fetches the model through it; a resume restores from the path)."""
+        if not self.worker_storage_differs():
+            return
+        manifest = answer["manifest"]
+        pointer = {
+            "volume": self.config.modal_volume,
+            "path": f"{VOLUME_PATH}/{answer['folder']}",
+            "files": manifest["files"],
+        }
 
-    def checkpoint_written(self, folder: Path, answer: dict[str, Any]) -> None:
-        """Remotely the files stay on the Volume (a 0.5B model's optimizer state is GBs); `folder` gets a
-        pointer with the Volume path and each file's size and sha256, so the local checkpoint manifest still
-        names a complete checkpoint (`checkpoint_model_files` fetches the model from it)."""
-        if self.mode == "remote":
-            pointer = {"volume": self.config.modal_volume, "path": answer["folder"], "files": answer["files"]}
+        def write(folder: Path) -> dict[str, Any]:
             (folder / VOLUME_CHECKPOINT_POINTER).write_text(json.dumps(pointer, indent=2, sort_keys=True))
+            for name, data in files.items():
+                (folder / name).write_bytes(data)
+            return {k: v for k, v in manifest.items() if k not in ("step", "files")}
+
+        storage.write_checkpoint(step, write)
+
+    def checkpoints_pruned(self, storage: RunStorage, steps: list[int]) -> None:
+        """The Volume's copies of the pruned checkpoints go too (the Volume would otherwise keep them all)."""
+        if not self.worker_storage_differs():
+            return
+        volume = open_volume(self.config.modal_volume)
+        for step in steps:
+            folder = storage.checkpoint_dir(step)
+            volume.remove_file(f"/runs/{storage.run_id}/checkpoints/{folder.name}", recursive=True)
 
     def step_metrics(self) -> dict[str, float]:
         return self.meter.metrics()
