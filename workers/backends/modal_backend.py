@@ -160,7 +160,10 @@ class ModalPlacement(Placement):
         actor_device: str = "cuda",
         worker_app: WorkerApp | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        mount: Callable[[str], str] | None = None,
     ) -> None:
+        """`mount`: with mode='local', each worker's storage root by its name (a Volume double's container
+        views, tests/workers/backends/volume_double.py); by default every worker shares the config's."""
         if mode not in ("remote", "local"):
             raise ValueError(f"mode must be 'remote' or 'local', got {mode!r}")
         super().__init__(config, model_path)
@@ -168,8 +171,7 @@ class ModalPlacement(Placement):
         self.devices = (actor_device, rollout_device)
         self.meter = GpuMeter(clock)
         self.worker_app = worker_app or build_worker_app(config)
-        # Inside the containers the storage root is the Volume; locally it is the config's folder.
-        self.worker_storage_root = VOLUME_PATH if mode == "remote" else str(config.storage_root)
+        self.mount = mount
         self.handles: list[Handle] = []
         self._exit = ExitStack()
 
@@ -185,7 +187,7 @@ class ModalPlacement(Placement):
                 config_json=config_json,
                 model_path=model_path,
                 device=actor_device,
-                storage_root=self.worker_storage_root,
+                storage_root=self.worker_storage_root("actor"),
             ),
             "actor",
             "actor",
@@ -199,7 +201,7 @@ class ModalPlacement(Placement):
                     model_path=model_path,
                     worker_index=i,
                     device=rollout_device,
-                    storage_root=self.worker_storage_root,
+                    storage_root=self.worker_storage_root(f"rollout-{i}"),
                 ),
                 f"rollout-{i}",
                 "rollout",
@@ -219,9 +221,15 @@ class ModalPlacement(Placement):
         with ThreadPoolExecutor(max_workers=len(calls)) as pool:
             return list(pool.map(lambda call: call(), calls))
 
+    def worker_storage_root(self, worker: str) -> str:
+        """Inside a container the storage root is the Volume; locally the config's folder, or `mount`'s."""
+        if self.mode == "remote":
+            return VOLUME_PATH
+        return self.mount(worker) if self.mount else str(self.config.storage_root)
+
     def worker_storage_differs(self) -> bool:
         """Whether the workers see the run's storage elsewhere than this process (the Volume)."""
-        return self.worker_storage_root != str(self.config.storage_root)
+        return self.mode == "remote" or self.mount is not None
 
     def checkpoint_written(
         self, storage: RunStorage, step: int, answer: dict[str, Any], files: dict[str, bytes]
