@@ -29,7 +29,7 @@ from grpo_flow.workers.actor.actor import Actor, StaleActorError
 from grpo_flow.workers.backends.weight_sync import WeightPayload, apply_weights, export_weights
 from grpo_flow.workers.rollout.base import GenerationResult, RolloutEngine, SamplingParams
 from grpo_flow.workers.rollout.channel import EngineProcessError
-from grpo_flow.workers.state.location import local_root
+from grpo_flow.workers.state.location import local_root, use_storage_options
 from grpo_flow.workers.state.storage import RunStorage
 
 # `publish`'s method for weights handed over as a state dict (in memory, or through Ray's object store)
@@ -86,6 +86,7 @@ class ActorServer:
         """`actor`: an `Actor` built elsewhere (benchmarks' instant actor); loaded here either way."""
         self.config = GRPOFlowConfig.model_validate_json(config_json)
         self.root = local_root(storage_root or self.config.storage_root)
+        use_storage_options(storage_root or self.config.storage_root, self.config.storage_options)
         self.run_storage = RunStorage(storage_root or self.config.storage_root, self.config.run_id or "unnamed")
         self.storage = storage or LocalDisk()
         self.storage.reload()  # the model may have been uploaded by another worker
@@ -129,8 +130,16 @@ class ActorServer:
             self.actor.reset()
         else:
             self.storage.reload()  # the checkpoint may have been written by an earlier worker
-            self.actor.restore(self.root / folder)
+            self.actor.restore(self.checkpoint_folder(folder))
         return self.actor.policy_version
+
+    def checkpoint_folder(self, folder: str) -> Path:
+        """A checkpoint (`runs/<id>/checkpoints/step-N`) as a folder torch reads here: on an object store,
+        downloaded on this worker's machine (a Ray node that shares no disk with the flow's)."""
+        path = Path(folder)
+        if self.run_storage.remote and path.parent == Path("runs", self.run_storage.run_id, "checkpoints"):
+            return self.run_storage.local_checkpoint(int(path.name.split("-")[1]))
+        return self.root / folder
 
     def publish(self, expected_version: int, method: str) -> tuple[Any, dict[str, Any]]:
         """The weights for the engines and what was moved: a state dict (`STATE_DICT`), or a

@@ -199,7 +199,7 @@ class Workers:
             self.actor, self.rollout = self.placement.start()
             self.rollout_versions = [0] * len(self.rollout)
             marker = None
-            if self.placement.check_storage:
+            if self.placement.check_storage and not self.storage.remote:  # a URL: each node asked before start
                 marker = self.storage.root / ".storage-check" / f"{self.storage.run_id}-{time.time_ns()}"
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.write_text("grpo-flow\n")
