@@ -329,10 +329,17 @@ class TickingClock:
         return self.now
 
 
-def test_workers_run_through_the_modal_placement(model_path, tmp_path):
+def test_workers_run_through_the_modal_placement(model_path, tmp_path, volume):
+    """Each worker in a container of its own, on the Volume double (conftest.py)."""
     config = local_config(tmp_path, weight_sync_method="checkpoint", modal_actor_gpu_count=2)
     placement = ModalPlacement(
-        config, model_path, mode="local", rollout_device="cpu", actor_device="cpu", clock=TickingClock()
+        config,
+        model_path,
+        mode="local",
+        rollout_device="cpu",
+        actor_device="cpu",
+        clock=TickingClock(),
+        mount=volume.mount,
     )
     workers = Workers(config, model_path, placement).start()
     assert len(workers.rollout) == config.num_rollout_workers == 2
@@ -359,7 +366,8 @@ def test_workers_run_through_the_modal_placement(model_path, tmp_path):
 
     state = workers.save_checkpoint(storage, 1, {})
     assert state["policy_version"] == 1 and state["rollout_policy_version"] == 1
-    assert storage.verify_checkpoint(1) == state and (storage.checkpoint_dir(1) / "optimizer.pt").exists()
+    assert volume.exists("runs/modal-local/checkpoints/step-000001/optimizer.pt")  # committed on the Volume
+    assert storage.verify_checkpoint(1)["policy_version"] == 1  # the run's folder: a pointer to it
 
     # Back to the start (a resumed run without a checkpoint): the actor and every engine hold version 0.
     assert workers.restore(storage, None) == 0

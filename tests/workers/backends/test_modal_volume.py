@@ -12,7 +12,7 @@ import torch
 from grpo_flow.schemas.presets import preset_config
 from grpo_flow.schemas.records import RunPlan
 from grpo_flow.tasks import train
-from grpo_flow.workers.backends import modal_app, modal_backend
+from grpo_flow.workers.backends import modal_app
 from grpo_flow.workers.backends.modal_backend import ModalHandle, ModalPlacement
 from grpo_flow.workers.backends.workers import Workers
 from grpo_flow.workers.data.loaders import load_task
@@ -30,15 +30,6 @@ CHECKPOINTS = f"runs/{RUN}/checkpoints"
 @pytest.fixture(scope="module")
 def model_path(storage_root):
     return str(ensure_tiny_model(storage_root))
-
-
-@pytest.fixture
-def volume(tmp_path, monkeypatch):
-    """The double in place of the run Volume: in each `.local()` container, and for this process's client."""
-    double = VolumeDouble(tmp_path / "volume")
-    monkeypatch.setattr(modal_app, "container_volume", double.container_volume)
-    monkeypatch.setattr(modal_backend, "open_volume", lambda name: double)
-    return double
 
 
 def test_the_double_shows_a_write_only_after_the_writers_commit_and_the_readers_reload(tmp_path):
