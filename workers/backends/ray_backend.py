@@ -26,9 +26,10 @@
   engine's child process that dies reads as a stale engine and heals the same way; one whose Ray
   actor process dies ends itself (it watches its parent), and the restarted actor starts another.
 
-The storage root must be a folder every node mounts at the same path (NFS, a cluster
-filesystem); the workers read and write checkpoints and weight files there, and refuse to start
-when they cannot see it. Project code reaches the workers as the job's `py_modules` (`grpo_flow`
+The storage root is a URL every node reaches (s3://, gs://) or a folder every node mounts at the
+same path (NFS, a cluster filesystem); `check_ray_ready` asks each node whether it reaches it.
+The actor writes and commits its checkpoints there itself; on a URL root weights go through
+Ray's object store (`reload`, `direct`), as the file methods need one path on every node. Project code reaches the workers as the job's `py_modules` (`grpo_flow`
 with its `schemas` and `workers`); the libraries (torch, transformers, trl, peft) must be installed on every node.
 
 Ray is imported only here, and this module only when `backend="ray"`.
