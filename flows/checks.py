@@ -50,11 +50,11 @@ def check_before_start(
     `tool_objects`: the tools and environment factories it registers, by name."""
     use_storage_options(config.storage_root, config.storage_options)
     check_storage_root(config.storage_root)
-    if is_url(config.storage_root) and config.backend != "local":
+    if is_url(config.storage_root) and config.backend == "modal":
         raise StartCheckError(
             "storage_root",
-            f"{config.storage_root!r}: a URL storage root runs with the local backend only for now; the "
-            f"{config.backend} backend needs a folder (on Ray, one every node mounts; on Modal, the Volume's path)",
+            f"{config.storage_root!r}: a URL storage root runs with the local and ray backends for now; the "
+            "modal backend keeps the run's checkpoints on its Volume: give it a folder",
         )
     if config.dataset.startswith("registered:") and not registered_dataset:
         raise StartCheckError(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import shutil
 import time
 from typing import Any
 
@@ -70,18 +69,18 @@ def not_a_full_disk(task: object, task_run: object, state: object) -> bool:
     persist_result=True,
 )
 def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int) -> dict[str, float]:
-    """Weights, optimizer, scheduler and RNG states (and the rollout workers' weights when they lag);
-    the manifest is written last, then the folder is renamed; old checkpoints are pruned."""
+    """Weights, optimizer, scheduler and RNG states (and the rollout workers' weights when they lag),
+    written and committed by the actor itself (manifest last); this task checks the manifest and prunes
+    old checkpoints."""
     started = time.perf_counter()
     storage = RunStorage(plan.storage_root, plan.run_id)
     if storage.checkpoint_committed(step):  # a retry after the commit: the checkpoint is done
         storage.verify_checkpoint(step)
         return {"time/checkpoint_s": time.perf_counter() - started}
-    staging = storage.staging_checkpoint_dir(step)
+    workers = backends.run_workers(config)
     try:
-        state = backends.run_workers(config).save_checkpoint(step, staging)
-    except Exception as error:  # nothing half-written stays behind, and a full disk says so
-        shutil.rmtree(staging, ignore_errors=True)
+        manifest = workers.save_checkpoint(storage, step, {"config_hash": config.training_hash()})
+    except Exception as error:  # the writer removed what it had half-written; a full disk says so
         if is_disk_full(error):
             raise StorageFullError(
                 errno.ENOSPC,
@@ -89,13 +88,12 @@ def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int) -> dict[st
                 f"{storage.run_dir / 'checkpoints'}; the partial checkpoint was removed, every logged step is kept",
             ) from error
         raise
-    if state["policy_version"] != step:
-        raise RuntimeError(f"checkpoint of step {step}: the actor holds policy version {state['policy_version']}")
-    maybe_fail("checkpoint", step)
-    seconds = time.perf_counter() - started
-    storage.commit_checkpoint(step, staging, {**state, "config_hash": config.training_hash(), "write_seconds": seconds})
+    if manifest["policy_version"] != step:
+        raise RuntimeError(f"checkpoint of step {step}: the actor holds policy version {manifest['policy_version']}")
+    storage.verify_checkpoint(step, checksums=False)  # committed where this process reads the run
     maybe_fail("checkpointed", step)
     pruned = storage.prune_checkpoints(config.save_total_limit, config.keep_checkpoint_every)
+    workers.checkpoints_pruned(storage, pruned)
     return {"time/checkpoint_s": time.perf_counter() - started, "checkpoints_pruned": len(pruned)}
 
 

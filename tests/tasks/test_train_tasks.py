@@ -17,9 +17,14 @@ def config(tmp_path):
 
 
 def workers_failing_with(error):
-    def save_checkpoint(version, folder):
-        (folder / "model.safetensors").write_bytes(b"half a file")
-        raise error
+    """Workers whose actor fails halfway through writing its checkpoint, as the actor writes one."""
+
+    def save_checkpoint(storage, version, extra):
+        def write(folder):
+            (folder / "model.safetensors").write_bytes(b"half a file")
+            raise error
+
+        return storage.write_checkpoint(version, write)
 
     return SimpleNamespace(save_checkpoint=save_checkpoint)
 

@@ -125,22 +125,24 @@ def worker_config_json(config: GRPOFlowConfig) -> str:
     return config.model_dump_json()
 
 
+def container_volume(name: str, mount: str) -> Any:
+    """The run Volume as the container that mounts it at `mount` commits and reloads it: Modal's handle
+    inside a container; outside one (`.local()` calls) None, as nothing is mounted (a test's Volume double
+    puts a view of its own here)."""
+    return None if modal.is_local() else modal.Volume.from_name(name)
+
+
 class VolumeSync:
-    """`commit()` / `reload()` of the run Volume inside a container; no-ops when running locally.
+    """`commit()` / `reload()` of the run Volume inside a container (`container_volume`); no-ops when
+    running locally with no Volume mounted."""
 
-    `.local()` calls (tests) run with no Volume mounted and no Modal credentials, so there is
-    nothing to commit or reload.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, mount: str = VOLUME_PATH) -> None:
+        self.name, self.mount = name, mount
         self._volume: Any = None
 
     def _handle(self) -> Any:
-        if modal.is_local():
-            return None
         if self._volume is None:
-            self._volume = modal.Volume.from_name(self.name)
+            self._volume = container_volume(self.name, self.mount)
         return self._volume
 
     def commit(self) -> None:
@@ -165,7 +167,7 @@ class ActorWorker:
     def start(self) -> None:
         from grpo_flow.workers.backends.servers import ActorServer
 
-        volume = VolumeSync(GRPOFlowConfig.model_validate_json(self.config_json).modal_volume)
+        volume = VolumeSync(GRPOFlowConfig.model_validate_json(self.config_json).modal_volume, self.storage_root)
         self.server = ActorServer(self.config_json, self.model_path, self.device, self.storage_root, volume)
 
     @modal.method()
@@ -177,8 +179,8 @@ class ActorWorker:
         return self.server.step(expected_version, rollouts)
 
     @modal.method()
-    def save_checkpoint(self, expected_version: int, folder: str, with_files: bool = False) -> Any:
-        return self.server.save_checkpoint(expected_version, folder, with_files)
+    def save_checkpoint(self, expected_version: int, step: int, extra: Any, files: Any = None) -> Any:
+        return self.server.save_checkpoint(expected_version, step, extra, files)
 
     @modal.method()
     def restore(self, folder: Any = None) -> Any:
@@ -203,7 +205,7 @@ class RolloutWorker:
     def start(self) -> None:
         from grpo_flow.workers.backends.servers import RolloutServer
 
-        volume = VolumeSync(GRPOFlowConfig.model_validate_json(self.config_json).modal_volume)
+        volume = VolumeSync(GRPOFlowConfig.model_validate_json(self.config_json).modal_volume, self.storage_root)
         self.server = RolloutServer(
             self.config_json, self.model_path, self.worker_index, self.device, self.storage_root, volume
         )

@@ -38,7 +38,7 @@ from grpo_flow.workers.backends.modal_app import (
     build_worker_app,
     worker_config_json,
 )
-from grpo_flow.workers.state.storage import file_matches
+from grpo_flow.workers.state.storage import RunStorage, file_matches
 from grpo_flow.workers.backends.weight_sync import check_weight_sync_config
 from grpo_flow.workers.backends.workers import Handle, Placement
 
@@ -160,7 +160,10 @@ class ModalPlacement(Placement):
         actor_device: str = "cuda",
         worker_app: WorkerApp | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        mount: Callable[[str], str] | None = None,
     ) -> None:
+        """`mount`: with mode='local', each worker's storage root by its name (a Volume double's container
+        views, tests/workers/backends/volume_double.py); by default every worker shares the config's."""
         if mode not in ("remote", "local"):
             raise ValueError(f"mode must be 'remote' or 'local', got {mode!r}")
         super().__init__(config, model_path)
@@ -168,8 +171,7 @@ class ModalPlacement(Placement):
         self.devices = (actor_device, rollout_device)
         self.meter = GpuMeter(clock)
         self.worker_app = worker_app or build_worker_app(config)
-        # Inside the containers the storage root is the Volume; locally it is the config's folder.
-        self.worker_storage_root = VOLUME_PATH if mode == "remote" else str(config.storage_root)
+        self.mount = mount
         self.handles: list[Handle] = []
         self._exit = ExitStack()
 
@@ -185,7 +187,7 @@ class ModalPlacement(Placement):
                 config_json=config_json,
                 model_path=model_path,
                 device=actor_device,
-                storage_root=self.worker_storage_root,
+                storage_root=self.worker_storage_root("actor"),
             ),
             "actor",
             "actor",
@@ -199,7 +201,7 @@ class ModalPlacement(Placement):
                     model_path=model_path,
                     worker_index=i,
                     device=rollout_device,
-                    storage_root=self.worker_storage_root,
+                    storage_root=self.worker_storage_root(f"rollout-{i}"),
                 ),
                 f"rollout-{i}",
                 "rollout",
@@ -219,19 +221,48 @@ class ModalPlacement(Placement):
         with ThreadPoolExecutor(max_workers=len(calls)) as pool:
             return list(pool.map(lambda call: call(), calls))
 
-    def worker_folder(self, folder: Path) -> str:
-        return super().worker_folder(folder)
-
-    def wants_checkpoint_files(self) -> bool:
-        return self.mode == "remote"
-
-    def checkpoint_written(self, folder: Path, answer: dict[str, Any]) -> None:
-        """Remotely the files stay on the Volume (a 0.5B model's optimizer state is GBs); `folder` gets a
-        pointer with the Volume path and each file's size and sha256, so the local checkpoint manifest still
-        names a complete checkpoint (`checkpoint_model_files` fetches the model from it)."""
+    def worker_storage_root(self, worker: str) -> str:
+        """Inside a container the storage root is the Volume; locally the config's folder, or `mount`'s."""
         if self.mode == "remote":
-            pointer = {"volume": self.config.modal_volume, "path": answer["folder"], "files": answer["files"]}
+            return VOLUME_PATH
+        return self.mount(worker) if self.mount else str(self.config.storage_root)
+
+    def worker_storage_differs(self) -> bool:
+        """Whether the workers see the run's storage elsewhere than this process (the Volume)."""
+        return self.mode == "remote" or self.mount is not None
+
+    def checkpoint_written(
+        self, storage: RunStorage, step: int, answer: dict[str, Any], files: dict[str, bytes]
+    ) -> None:
+        """The actor wrote and committed `checkpoints/step-N` on the Volume (a 0.5B model's optimizer state
+        is GBs: it stays there). The run's own folder gets a checkpoint of its own, committed the same way,
+        holding a pointer with the Volume path and each file's size and sha256, the actor's manifest fields
+        and `files` (`checkpoint_model_files` fetches the model through it; a resume restores from the path)."""
+        if not self.worker_storage_differs():
+            return
+        manifest = answer["manifest"]
+        pointer = {
+            "volume": self.config.modal_volume,
+            "path": f"{VOLUME_PATH}/{answer['folder']}",
+            "files": manifest["files"],
+        }
+
+        def write(folder: Path) -> dict[str, Any]:
             (folder / VOLUME_CHECKPOINT_POINTER).write_text(json.dumps(pointer, indent=2, sort_keys=True))
+            for name, data in files.items():
+                (folder / name).write_bytes(data)
+            return {k: v for k, v in manifest.items() if k not in ("step", "files")}
+
+        storage.write_checkpoint(step, write)
+
+    def checkpoints_pruned(self, storage: RunStorage, steps: list[int]) -> None:
+        """The Volume's copies of the pruned checkpoints go too (the Volume would otherwise keep them all)."""
+        if not self.worker_storage_differs():
+            return
+        volume = open_volume(self.config.modal_volume)
+        for step in steps:
+            folder = storage.checkpoint_dir(step)
+            volume.remove_file(f"/runs/{storage.run_id}/checkpoints/{folder.name}", recursive=True)
 
     def step_metrics(self) -> dict[str, float]:
         return self.meter.metrics()

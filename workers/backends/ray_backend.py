@@ -26,9 +26,10 @@
   engine's child process that dies reads as a stale engine and heals the same way; one whose Ray
   actor process dies ends itself (it watches its parent), and the restarted actor starts another.
 
-The storage root must be a folder every node mounts at the same path (NFS, a cluster
-filesystem); the workers read and write checkpoints and weight files there, and refuse to start
-when they cannot see it. Project code reaches the workers as the job's `py_modules` (`grpo_flow`
+The storage root is a URL every node reaches (s3://, gs://) or a folder every node mounts at the
+same path (NFS, a cluster filesystem); `check_ray_ready` asks each node whether it reaches it.
+The actor writes and commits its checkpoints there itself; on a URL root weights go through
+Ray's object store (`reload`, `direct`), as the file methods need one path on every node. Project code reaches the workers as the job's `py_modules` (`grpo_flow`
 with its `schemas` and `workers`); the libraries (torch, transformers, trl, peft) must be installed on every node.
 
 Ray is imported only here, and this module only when `backend="ray"`.
@@ -58,6 +59,7 @@ from grpo_flow.workers.backends.ray_app import OBJECT_STORE_METHODS, WORKER_CLAS
 from grpo_flow.workers.backends.servers import STATE_DICT
 from grpo_flow.workers.backends.weight_sync import check_weight_sync_config
 from grpo_flow.workers.backends.workers import Handle, Placement, PublishedWeightsLost
+from grpo_flow.workers.state.location import absolute_root, is_url, reach_from_here
 from grpo_flow.workers.state.source import stage_package
 
 INSTALL_HINT = 'pip install -e ".[ray]"'
@@ -73,6 +75,13 @@ FORWARDED_ENV = (
     "TRANSFORMERS_VERBOSITY",
     "TOKENIZERS_PARALLELISM",
     "GRPO_FLOW_VLLM_PYTHON",  # where the vLLM environment is on the nodes (workers.backends.vllm_env)
+    # An object store's endpoint and credentials, where its client reads them (a URL storage_root).
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "GOOGLE_APPLICATION_CREDENTIALS",
     "VLLM_CPU_KVCACHE_SPACE",
 )
 logger = logging.getLogger("grpo_flow.workers")
@@ -231,8 +240,58 @@ def check_ray_ready(config: GRPOFlowConfig) -> None:
     ray = connect(config)
     nodes = cluster_nodes(ray)
     check_resources(config, nodes, cluster_address(config)[0])
+    check_storage_on_nodes(ray, config)
     if config.rollout_engine == "vllm":
         check_vllm_on_nodes(ray, config)
+
+
+def check_storage_on_nodes(ray: Any, config: GRPOFlowConfig) -> None:
+    """Every live node reaches the storage root, as a small task pinned to it says (0 CPUs): a URL through
+    its client there, a local path by a file this process wrote in it (a folder not shared by the nodes
+    fails). On a URL root, weights go through Ray's object store: the file methods need one path on every node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    root = absolute_root(config.storage_root)
+    if is_url(root) and config.weight_sync_method not in OBJECT_STORE_METHODS:
+        raise RayNotReadyError(
+            f"weight_sync_method: {config.weight_sync_method!r} hands weights over as files at one path every node "
+            f"reads, which a URL storage_root ({root!r}) is not; use 'reload' or 'direct' (Ray's object store)"
+        )
+    marker = None if is_url(root) else Path(root) / ".storage-check" / f"{config.run_id}-{uuid.uuid4().hex}"
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("grpo-flow\n")
+    probe = ray.remote(num_cpus=0)(reach_from_here)
+    try:
+        refs = [
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
+                root, None if marker is None else str(marker), config.storage_options
+            )
+            for node in ray.nodes()
+            if node.get("Alive")
+        ]
+        answers = ray.get(refs, timeout=PROBE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RayNotReadyError(
+            f"storage_root: the Ray cluster's nodes did not say within {PROBE_TIMEOUT_S:.0f} s whether they reach "
+            f"{root!r}"
+        ) from None
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+    for answer in answers:
+        if answer["problem"]:
+            raise RayNotReadyError(storage_problem_message(root, answer))
+
+
+def storage_problem_message(root: str, answer: dict[str, Any]) -> str:
+    """One line: which node cannot reach the storage root, why, and the fix."""
+    fix = (
+        "check the node's credentials and endpoint (AWS_*, storage_options)"
+        if is_url(root)
+        else "use a URL every node reaches (s3://..., gs://...) or a folder every node mounts at the same path"
+    )
+    return f"storage_root: node {answer['host']} cannot reach {root!r} ({answer['problem']}); {fix}"
 
 
 def check_vllm_on_nodes(ray: Any, config: GRPOFlowConfig) -> None:
@@ -319,7 +378,7 @@ class RayPlacement(Placement):
         self.lost_errors = lost_errors()
         self.handles: list[RayHandle] = []
         self.placement_group: Any = None
-        self.root = Path(config.storage_root).resolve()
+        self.root = absolute_root(config.storage_root)
 
     def start(self) -> tuple[Handle, list[Handle]]:
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -341,7 +400,7 @@ class RayPlacement(Placement):
             )
         uid = uuid.uuid4().hex[:6]
         # The workers' processes start elsewhere (the node's Ray working folder): a relative root would move.
-        config_json = config.model_copy(update={"storage_root": str(self.root)}).model_dump_json()
+        config_json = config.model_copy(update={"storage_root": self.root}).model_dump_json()
 
         def spawn(cls: type, index: int, name: str, *args: Any) -> RayHandle:
             cpus, gpus = bundles[index]["CPU"], bundles[index].get("GPU", 0.0)
@@ -382,9 +441,6 @@ class RayPlacement(Placement):
 
     def hold(self, weights: Any) -> Any:
         return self.ray.put(weights)
-
-    def worker_folder(self, folder: Path) -> str:
-        return str(Path(folder).resolve().relative_to(self.root))
 
     def close(self) -> None:
         """Stop the run's Ray actors and free its placement group (the cluster keeps running). The rollout

@@ -1,7 +1,7 @@
 """The two workers as every backend runs them: plain classes with one set of verbs.
 
     ActorServer(config_json, model_path, device, storage_root)
-        ready(marker) · step(expected_version, rollouts) · save_checkpoint(expected_version, folder)
+        ready(marker) · step(expected_version, rollouts) · save_checkpoint(expected_version, step, extra, files)
         restore(folder | None) · publish(expected_version, method)
     RolloutServer(config_json, model_path, worker_index, device, storage_root)
         ready(marker) · initial() · generate(expected_version, prompts, params, max_prompt_length)
@@ -29,8 +29,8 @@ from grpo_flow.workers.actor.actor import Actor, StaleActorError
 from grpo_flow.workers.backends.weight_sync import WeightPayload, apply_weights, export_weights
 from grpo_flow.workers.rollout.base import GenerationResult, RolloutEngine, SamplingParams
 from grpo_flow.workers.rollout.channel import EngineProcessError
-from grpo_flow.workers.state.location import local_root
-from grpo_flow.workers.state.storage import RunStorage, file_manifest
+from grpo_flow.workers.state.location import local_root, use_storage_options
+from grpo_flow.workers.state.storage import RunStorage
 
 # `publish`'s method for weights handed over as a state dict (in memory, or through Ray's object store)
 # rather than by one of weight_sync's file or bytes methods.
@@ -84,6 +84,8 @@ class ActorServer:
     ) -> None:
         self.config = GRPOFlowConfig.model_validate_json(config_json)
         self.root = local_root(storage_root or self.config.storage_root)
+        use_storage_options(storage_root or self.config.storage_root, self.config.storage_options)
+        self.run_storage = RunStorage(storage_root or self.config.storage_root, self.config.run_id or "unnamed")
         self.storage = storage or LocalDisk()
         self.storage.reload()  # the model may have been uploaded by another worker
         self.run_dir = self.root / "runs" / (self.config.run_id or "unnamed")
@@ -101,17 +103,24 @@ class ActorServer:
         """One optimizer step on a step's logged rollouts; a retry of a step it took is answered, not re-run."""
         return self.actor.step(expected_version, rollouts)
 
-    def save_checkpoint(self, expected_version: int, folder: str, with_files: bool = False) -> dict[str, Any]:
-        """Weights, optimizer, scheduler and RNG states into `folder` (under the storage root); its state,
-        and with `with_files` each file's size and sha256 (for a caller that cannot read the folder)."""
+    def save_checkpoint(
+        self, expected_version: int, step: int, extra: dict[str, Any], files: dict[str, bytes] | None = None
+    ) -> dict[str, Any]:
+        """Checkpoint `step` (weights, optimizer, scheduler and RNG states, and `files` from the caller)
+        written and committed at its final place under the storage root as this worker sees it, the
+        manifest carrying `extra`; then the root is committed (a Modal Volume). Returns the manifest and
+        the folder relative to the root."""
         self._expect(expected_version)
-        path = self.root / folder
-        path.mkdir(parents=True, exist_ok=True)
-        answer: dict[str, Any] = {"state": self.actor.save_checkpoint(path), "folder": str(path)}
+
+        def write(folder: Path) -> dict[str, Any]:
+            for name, data in (files or {}).items():
+                (folder / name).write_bytes(data)
+            return {**self.actor.save_checkpoint(folder), **extra}
+
+        manifest = self.run_storage.write_checkpoint(step, write)
         self.storage.commit()
-        if with_files:
-            answer["files"] = file_manifest(path)
-        return answer
+        folder = self.run_storage.checkpoint_dir(step)
+        return {"manifest": manifest, "folder": f"runs/{self.run_storage.run_id}/checkpoints/{folder.name}"}
 
     def restore(self, folder: str | None) -> int:
         """Back to the checkpoint in `folder` (under the storage root), or to the initial model (None)."""
@@ -119,8 +128,16 @@ class ActorServer:
             self.actor.reset()
         else:
             self.storage.reload()  # the checkpoint may have been written by an earlier worker
-            self.actor.restore(self.root / folder)
+            self.actor.restore(self.checkpoint_folder(folder))
         return self.actor.policy_version
+
+    def checkpoint_folder(self, folder: str) -> Path:
+        """A checkpoint (`runs/<id>/checkpoints/step-N`) as a folder torch reads here: on an object store,
+        downloaded on this worker's machine (a Ray node that shares no disk with the flow's)."""
+        path = Path(folder)
+        if self.run_storage.remote and path.parent == Path("runs", self.run_storage.run_id, "checkpoints"):
+            return self.run_storage.local_checkpoint(int(path.name.split("-")[1]))
+        return self.root / folder
 
     def publish(self, expected_version: int, method: str) -> tuple[Any, dict[str, Any]]:
         """The weights for the engines and what was moved: a state dict (`STATE_DICT`), or a

@@ -5,7 +5,7 @@ healing, over the handles a backend supplies.
     workers.start()                                      # every worker up (verl's init_workers)
     workers.generate(shard, version, prompts, params, max_prompt_length)
     workers.actor_step(expected_version, rollouts)
-    workers.sync_weights() · workers.save_checkpoint(step, folder) · workers.restore(storage, step)
+    workers.sync_weights() · workers.save_checkpoint(storage, step, extra) · workers.restore(storage, step)
 
 A backend says only where each worker runs and how it is called (`Placement`): its `start()`
 returns one `Handle` for the actor and one per rollout engine, each calling the verbs of
@@ -104,12 +104,14 @@ class Placement:
         except ValueError:
             raise ValueError(f"{folder} is not under the run's storage_root {root}") from None
 
-    def wants_checkpoint_files(self) -> bool:
-        """Whether a checkpoint's files stay where this process cannot read them (a Modal Volume)."""
-        return False
+    def checkpoint_written(
+        self, storage: RunStorage, step: int, answer: dict[str, Any], files: dict[str, bytes]
+    ) -> None:
+        """After the actor wrote and committed checkpoint `step` (`answer`: its manifest and folder) where
+        the workers see the storage root; the Modal backend commits a pointer to it in the run's own folder."""
 
-    def checkpoint_written(self, folder: Path, answer: dict[str, Any]) -> None:
-        """After the actor wrote a checkpoint into `folder` (the Modal backend leaves a pointer there)."""
+    def checkpoints_pruned(self, storage: RunStorage, steps: list[int]) -> None:
+        """After `prune_checkpoints` removed these checkpoints from the run's storage (Modal: the Volume's too)."""
 
     def step_metrics(self) -> dict[str, float]:
         """What this backend adds to every actor step's metrics (Modal: GPU-seconds per role)."""
@@ -197,7 +199,7 @@ class Workers:
             self.actor, self.rollout = self.placement.start()
             self.rollout_versions = [0] * len(self.rollout)
             marker = None
-            if self.placement.check_storage:
+            if self.placement.check_storage and not self.storage.remote:  # a URL: each node asked before start
                 marker = self.storage.root / ".storage-check" / f"{self.storage.run_id}-{time.time_ns()}"
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.write_text("grpo-flow\n")
@@ -355,29 +357,37 @@ class Workers:
         return self.placement.engine_pid(index)
 
     # -- checkpoints and resume ----------------------------------------------------------------------------
-    def save_checkpoint(self, version: int, folder: Path) -> dict[str, Any]:
-        """The actor's checkpoint at `version` into `folder`, and what restoring the engines needs when they
-        lag the actor (sync_weights_every > 1): the weights they hold, kept in the checkpoint."""
-        relative = self.placement.worker_folder(folder)
-        with_files = self.placement.wants_checkpoint_files()
-        answer = self.with_actor_at(version, lambda: self.actor.call("save_checkpoint", version, relative, with_files))
-        self.placement.checkpoint_written(Path(folder), answer)
-        return {**answer["state"], **self._rollout_state(Path(folder), version)}
+    def save_checkpoint(self, storage: RunStorage, version: int, extra: dict[str, Any]) -> dict[str, Any]:
+        """Checkpoint `version`, written and committed by the actor under the storage root as it sees it
+        (the writer commits what it wrote), its manifest carrying `extra` and what restoring the engines
+        needs when they lag the actor (sync_weights_every > 1): the weights they hold. Returns the manifest."""
+        state, files = self._rollout_state(version)
+        answer = self.with_actor_at(
+            version, lambda: self.actor.call("save_checkpoint", version, version, {**extra, **state}, files)
+        )
+        self.placement.checkpoint_written(storage, version, answer, files)
+        manifest: dict[str, Any] = answer["manifest"]
+        return manifest
 
-    def _rollout_state(self, folder: Path, actor_version: int) -> dict[str, Any]:
+    def checkpoints_pruned(self, storage: RunStorage, steps: list[int]) -> None:
+        """Pruned checkpoints go from wherever the workers wrote them too (a Modal Volume)."""
+        if steps:
+            self.placement.checkpoints_pruned(storage, steps)
+
+    def _rollout_state(self, actor_version: int) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """(manifest fields, files for the checkpoint) that let a resume give the engines what they hold."""
         rollout_version = self.rollout_version
         state: dict[str, Any] = {"rollout_policy_version": rollout_version}
         if rollout_version == actor_version:
-            return state
+            return state, {}
         if self.published is None:
             raise RuntimeError("rollout workers hold the initial model; restore it from model_path instead")
         weights = self.placement.fetch(self.published[1])
         if isinstance(weights, WeightPayload):
             if weights.method in ("volume", "checkpoint", "lora"):  # versioned files, never written again
-                return {**state, "rollout_weights": weights.path, "rollout_weights_method": weights.method}
+                return {**state, "rollout_weights": weights.path, "rollout_weights_method": weights.method}, {}
             if weights.method == "direct":
-                (folder / ROLLOUT_WEIGHTS).write_bytes(weights.bytes())
-                return state
+                return state, {ROLLOUT_WEIGHTS: weights.bytes()}
             if weights.path is None or not Path(weights.path).is_file():
                 raise RuntimeError(
                     f"the rollout workers hold policy version {rollout_version} and the actor {actor_version}; with "
@@ -385,14 +395,10 @@ class Workers:
                     "read, so a resume from this checkpoint would not be exact. Use 'volume', 'checkpoint', 'direct' "
                     "or 'lora', or sync_weights_every 1."
                 )
-            import shutil
+            return state, {ROLLOUT_WEIGHTS: Path(weights.path).read_bytes()}  # overwritten by the next sync
+        from safetensors.torch import save
 
-            shutil.copyfile(weights.path, folder / ROLLOUT_WEIGHTS)  # `reload`'s file is overwritten by the next sync
-            return state
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in weights.items()}, folder / ROLLOUT_WEIGHTS)
-        return state
+        return state, {ROLLOUT_WEIGHTS: save({k: v.contiguous() for k, v in weights.items()})}
 
     def _rollout_weights_from(self, folder: Path, manifest: dict[str, Any]) -> Any:
         """What `_rollout_state` kept in a checkpoint, as the placement holds published weights."""

@@ -131,6 +131,24 @@ def check_reachable(url: str, write: bool = True) -> None:
         raise StorageURLError(f"{url!r} cannot be {'written' if write else 'read'}: {describe_error(error)}") from None
 
 
+def reach_from_here(root: str, marker: str | None, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Whether this process (a probe on one node of a cluster) reaches a storage root: a URL's store
+    answering a listing, with the run's `options`; a local root by the `marker` file the caller wrote in it.
+    Returns the host and, when it cannot, why."""
+    import socket
+
+    problem = None
+    if is_url(root):
+        use_storage_options(root, options)
+        try:
+            check_reachable(root, write=False)
+        except StorageURLError as error:
+            problem = str(error)
+    elif marker is not None and not Path(marker).is_file():
+        problem = f"{root} is not there, or is another folder than the one this process wrote in"
+    return {"host": socket.gethostname(), "problem": problem}
+
+
 def describe_error(error: BaseException) -> str:
     """A client's error in one line (s3fs wraps botocore's: its text is kept, the traceback is not)."""
     text = " ".join(str(error).split()) or type(error).__name__

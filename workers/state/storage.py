@@ -39,6 +39,9 @@ folder without its manifest is not committed, is skipped by every reader, and is
 run's next writer (`discard_staging`). Torch and transformers write a checkpoint into a local
 folder first (`staging_checkpoint_dir`, under `location.local_root`), which the commit uploads.
 
+The writer commits what it wrote: the actor, wherever it runs, writes and commits its checkpoint
+under the run's storage as it sees it (`write_checkpoint`); the flow only checks the manifest.
+
 Step folders are named `step-000042`, not hive-style `step=000042`: every row already
 carries its `step` column, and a hive folder of the same name makes pandas and pyarrow
 refuse to read the run as one data set (the folder's key and the column clash in type).
@@ -66,6 +69,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from grpo_flow.workers.state.faults import maybe_fail
 from grpo_flow.workers.state.location import is_remote, is_url, local_root, root_path
 from grpo_flow.workers.state.lock import live_holder, pid_alive, this_host
 
@@ -755,11 +759,32 @@ class RunStorage:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def staging_checkpoint_dir(self, step: int) -> Path:
-        """An empty hidden local folder to write a checkpoint into before `commit_checkpoint`."""
+        """An empty hidden local folder to write a checkpoint into before `commit_checkpoint` (`write_checkpoint`)."""
         return staging_folder(self.local_run_dir / "checkpoints", f"step-{step:06d}")
 
     def checkpoint_committed(self, step: int) -> bool:
         return (self.checkpoint_dir(step) / MANIFEST).exists()
+
+    def write_checkpoint(self, step: int, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+        """Checkpoint `step` written at its final place under this storage and committed, by its writer (the
+        actor, wherever it runs): `write(folder)` fills a local staging folder (beside the final one on a
+        local or shared root; under `local_run_dir` on an object store) and returns the manifest's extra
+        fields; `commit_checkpoint` then renames it into place, or puts each file at its final key and the
+        manifest last. Nothing half-written stays behind. Returns the manifest; a checkpoint committed
+        already (a retried call) is answered with its manifest, after a size check."""
+        if self.checkpoint_committed(step):
+            return self.verify_checkpoint(step, checksums=False)
+        staging = self.staging_checkpoint_dir(step)
+        try:
+            started = time.perf_counter()
+            extra = write(staging)
+            maybe_fail("checkpoint", step)
+            extra["write_seconds"] = time.perf_counter() - started
+            self.commit_checkpoint(step, staging, extra)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return self.verify_checkpoint(step, checksums=False)
 
     def commit_checkpoint(self, step: int, staging: Path, extra: dict[str, Any]) -> Path:
         """Write the manifest (file list with sizes and checksums) last, then rename into place; on an

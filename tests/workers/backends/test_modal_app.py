@@ -269,10 +269,12 @@ def test_wrapped_methods_run_locally_on_cpu(model_path, tmp_path):
     assert rollout.ready.local()["policy_version"] == 1
     assert rollout.load_weights.local(payload, 1)["skipped"]  # a retried sync does nothing
 
-    saved = actor.save_checkpoint.local(1, "runs/modal-local/checkpoints/.staging", True)
-    assert saved["state"]["policy_version"] == 1
-    assert {"optimizer.pt", "actor_state.json", "model/model.safetensors"} <= set(saved["files"])
-    assert all(len(entry["sha256"]) == 64 for entry in saved["files"].values())
+    saved = actor.save_checkpoint.local(1, 1, {"config_hash": "abc"})  # written and committed by the actor
+    assert saved["folder"] == "runs/modal-local/checkpoints/step-000001"
+    manifest = saved["manifest"]
+    assert manifest["policy_version"] == 1 and manifest["config_hash"] == "abc"
+    assert {"optimizer.pt", "actor_state.json", "model/model.safetensors"} <= set(manifest["files"])
+    assert RunStorage(tmp_path, "modal-local").verify_checkpoint(1) == manifest
 
 
 def test_rollout_worker_samples_what_the_actor_would_after_a_direct_sync(model_path, tmp_path):
@@ -327,10 +329,17 @@ class TickingClock:
         return self.now
 
 
-def test_workers_run_through_the_modal_placement(model_path, tmp_path):
+def test_workers_run_through_the_modal_placement(model_path, tmp_path, volume):
+    """Each worker in a container of its own, on the Volume double (conftest.py)."""
     config = local_config(tmp_path, weight_sync_method="checkpoint", modal_actor_gpu_count=2)
     placement = ModalPlacement(
-        config, model_path, mode="local", rollout_device="cpu", actor_device="cpu", clock=TickingClock()
+        config,
+        model_path,
+        mode="local",
+        rollout_device="cpu",
+        actor_device="cpu",
+        clock=TickingClock(),
+        mount=volume.mount,
     )
     workers = Workers(config, model_path, placement).start()
     assert len(workers.rollout) == config.num_rollout_workers == 2
@@ -355,12 +364,10 @@ def test_workers_run_through_the_modal_placement(model_path, tmp_path):
     assert workers.rollout_versions == [1, 1]
     assert workers.last_sync["method"] == "checkpoint" and workers.last_sync["bytes"] > 0
 
-    staging = tmp_path / "runs" / "modal-local" / "checkpoints" / ".step-000001.tmp"
-    state = workers.save_checkpoint(1, staging)
+    state = workers.save_checkpoint(storage, 1, {})
     assert state["policy_version"] == 1 and state["rollout_policy_version"] == 1
-    assert (staging / "optimizer.pt").exists()
-    with pytest.raises(ValueError, match="is not under the run's storage_root"):
-        workers.save_checkpoint(1, tmp_path.parent / "elsewhere")
+    assert volume.exists("runs/modal-local/checkpoints/step-000001/optimizer.pt")  # committed on the Volume
+    assert storage.verify_checkpoint(1)["policy_version"] == 1  # the run's folder: a pointer to it
 
     # Back to the start (a resumed run without a checkpoint): the actor and every engine hold version 0.
     assert workers.restore(storage, None) == 0

@@ -275,15 +275,14 @@ def test_a_checkpoint_taken_while_the_engines_lag_restores_them_after_every_work
     store's copy, or the path of the versioned folder on the storage root)."""
     workers, (_, _, result0), run_config = run
     use_method(workers, run_config, method)
-    storage = RunStorage(storage_root, f"ray-unit-lag-{method}")
+    storage = RunStorage(storage_root, run_config.run_id)  # where the actor writes and commits it
     version = workers.actor_version
     workers.sync_weights()  # the engines hold `version`
     lagging = sample(workers, 0, version)[:2]
     workers.actor_step(version, rollouts_table(result0, seed=version))  # the actor moves on, no sync
-    staging = storage.staging_checkpoint_dir(version + 1)
-    state = workers.save_checkpoint(version + 1, staging)
+    state = workers.save_checkpoint(storage, version + 1, {})
     assert state["rollout_policy_version"] == version and ("rollout_weights" in state) == (method == "volume")
-    storage.commit_checkpoint(version + 1, staging, state)
+    assert storage.verify_checkpoint(version + 1) == state
 
     killed = [kill(worker) for worker in (workers.actor, *workers.rollout)]
     assert workers.restore(storage, version + 1) == version

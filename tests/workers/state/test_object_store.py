@@ -176,9 +176,12 @@ def test_a_url_root_with_a_remote_backend_is_refused_naming_what_works():
     from grpo_flow.flows.checks import check_before_start
     from grpo_flow.schemas.presets import preset_config
 
-    config = preset_config("tiny", storage_root="memory://bucket/grpo", backend="ray")
-    with pytest.raises(StartCheckError, match="the ray backend needs a folder"):
+    config = preset_config("tiny", storage_root="memory://bucket/grpo", backend="modal")
+    with pytest.raises(
+        StartCheckError, match="the local and ray backends .* modal backend keeps the run's checkpoints"
+    ):
         check_before_start(config)
+    check_before_start(config.model_copy(update={"backend": "ray"}))  # Ray asks each node at start
 
 
 def test_clear_cache_on_a_url_root_clears_the_local_model_cache(tmp_path, monkeypatch, capsys):
