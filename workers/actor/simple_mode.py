@@ -12,6 +12,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from grpo_flow.schemas.config import GRPOFlowConfig
@@ -58,13 +59,14 @@ def storage_callback(
             step = state.global_step
             if step % config.save_steps and step != plan.total_steps:
                 return
-            staging = storage.staging_checkpoint_dir(step)
-            save_policy(kwargs["model"], kwargs["processing_class"], staging, config.model, plan.model_path, lora)
-            torch.save(kwargs["optimizer"].state_dict(), staging / "optimizer.pt")
-            torch.save(kwargs["lr_scheduler"].state_dict(), staging / "scheduler.pt")
-            storage.commit_checkpoint(
-                step, staging, {"policy_version": step, "mode": "simple", "config_hash": config.training_hash()}
-            )
+
+            def write(folder: Path) -> dict[str, Any]:
+                save_policy(kwargs["model"], kwargs["processing_class"], folder, config.model, plan.model_path, lora)
+                torch.save(kwargs["optimizer"].state_dict(), folder / "optimizer.pt")
+                torch.save(kwargs["lr_scheduler"].state_dict(), folder / "scheduler.pt")
+                return {"policy_version": step, "mode": "simple", "config_hash": config.training_hash()}
+
+            storage.write_checkpoint(step, write)
 
     return StorageCallback()
 
