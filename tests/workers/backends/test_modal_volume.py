@@ -5,7 +5,6 @@ The flow's run folder is elsewhere (as on the user's machine): a checkpoint the 
 Volume, and resume, healing and pruning must find it there.
 """
 
-import pyarrow as pa
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ from grpo_flow.workers.data.loaders import load_task
 from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 from grpo_flow.workers.rollout.base import SamplingParams
 from grpo_flow.workers.state.storage import RunStorage
+from test_modal_app import rollouts_table  # tests/workers/backends/test_modal_app.py
 from volume_double import VolumeDouble  # tests/workers/backends/volume_double.py
 
 # `.local()` warns that no Volume is mounted; the double stands in for it.
@@ -58,18 +58,6 @@ def plan_of(config):
         reward_names=("last_digit",),
         extra_columns=("answer",),
         num_train_prompts=len(load_task("last_digit").train),
-    )
-
-
-def rollouts_table(result, n):
-    generator = torch.Generator().manual_seed(0)
-    return pa.table(
-        {
-            "prompt_token_ids": [ids for ids in result.prompt_token_ids for _ in range(n)],
-            "completion_token_ids": result.completion_token_ids,
-            "sampling_logprobs": result.sampling_logprobs,
-            "advantage": torch.randn(len(result.texts), generator=generator).tolist(),
-        }
     )
 
 
