@@ -165,7 +165,8 @@ def server_environment(home: Path | str, database_url: str | None = None) -> dic
     from grpo_flow import flows  # the recorder settings `import flows` puts in the environment, for this server too;
     # not what it set for the in-memory ephemeral server (the database, the event persister off)
 
-    inherited = {name: value for name, value in os.environ.items() if name not in flows.EPHEMERAL_ONLY}
+    ours = {*flows.EPHEMERAL_ONLY, flows.EPHEMERAL_MARK}
+    inherited = {name: value for name, value in os.environ.items() if name not in ours}
     env = {**inherited, **flows.FAST_RECORDER, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     if database_url is None:  # a SQLite file in its home, not the in-memory default of `import flows`

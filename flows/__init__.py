@@ -28,6 +28,7 @@ happens at import.
 - PREFECT_SERVER_ANALYTICS_ENABLED=false: offline, the server's telemetry logs an error at start.
 """
 
+import json
 import os
 
 FAST_RECORDER = {
@@ -47,12 +48,23 @@ for _name, _value in {**FAST_RECORDER, **SERVER_DEFAULTS}.items():
     os.environ.setdefault(_name, _value)
 # What this import set for the ephemeral server on the in-memory database alone: a `prefect server
 # start` of ours (deployments/local_server.py) leaves these out of its environment.
-EPHEMERAL_ONLY: dict[str, str] = {}
-if not os.environ.get("PREFECT_API_URL") and not any(os.environ.get(name) for name in DATABASE_VARIABLES):
+# A child process inherits them: EPHEMERAL_MARK names them, so that they stay this import's there too
+# (not settings of the user's own) and a `prefect server start` the child makes leaves them out as well.
+EPHEMERAL_MARK = "GRPO_FLOW_EPHEMERAL_ONLY"
+EPHEMERAL_ONLY: dict[str, str] = {
+    name: value
+    for name, value in json.loads(os.environ.get(EPHEMERAL_MARK) or "{}").items()
+    if os.environ.get(name) == value  # a value changed since is the user's
+}
+if not os.environ.get("PREFECT_API_URL") and not any(
+    os.environ.get(name) for name in DATABASE_VARIABLES if name not in EPHEMERAL_ONLY
+):
     EPHEMERAL_ONLY["PREFECT_API_DATABASE_CONNECTION_URL"] = EPHEMERAL_DATABASE
-    if EVENT_PERSISTER not in os.environ:
+    if EVENT_PERSISTER not in os.environ or EVENT_PERSISTER in EPHEMERAL_ONLY:
         EPHEMERAL_ONLY[EVENT_PERSISTER] = "false"
     os.environ.update(EPHEMERAL_ONLY)
+if EPHEMERAL_ONLY:
+    os.environ[EPHEMERAL_MARK] = json.dumps(EPHEMERAL_ONLY)
 
 
 def ephemeral_database_in_memory() -> bool:

@@ -94,3 +94,21 @@ def test_a_prefect_server_start_of_ours_keeps_prefects_event_persister(monkeypat
     env = server_environment(tmp_path / "home")
     assert flows.EVENT_PERSISTER not in env
     assert env["PREFECT_API_DATABASE_CONNECTION_URL"].endswith("prefect.db")
+
+
+def test_a_child_process_knows_what_its_parents_import_set(tmp_path):
+    """pytest-xdist's workers, `grpo serve`'s flow runs: a process started by one that imported `flows`
+    inherits the in-memory database and the event persister off, and still counts them as that import's
+    (so a `prefect server start` it makes keeps the persister)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "GRPO_FLOW_EPHEMERAL"))}
+    code = "from grpo_flow import flows; import json, os; print(json.dumps(flows.EPHEMERAL_ONLY))"
+    parent = (
+        "import os, subprocess, sys; from grpo_flow import flows; subprocess.run([sys.executable, '-c', sys.argv[1]])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", parent, code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+    assert json.loads(done.stdout) == {
+        "PREFECT_API_DATABASE_CONNECTION_URL": "sqlite+aiosqlite:///:memory:",
+        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
+    }

@@ -258,7 +258,12 @@ def check_storage_on_nodes(ray: Any, config: GRPOFlowConfig) -> None:
             f"reads, which a URL storage_root ({root!r}) is not; use 'reload' or 'direct' (Ray's object store)"
         )
     marker = None if is_url(root) else Path(root) / ".storage-check" / f"{config.run_id}-{uuid.uuid4().hex}"
+    made: list[Path] = []  # folders the check creates, removed after it: a refused start leaves nothing
     if marker is not None:
+        folder = marker.parent
+        while not folder.exists():  # deepest first, the order they are removed in
+            made.append(folder)
+            folder = folder.parent
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text("grpo-flow\n")
     probe = ray.remote(num_cpus=0)(reach_from_here)
@@ -279,6 +284,9 @@ def check_storage_on_nodes(ray: Any, config: GRPOFlowConfig) -> None:
     finally:
         if marker is not None:
             marker.unlink(missing_ok=True)
+            for folder in made:
+                with contextlib.suppress(OSError):  # another run's check may use it now
+                    folder.rmdir()
     for answer in answers:
         if answer["problem"]:
             raise RayNotReadyError(storage_problem_message(root, answer))
