@@ -173,7 +173,8 @@ def command_train(args: argparse.Namespace) -> int:
     try:  # everything up to check_before_start runs in about a second: no torch, Prefect or model yet
         use_cli_storage_options(args.storage_root, overrides.get("storage_options"))
         check_storage_root(args.storage_root)
-        existing = overrides.get("run_id") and RunStorage(args.storage_root, overrides["run_id"]).exists()
+        storage = RunStorage(args.storage_root, overrides["run_id"]) if overrides.get("run_id") else None
+        existing = storage is not None and storage.exists()
         if args.resume and not existing:
             where = os.path.join(args.storage_root, "runs")
             raise UsageError(
@@ -181,9 +182,9 @@ def command_train(args: argparse.Namespace) -> int:
                 if overrides.get("run_id")
                 else "--resume needs --run-id"
             )
-        if existing:
-            refuse_if_written(RunStorage(args.storage_root, overrides["run_id"]).run_dir)
-            config = resume_config(RunStorage(args.storage_root, overrides["run_id"]), overrides, args)
+        if storage is not None and existing:
+            refuse_if_written(storage.run_dir)
+            config = resume_config(storage, overrides, args)
             sources, unlisted = dict.fromkeys(overrides, "option"), "the run's config"
         else:
             preset = starting_preset(args.preset, overrides)

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 from test_real_server import (
-    GRPO_DEPLOYMENTS,
     client_env,
-    deployment_names,
     prefect_client,
     running_prefect_server,
     stop,
+    wait_for_deployments,
 )
 
 from grpo_flow.deployments.automations import GUARD_AUTOMATION, RESUME_AUTOMATION, set_up_automations
@@ -71,10 +70,7 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
             start_new_session=True,
         )
         try:
-            deadline = time.monotonic() + 120
-            while not GRPO_DEPLOYMENTS <= deployment_names(url):
-                assert serve.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-                time.sleep(1)
+            wait_for_deployments(url, serve, tmp_path / "serve.log")
             # Serving again replaces the automation rather than adding a second one.
             with temporary_settings(updates={PREFECT_API_URL: url}):
                 assert set_up_automations(True, 2) is None

@@ -10,15 +10,14 @@ import time
 import httpx
 import pytest
 from test_real_server import (
-    GRPO_DEPLOYMENTS,
     artifact,
     artifact_steps,
     client_env,
-    deployment_names,
     deployment_run,
     prefect_client,
     step_flow_runs,
     stop,
+    wait_for_deployments,
 )
 
 from grpo_flow.deployments.local_server import local_postgres, postgres_bindir, prefect_server
@@ -69,11 +68,7 @@ def serve(env, store, log_path, extra_env=None):
         env={**env, "PREFECT_RUNNER_POLL_FREQUENCY": "2", **(extra_env or {})},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not GRPO_DEPLOYMENTS <= deployment_names(env["PREFECT_API_URL"]):
-        assert process.poll() is None, open(log_path).read()[-3000:]
-        assert time.monotonic() < deadline, "grpo serve registered no deployments within 120 s"
-        time.sleep(1)
+    wait_for_deployments(env["PREFECT_API_URL"], process, log_path)
     return process, log
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -106,6 +107,15 @@ def deployment_names(url: str) -> set[str]:
     with prefect_client(url) as client:
         flows = {f.id: f.name for f in client.read_flows()}
         return {f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments()}
+
+
+def wait_for_deployments(url: str, serve: subprocess.Popen, log_path) -> None:
+    """Until `grpo serve` has registered every grpo deployment (it must stay up; 120 s at most)."""
+    deadline = time.monotonic() + 120
+    while not GRPO_DEPLOYMENTS <= deployment_names(url):
+        assert serve.poll() is None, Path(log_path).read_text()[-3000:]
+        assert time.monotonic() < deadline, "grpo serve registered no deployments within 120 s"
+        time.sleep(1)
 
 
 def deployment_run(env: dict[str, str], name: str, *params: str) -> subprocess.CompletedProcess:
@@ -222,11 +232,7 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not GRPO_DEPLOYMENTS <= deployment_names(url):
-            assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "grpo serve registered no deployments within 120 s"
-            time.sleep(1)
+        wait_for_deployments(url, serve, tmp_path / "serve.log")
         with prefect_client(url) as client:
             tiny = client.read_deployment_by_name("grpo/tiny")
 
@@ -393,10 +399,7 @@ def test_serve_stops_promptly_once_its_server_is_gone(tmp_path, signum):
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 120
-        while not GRPO_DEPLOYMENTS <= deployment_names(url):
-            assert serve.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(1)
+        wait_for_deployments(url, serve, tmp_path / "serve.log")
     try:  # the server is stopped now
         serve.send_signal(signum)
         serve.wait(timeout=60)  # its grace is 20 s
