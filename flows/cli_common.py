@@ -16,10 +16,11 @@ class UsageError(Exception):
 
 
 def quiet_prefect(verbose: bool) -> None:
-    """Keep Prefect's per-task logging out of the progress bar unless asked for."""
+    """Keep Prefect's per-task logging out of the progress bar unless asked for. Its console handler alone
+    is quieted: the records still reach the API handler, so a run on a server keeps its log tab."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if not verbose:
-        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # a retry of each hub request was a warning line

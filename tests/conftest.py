@@ -46,6 +46,17 @@ def pytest_runtest_setup(item):
             pytest.skip(reason)
 
 
+@pytest.fixture(autouse=True)
+def environment_as_found():
+    """A test that runs a command in-process (`grpo train`'s main quiets Prefect's console through the
+    environment) leaves os.environ as it found it: the subprocesses of later tests inherit it."""
+    found = dict(os.environ)
+    yield
+    if os.environ != found:
+        os.environ.clear()
+        os.environ.update(found)
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """A temporary Prefect server and database for the whole session (Prefect's own test harness)."""

@@ -87,6 +87,11 @@ def test_a_run_is_recorded_by_the_server_in_prefect_api_url(real_server, tiny_mo
     assert set(names) == set(by_name)
     assert all(by_name[name]["state_type"] == "COMPLETED" for name in names)
     assert by_name["on-server-step-1"]["parent_task_run_id"] is not None  # a subflow of the run
+    # Quiet on the terminal, yet the run's log tab has its one line per step.
+    step_lines = [
+        line for line in flow_run_log(real_server, by_name["on-server"]["id"], until="step 2/2") if ": step " in line
+    ]
+    assert [line.split()[2] for line in step_lines] == ["1/2", "2/2"]
 
 
 # -- deployments on a real server: `grpo serve`, `prefect deployment run`, a process work pool ---------
@@ -103,18 +108,20 @@ def prefect_client(url: str):
         yield client
 
 
-def deployment_names(url: str) -> set[str]:
+def served_deployments(url: str) -> set[str]:
+    """The deployments a runner has polled for scheduled runs (the server sets `last_polled` then)."""
     with prefect_client(url) as client:
         flows = {f.id: f.name for f in client.read_flows()}
-        return {f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments()}
+        return {f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments() if d.last_polled is not None}
 
 
 def wait_for_deployments(url: str, serve: subprocess.Popen, log_path) -> None:
-    """Until `grpo serve` has registered every grpo deployment (it must stay up; 120 s at most)."""
+    """Until `grpo serve`'s runner polls every grpo deployment (it must stay up; 120 s at most). Registered is
+    not enough: the deployments exist before its runner starts, and a Ctrl-C then ends it before any pause."""
     deadline = time.monotonic() + 120
-    while not GRPO_DEPLOYMENTS <= deployment_names(url):
+    while not GRPO_DEPLOYMENTS <= served_deployments(url):
         assert serve.poll() is None, Path(log_path).read_text()[-3000:]
-        assert time.monotonic() < deadline, "grpo serve registered no deployments within 120 s"
+        assert time.monotonic() < deadline, "grpo serve polled for no deployments within 120 s"
         time.sleep(1)
 
 
@@ -181,13 +188,19 @@ def related_ids(event, role: str) -> list[str]:
     return [r.id for r in event.related if r.role == role]
 
 
-def flow_run_log(url: str, flow_run_id) -> list[str]:
-    """The messages of a flow run's log tab (its own and its task runs' lines)."""
+def flow_run_log(url: str, flow_run_id, until: str, timeout_s: float = 30.0) -> list[str]:
+    """The messages of a flow run's log tab (its own and its task runs' lines), once a line has `until` (a
+    flow run's process sends its log lines in batches, the last ones as it exits: after its final state)."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    with prefect_client(url) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    return [log.message for log in sorted(logs, key=lambda log: log.timestamp)]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with prefect_client(url) as client:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        messages = [log.message for log in sorted(logs, key=lambda log: log.timestamp)]
+        if any(until in message for message in messages) or time.monotonic() > deadline:
+            return messages
+        time.sleep(1)
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -274,7 +287,7 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         assert storage.checkpoint_committed(3)
         assert events[0].payload["total_steps"] == 3 and events[-1].payload["status"] == "completed"
         # Its log tab: one line per step with the step's numbers, no "Finished in state Completed()".
-        run_log = flow_run_log(url, flow_run.id)
+        run_log = flow_run_log(url, flow_run.id, until="step 3/3")
         step_lines = [line for line in run_log if line.startswith("dep-run: step ")]
         assert [line.split()[2] for line in step_lines] == ["1/3", "2/3", "3/3"], run_log
         for line, row in zip(step_lines, metrics, strict=True):

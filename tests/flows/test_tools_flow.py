@@ -274,7 +274,8 @@ def test_episodes_with_the_vllm_engine(prefect_server, storage_root, tools_model
 @pytest.mark.slow
 def test_the_tiny_tools_preset_learns_to_use_its_tool(prefect_server, storage_root, tools_model):
     """The bar: held-out accuracy (greedy episodes, 200 prompts) rises by at least 0.5 from the warm start's
-    guess (about 0.1), and the trained policy with its tool disabled stays a guess (at most 0.2)."""
+    guess (about 0.1), and the trained policy with its tool disabled stays a guess (at most 0.2). The first
+    40 of the preset's 120 steps, its first checkpoint: held-out accuracy is 1.00 there already (docs/tools.md)."""
     import torch
 
     from grpo_flow.workers.data.loaders import load_task
@@ -285,7 +286,7 @@ def test_the_tiny_tools_preset_learns_to_use_its_tool(prefect_server, storage_ro
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small runs faster on one thread on a shared machine
     try:
-        config = preset_config("tiny-tools", run_id="tiny-tools-learns", storage_root=str(storage_root))
+        config = preset_config("tiny-tools", run_id="tiny-tools-learns", storage_root=str(storage_root), max_steps=40)
         summary = grpo(config)
     finally:
         torch.set_num_threads(threads)
