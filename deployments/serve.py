@@ -2,6 +2,7 @@
 
     grpo/tiny  grpo/smol-math  grpo/gsm8k  grpo/math  grpo/mbpp    a run from the preset (deployments/grpo.py)
     evaluate/nightly                                flows/evaluate.py's sweep, cron 02:00
+    evaluate/checkpoint                             one checkpoint, on every grpo.checkpoint.saved
 
 Each deployment's parameters are visible defaults (`prefect deployment inspect grpo/tiny`):
 `preset` and `storage_root` for the grpo ones; `storage_root`, `k` and `prompts` for the
@@ -123,16 +124,55 @@ def nightly_deployment(
     )
 
 
+def checkpoint_deployment(
+    storage_root: str | os.PathLike, k: int | None = None, prompts: int | None = None, on_checkpoint: bool = True
+) -> RunnerDeployment:
+    """`evaluate/checkpoint`: the `evaluate` flow on one checkpoint. With `on_checkpoint`, a deployment trigger
+    runs it for every `grpo.checkpoint.saved` of a grpo deployment run, on the run, step and storage root the
+    event names (flows/events.py), one evaluation at a time. Its automation belongs to the deployment: serving
+    again without the trigger removes it."""
+    from prefect.events import DeploymentEventTrigger
+
+    from grpo_flow.flows.evaluate import DEFAULT_K, evaluate
+    from grpo_flow.flows.events import CHECKPOINT_SAVED
+
+    parameters: dict[str, object] = {"storage_root": absolute_root(storage_root), "k": k or DEFAULT_K}
+    if prompts is not None:
+        parameters["prompts"] = prompts
+    trigger = DeploymentEventTrigger(
+        expect={CHECKPOINT_SAVED},
+        match_related={"prefect.resource.role": "deployment"},  # runs that `grpo serve` started
+        parameters={
+            **parameters,
+            "run_id": "{{ event.payload.run_id }}",
+            "checkpoint": "{{ event.payload.step }}",
+            "storage_root": "{{ event.payload.storage_root }}",
+        },
+    )
+    return evaluate.to_deployment(
+        name="checkpoint",
+        parameters=parameters,
+        triggers=[trigger] if on_checkpoint else [],
+        concurrency_limit=1,  # checkpoints saved close together are evaluated one after another
+        description="pass@k of one checkpoint (`--param run_id=... --param checkpoint=N`)"
+        + (", run for every checkpoint a grpo deployment run saves." if on_checkpoint else "."),
+        tags=["evaluate", "checkpoint"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+
+
 def build_deployments(
     storage_root: str | os.PathLike,
     cron: str | None = None,
     timezone: str | None = None,
     k: int | None = None,
     prompts: int | None = None,
+    evaluate_checkpoints: bool = True,
 ) -> list[RunnerDeployment]:
     """Every deployment of the project, for one storage root."""
     nightly = nightly_deployment(storage_root, cron, timezone, k, prompts)  # checks cron and zone first
-    return [*grpo_deployments(storage_root), nightly]
+    checkpoint = checkpoint_deployment(storage_root, k, prompts, evaluate_checkpoints)
+    return [*grpo_deployments(storage_root), nightly, checkpoint]
 
 
 def serve_deployments(
@@ -142,6 +182,7 @@ def serve_deployments(
     k: int | None = None,
     prompts: int | None = None,
     limit: int | None = None,
+    evaluate_checkpoints: bool = True,
 ) -> None:
     """Register every deployment with the server in PREFECT_API_URL and run their flow runs in
     subprocesses of this one until interrupted (Prefect's `serve`, with a bounded stop: see the module
@@ -149,7 +190,7 @@ def serve_deployments(
     from prefect.exceptions import TerminationSignal
     from prefect.flows import _display_serve_start_message  # what prefect.serve prints
 
-    deployments = build_deployments(storage_root, cron, timezone, k, prompts)
+    deployments = build_deployments(storage_root, cron, timezone, k, prompts, evaluate_checkpoints)
     runner = bounded_runner()(pause_on_shutdown=True, limit=limit)
     for deployment in deployments:
         runner.add_deployment(deployment)

@@ -536,7 +536,8 @@ def command_verify(args: argparse.Namespace) -> int:
 
 # -- serve, eval, report ---------------------------------------------------------------------------
 def command_serve(args: argparse.Namespace) -> int:
-    """Register grpo/<preset> and evaluate/nightly with the server in PREFECT_API_URL and run them."""
+    """Register grpo/<preset>, evaluate/nightly and evaluate/checkpoint with the server in PREFECT_API_URL and
+    run them."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before Prefect reads its settings
     from prefect.settings import PREFECT_API_URL
 
@@ -574,13 +575,17 @@ def command_serve(args: argparse.Namespace) -> int:
     warning = set_up_automations(args.auto_resume, args.max_auto_resumes, args.nan_guard)
     if warning:
         print(f"grpo serve: warning: {warning}", file=sys.stderr, flush=True)
-    names = ", ".join([f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"])
+    names = [f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"]
+    names += ["evaluate/checkpoint"]
+    on_checkpoint = "evaluate/checkpoint on every checkpoint; " if args.checkpoint_eval else ""
     print(
-        f"grpo serve: {names} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
-        f"storage root {absolute_root(args.storage_root)}",
+        f"grpo serve: {', '.join(names)} on {api_url}; evaluate/nightly at cron {cron!r} ({timezone}); "
+        f"{on_checkpoint}storage root {absolute_root(args.storage_root)}",
         flush=True,
     )
-    serve_deployments(args.storage_root, cron, timezone, args.eval_k, args.eval_prompts, args.limit)
+    serve_deployments(
+        args.storage_root, cron, timezone, args.eval_k, args.eval_prompts, args.limit, args.checkpoint_eval
+    )
     return 0
 
 
@@ -877,7 +882,8 @@ def make_parser() -> argparse.ArgumentParser:
     verify.set_defaults(handler=command_verify)
 
     serve = commands.add_parser(
-        "serve", help="register grpo/<preset> and evaluate/nightly with the Prefect server and run them"
+        "serve",
+        help="register grpo/<preset>, evaluate/nightly and evaluate/checkpoint with the Prefect server and run them",
     )
     serve.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT, help="storage root of every deployment")
     serve.add_argument(
@@ -908,6 +914,13 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="remove the grpo-guard automation (by default a grpo deployment run is cancelled at a step "
         "whose reward is NaN)",
+    )
+    serve.add_argument(
+        "--no-checkpoint-eval",
+        dest="checkpoint_eval",
+        action="store_false",
+        help="no evaluation on every checkpoint (by default evaluate/checkpoint scores each checkpoint a grpo "
+        "deployment run saves, as evaluate/nightly would)",
     )
     serve.add_argument(
         "--max-auto-resumes",

@@ -2,7 +2,7 @@
 
     grpo.run.started        when the loop starts (a resumed run emits it again)
     grpo.step.completed     every step: its metrics row, as logged in metrics/step-N.parquet
-    grpo.checkpoint.saved   every checkpoint: step, path, policy version
+    grpo.checkpoint.saved   every checkpoint: step, path, policy version, run id, storage root
     grpo.run.finished       completed, or stopped between steps (summary.json's status)
     grpo.run.failed         a step failed: the error and the step
 

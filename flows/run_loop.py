@@ -51,6 +51,7 @@ from grpo_flow.tasks.observability import (
     update_run_progress,
 )
 from grpo_flow.tasks.run import finish_run
+from grpo_flow.workers.state.location import absolute_root
 from grpo_flow.workers.state.storage import RunStorage
 
 
@@ -252,6 +253,10 @@ class RunLoop:
         if step % self.config.save_steps == 0 or step == plan.total_steps:
             path = RunStorage(plan.storage_root, plan.run_id).checkpoint_dir(step)
             payload = {"step": step, "path": str(path), "policy_version": row["policy_version"]}
+            payload |= {
+                "run_id": plan.run_id,
+                "storage_root": absolute_root(plan.storage_root),
+            }  # for evaluate/checkpoint
             events.emit(events.CHECKPOINT_SAVED, plan.run_id, payload)
 
     def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:

@@ -209,7 +209,7 @@ def test_the_wrapper_runs_the_grpo_flow_under_the_run_id(prefect_server, storage
 # -- deployments and schedule ----------------------------------------------------------------------------
 def test_build_deployments_names_entrypoints_parameters_and_schedule(tmp_path):
     deployments = {d.name: d for d in build_deployments(tmp_path / "store", timezone="Europe/Berlin", k=4)}
-    assert set(deployments) == {"tiny", "smol-math", "gsm8k", "math", "mbpp", "nightly"}
+    assert set(deployments) == {"tiny", "smol-math", "gsm8k", "math", "mbpp", "nightly", "checkpoint"}
     for preset in ("tiny", "smol-math", "gsm8k", "math", "mbpp"):
         deployment = deployments[preset]
         assert deployment.flow_name == "grpo" and deployment.entrypoint == "grpo_flow.deployments.grpo.grpo_preset"
@@ -220,6 +220,34 @@ def test_build_deployments_names_entrypoints_parameters_and_schedule(tmp_path):
     assert nightly.parameters == {"storage_root": str((tmp_path / "store").absolute()), "k": 4}
     (schedule,) = nightly.schedules
     assert (schedule.schedule.cron, schedule.schedule.timezone) == ("0 2 * * *", "Europe/Berlin")
+
+
+def test_evaluate_checkpoint_runs_on_each_saved_checkpoint_of_a_deployment_run(tmp_path):
+    """The trigger's parameters as the server renders them from a `grpo.checkpoint.saved` (Prefect's own
+    template upgrade and hydration), then checked against the evaluate flow's schema as the server does."""
+    from prefect.server.events.actions import RunDeployment
+    from prefect.utilities.schema_tools.hydration import HydrationContext, hydrate
+
+    from grpo_flow.flows.evaluate import evaluate
+
+    store = str((tmp_path / "store").absolute())
+    deployments = {d.name: d for d in build_deployments(tmp_path / "store", k=4)}
+    checkpoint = deployments["checkpoint"]
+    assert checkpoint.flow_name == "evaluate" and checkpoint.concurrency_limit == 1
+    assert checkpoint.parameters == {"storage_root": store, "k": 4}
+    (trigger,) = checkpoint.triggers
+    assert trigger.expect == {"grpo.checkpoint.saved"}
+    assert trigger.match_related.model_dump() == {"prefect.resource.role": "deployment"}
+    event = {"payload": {"step": 20, "path": "/x", "policy_version": 20, "run_id": "r1", "storage_root": "s3://b/g"}}
+    parameters = dict(trigger.parameters)
+    RunDeployment._upgrade_v1_templates(parameters)
+    rendered = hydrate(
+        parameters, HydrationContext(raise_on_error=True, render_jinja=True, jinja_context={"event": event})
+    )
+    assert rendered == {"storage_root": "s3://b/g", "k": 4, "run_id": "r1", "checkpoint": 20}
+    validate(rendered, evaluate.parameters.model_dump(), raise_on_error=True)
+    quiet = {d.name: d for d in build_deployments(tmp_path / "store", evaluate_checkpoints=False)}
+    assert quiet["checkpoint"].triggers == []
 
 
 def test_nightly_schedule_from_options_environment_and_defaults(monkeypatch):

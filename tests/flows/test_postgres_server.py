@@ -63,8 +63,10 @@ def serve(env, store, log_path, extra_env=None):
     """`grpo serve` in its own process group; returns once every deployment is registered."""
     log = open(log_path, "a")
     process = subprocess.Popen(
-        # --no-auto-resume: this test resumes its failed run by hand (tests/flows/test_automations.py has the automation's)
-        [sys.executable, "-m", "grpo_flow.flows.cli", "serve", "--storage-root", str(store), "--eval-k", "4", "--no-auto-resume"],
+        # --no-auto-resume: this test resumes its failed run by hand (tests/flows/test_automations.py has the automation's);
+        # --no-checkpoint-eval: the nightly evaluation below scores the last checkpoint (test_real_server.py: on each)
+        [sys.executable, "-m", "grpo_flow.flows.cli", "serve", "--storage-root", str(store), "--eval-k", "4",
+         "--no-auto-resume", "--no-checkpoint-eval"],
         env={**env, "PREFECT_RUNNER_POLL_FREQUENCY": "2", **(extra_env or {})},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pytest
@@ -21,7 +22,12 @@ def running_prefect_server(home, database_url=None):
     in `home` unless `database_url` says otherwise); yields its API URL."""
     from grpo_flow.deployments.local_server import prefect_server
 
-    with prefect_server(home, database_url, log=os.path.join(home, "server.log")) as url:
+    # A deployment run held by its concurrency limit (evaluate/checkpoint's) is tried again after 2 s, not 30.
+    quick_slots = {"PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "2"}
+    with (
+        mock.patch.dict(os.environ, quick_slots),
+        prefect_server(home, database_url, log=os.path.join(home, "server.log")) as url,
+    ):
         yield url
 
 
@@ -96,6 +102,7 @@ def test_a_run_is_recorded_by_the_server_in_prefect_api_url(real_server, tiny_mo
 
 # -- deployments on a real server: `grpo serve`, `prefect deployment run`, a process work pool ---------
 GRPO_DEPLOYMENTS = {"grpo/tiny", "grpo/smol-math", "grpo/gsm8k", "grpo/math", "grpo/mbpp", "evaluate/nightly"}
+GRPO_DEPLOYMENTS |= {"evaluate/checkpoint"}
 
 
 @contextlib.contextmanager
@@ -188,6 +195,22 @@ def related_ids(event, role: str) -> list[str]:
     return [r.id for r in event.related if r.role == role]
 
 
+def completed_runs_of(url: str, deployment_id, names: set[str], timeout_s: float = 300.0) -> set[str]:
+    """The names among `names` of the deployment's completed flow runs, once all are (or at the deadline)."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with prefect_client(url) as client:
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+            )
+        done = {run.name for run in runs if run.state.is_completed()} & names
+        if done == names or time.monotonic() > deadline:
+            return done
+        time.sleep(2)
+
+
 def flow_run_log(url: str, flow_run_id, until: str, timeout_s: float = 30.0) -> list[str]:
     """The messages of a flow run's log tab (its own and its task runs' lines), once a line has `until` (a
     flow run's process sends its log lines in batches, the last ones as it exits: after its final state)."""
@@ -236,6 +259,8 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
             "Europe/Berlin",
             "--eval-k",
             "4",
+            "--eval-prompts",
+            "16",
             "--no-auto-resume",  # the failed run below is resumed by hand (test_automations.py: by the automation)
         ],
         # The runner looks for scheduled work every 10 s by default; every 2 s here.
@@ -283,7 +308,8 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         assert [e.payload for e in events if e.event == "grpo.step.completed"] == metrics
         assert [e.resource["grpo.reward.finite"] for e in events if e.event == "grpo.step.completed"] == ["true"] * 3
         saved = [e.payload for e in events if e.event == "grpo.checkpoint.saved"]
-        assert saved == [{"step": 3, "path": str(storage.checkpoint_dir(3)), "policy_version": 3}]
+        path, root = str(storage.checkpoint_dir(3)), str(store.absolute())
+        assert saved == [{"step": 3, "path": path, "policy_version": 3, "run_id": "dep-run", "storage_root": root}]
         assert storage.checkpoint_committed(3)
         assert events[0].payload["total_steps"] == 3 and events[-1].payload["status"] == "completed"
         # Its log tab: one line per step with the step's numbers, no "Finished in state Completed()".
@@ -339,15 +365,22 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
             True,
             False,
         )
-        done = deployment_run(env, "evaluate/nightly", "prompts=16")
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        # evaluate/checkpoint, started by the server for each grpo.checkpoint.saved: every checkpoint scored.
+        with prefect_client(url) as client:
+            on_checkpoint = client.read_deployment_by_name("evaluate/checkpoint")
+        wanted = {"eval-dep-run-step-3", "eval-dep-resume-step-1", "eval-dep-resume-step-2", "eval-dep-resume-step-3"}
+        assert completed_runs_of(url, on_checkpoint.id, wanted) == wanted
         for run_id in ("dep-run", "dep-resume"):
             evaluated = read_eval_summary(RunStorage(store, run_id).eval_path(3))
             assert evaluated["samples_per_prompt"] == 4 and evaluated["num_prompts"] == 16
             assert 0.0 <= evaluated["pass@1"] <= evaluated["pass@4"] <= 1.0
-            table = artifact(url, f"eval-{run_id}")
-            assert table.type == "table" and '"checkpoint_step": 3' in table.data
-        assert '"action": "evaluated"' in artifact(url, "evaluate-nightly").data
+            tables = artifacts(url, f"eval-{run_id}")
+            assert {t.type for t in tables} == {"table"} and any('"checkpoint_step": 3' in t.data for t in tables)
+        # The nightly sweep, by hand: both runs' newest checkpoints are scored already.
+        done = deployment_run(env, "evaluate/nightly", "prompts=16")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        nightly_table = artifact(url, "evaluate-nightly").data
+        assert nightly_table.count('"action": "skipped"') == 2 and "not newer than its last evaluation" in nightly_table
     finally:
         stop(serve)
         log.close()
