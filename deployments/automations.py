@@ -10,6 +10,10 @@
                    then ends it with SIGTERM during the next step: the run is recorded `interrupted`
                    after the step that tripped the guard, whose rows are kept, and is not resumed.
 
+Beside them, `grpo serve --gpu-slots N` (default 1) sets the global concurrency limit `grpo-gpu`: each
+grpo deployment run holds one of its N slots from its first step to its end (deployments/grpo.py), so
+two runs started together take the machine's accelerators one after the other; 0 removes the limit.
+
 A run that fails on bad input emits no `grpo.run.failed` (it fails before its loop starts) and ends
 Failed, not Crashed, so it is never resumed. The automation passes `auto_resume_limit` with the run
 id; the resumed run counts the run's resumes (`resumes/`, resumes by hand included) and refuses to
@@ -21,8 +25,10 @@ flow process.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+GPU_LIMIT = "grpo-gpu"
 RESUME_AUTOMATION = "grpo-resume"
 GUARD_AUTOMATION = "grpo-guard"
 DEFAULT_MAX_RESUMES = 3
@@ -115,4 +121,23 @@ def set_up_automations(auto_resume: bool, max_resumes: int, nan_guard: bool = Tr
     except Exception as error:  # an old server or one without the permission: training works without it
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return f"could not set up automation {name} ({first_line}); runs are neither resumed nor guarded automatically"
+    return None
+
+
+def set_gpu_slots(slots: int) -> str | None:
+    """The `grpo-gpu` limit with `slots` slots (none with 0); returns a one-line warning when the server
+    refuses it."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            if slots:
+                client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, slots)
+            else:
+                with contextlib.suppress(ObjectNotFound):
+                    client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
+    except Exception as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"could not set the {GPU_LIMIT} concurrency limit ({first_line}); runs may share the accelerators"
     return None

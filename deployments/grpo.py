@@ -40,12 +40,14 @@ import inspect
 import logging
 import os
 import typing
+from collections.abc import Iterator
 from typing import Any, Literal, Optional
 
 from prefect import Flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import Field, ValidationError
 
+from grpo_flow.deployments.automations import GPU_LIMIT
 from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.config import new_run_id
 from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
@@ -53,6 +55,8 @@ from grpo_flow.schemas.presets import PRESETS
 from grpo_flow.workers.state.faults import injected
 from grpo_flow.workers.state.resume import ResumeError, check_config_change, config_for_resume
 from grpo_flow.workers.state.storage import RunStorage
+
+GPU_LEASE_S = 60.0
 
 # Parameters of the wrapper that are not config fields.
 OWN_PARAMETERS = ("preset", "config", "allow_config_change", "fail_at", "auto_resume_limit")
@@ -156,8 +160,29 @@ def _grpo_preset(**parameters: Any) -> dict[str, Any]:
         "its own config (resuming)" if RunStorage(config.storage_root, config.run_id).exists() else f"preset {preset}"
     )
     logger.info("run %s from %s; fields given: %s", config.run_id, origin, sorted(overrides) or "none")
-    with injected(fail_at) if fail_at else contextlib.nullcontext():
+    with gpu_slot(logger), injected(fail_at) if fail_at else contextlib.nullcontext():
         return grpo.fn(config, show_progress=False, allow_config_change=allow_config_change)
+
+
+@contextlib.contextmanager
+def gpu_slot(logger: Any) -> Iterator[None]:
+    """One slot of the server's `grpo-gpu` limit (deployments/automations.py) for the whole run, waited for
+    as long as it takes; nothing when the server has no such limit. Its lease outlives a killed run by at
+    most GPU_LEASE_S, so a resumed run does not wait long for the slot its crashed self held."""
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+    except ObjectNotFound:
+        yield
+        return
+    if limit.active_slots >= limit.limit:
+        logger.info("waiting for a %s slot (%d of %d taken)", GPU_LIMIT, limit.active_slots, limit.limit)
+    with concurrency(GPU_LIMIT, occupy=1, lease_duration=GPU_LEASE_S):
+        yield
 
 
 def _optional(annotation: Any, metadata: list[Any]) -> Any:

@@ -559,6 +559,8 @@ def command_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--limit: must be at least 1, got {args.limit}")
     if args.max_auto_resumes < 1:
         raise UsageError(f"--max-auto-resumes: must be at least 1, got {args.max_auto_resumes}")
+    if args.gpu_slots < 0:
+        raise UsageError(f"--gpu-slots: must be 0 (no limit) or more, got {args.gpu_slots}")
     try:
         cron, timezone = nightly_schedule(args.nightly_cron, args.timezone)
     except DeploymentSettingsError as error:
@@ -570,11 +572,14 @@ def command_serve(args: argparse.Namespace) -> int:
     except ServerStartError as error:
         print(f"grpo serve: {error}", file=sys.stderr)
         return 1
-    from grpo_flow.deployments.automations import set_up_automations
+    from grpo_flow.deployments.automations import set_gpu_slots, set_up_automations
 
-    warning = set_up_automations(args.auto_resume, args.max_auto_resumes, args.nan_guard)
-    if warning:
-        print(f"grpo serve: warning: {warning}", file=sys.stderr, flush=True)
+    for warning in (
+        set_up_automations(args.auto_resume, args.max_auto_resumes, args.nan_guard),
+        set_gpu_slots(args.gpu_slots),
+    ):
+        if warning:
+            print(f"grpo serve: warning: {warning}", file=sys.stderr, flush=True)
     names = [f"grpo/{preset}" for preset in GRPO_PRESETS if preset in PRESETS] + ["evaluate/nightly"]
     names += ["evaluate/checkpoint"]
     on_checkpoint = "evaluate/checkpoint on every checkpoint; " if args.checkpoint_eval else ""
@@ -914,6 +919,14 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="remove the grpo-guard automation (by default a grpo deployment run is cancelled at a step "
         "whose reward is NaN)",
+    )
+    serve.add_argument(
+        "--gpu-slots",
+        type=int,
+        default=1,
+        metavar="N",
+        help="grpo deployment runs at once (the grpo-gpu concurrency limit; others wait for a slot; 0: no limit; "
+        "default: 1)",
     )
     serve.add_argument(
         "--no-checkpoint-eval",

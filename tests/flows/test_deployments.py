@@ -293,6 +293,11 @@ def test_entrypoints_load_from_any_working_directory(tmp_path, monkeypatch):
             {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
             "grpo serve: --max-auto-resumes: must be at least 1, got 0",
         ),
+        (
+            ["serve", "--gpu-slots", "-1"],
+            {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
+            "grpo serve: --gpu-slots: must be 0 (no limit) or more, got -1",
+        ),
     ],
 )
 def test_serve_refuses_bad_input_before_registering_anything(tmp_path, args, env, expected):

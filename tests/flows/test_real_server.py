@@ -132,18 +132,22 @@ def wait_for_deployments(url: str, serve: subprocess.Popen, log_path) -> None:
         time.sleep(1)
 
 
-def deployment_run(env: dict[str, str], name: str, *params: str) -> subprocess.CompletedProcess:
+def start_deployment_run(env: dict[str, str], name: str, *params: str) -> subprocess.Popen:
     """`prefect deployment run NAME --param k=v ... --watch`, as a user types it: exit 0 when Completed."""
     argv = [sys.executable, "-m", "prefect", "deployment", "run", name]
     for param in params:
         argv += ["--param", param]
-    return subprocess.run(
-        [*argv, "--watch", "--watch-interval", "2", "--watch-timeout", "300"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    argv += ["--watch", "--watch-interval", "2", "--watch-timeout", "300"]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_run(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = process.communicate(timeout=400)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def deployment_run(env: dict[str, str], name: str, *params: str) -> subprocess.CompletedProcess:
+    return wait_for_run(start_deployment_run(env, name, *params))
 
 
 def artifacts(url: str, key: str) -> list:
@@ -274,8 +278,11 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         with prefect_client(url) as client:
             tiny = client.read_deployment_by_name("grpo/tiny")
 
-        # A run from the tiny preset, overridden field by field.
+        # A run from the tiny preset, overridden field by field; started with another that fails at step 2 on
+        # purpose (below), which grpo serve's grpo-gpu limit (one slot) runs before or after it, never beside.
         small = [f"model={tiny_model}", "max_steps=3", "prompts_per_step=8", "num_generations=4", "eval_prompts=0"]
+        failing = ["run_id=dep-resume", "save_steps=1", "score_retries=0", "fail_at=score@2"]
+        failing_run = start_deployment_run(env, "grpo/tiny", *small, *failing)
         done = deployment_run(env, "grpo/tiny", *small, "run_id=dep-run")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         storage = RunStorage(store, "dep-run")  # the storage root `grpo serve` gave its deployments
@@ -322,15 +329,19 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
         finished = [line for line in run_log if line.startswith("Finished in state")]
         assert finished == ["Finished in state Completed()"], run_log  # the run's own, once
 
-        # A run that fails at step 2 on purpose, then the same deployment with its run id resumes it.
-        done = deployment_run(
-            env, "grpo/tiny", *small, "run_id=dep-resume", "save_steps=1", "score_retries=0", "fail_at=score@2"
-        )
+        # The run that failed at step 2 on purpose, then the same deployment with its run id resumes it.
+        done = wait_for_run(failing_run)
         assert done.returncode == 1 and "Failed" in done.stdout, done.stdout[-3000:]
         resumed = RunStorage(store, "dep-resume")
         assert resumed.read_summary()["status"] == "failed" and resumed.read_summary()["failed_step"] == 2
         failed = run_events(url, "dep-resume", until="grpo.run.failed")
         assert [e.event for e in failed][-1] == "grpo.run.failed" and failed[-1].payload["failed_step"] == 2
+        # One slot: one run's loop from start to end, then the other's.
+        first, second = sorted([(events[0].occurred, events[-1].occurred), (failed[0].occurred, failed[-1].occurred)])
+        assert first[1] <= second[0], (first, second)
+        with prefect_client(url) as client:
+            gpu = client.read_global_concurrency_limit_by_name("grpo-gpu")
+        assert (gpu.limit, gpu.active_slots) == (1, 0)
         assert resumed.logged_steps() == [1]
         done = deployment_run(env, "grpo/tiny", "run_id=dep-resume")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
