@@ -59,7 +59,8 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
         log = open(tmp_path / "serve.log", "w")
         serve = subprocess.Popen(
             [sys.executable, "-m", "grpo_flow.flows.cli", "serve", "--storage-root", str(store)]
-            + ["--max-auto-resumes", "2", "--no-checkpoint-eval"],  # evaluate/checkpoint: test_real_server.py
+            # Its four runs at once (the grpo-gpu limit and evaluate/checkpoint: test_real_server.py)
+            + ["--max-auto-resumes", "2", "--no-checkpoint-eval", "--gpu-slots", "0"],
             env={
                 **env,
                 "PREFECT_RUNNER_POLL_FREQUENCY": "2",
