@@ -902,6 +902,12 @@ class GRPOFlowConfig(BaseModel):
                 f"completions_per_step ({self.completions_per_step}) must split evenly across actor_num_processes "
                 f"({processes})",
             )
+        if processes > 1 and self.rollout_engine == "vllm":
+            raise FieldRuleError(
+                ("actor_num_processes", "rollout_engine"),
+                f"actor_num_processes ({processes}) runs with transformers rollout engines for now: publishing "
+                "sharded weights to vLLM engines is not built",
+            )
         if processes > 1 and self.backend == "modal" and self.modal_actor_gpu_count != processes:
             raise FieldRuleError(
                 ("actor_num_processes", "modal_actor_gpu_count"),

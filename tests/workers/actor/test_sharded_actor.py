@@ -1,0 +1,112 @@
+"""The actor on 2 ranks (workers/actor/sharded.py, gloo on CPU) against the one-process actor on the same batch:
+the same loss and the same updated weights for loss types whose normalisers differ (dapo: the global token
+count; grpo: per-sequence means; dr_grpo: rows x max_completion_length), full fine-tune and LoRA; and the
+refusals of actor_num_processes a run cannot have."""
+
+from __future__ import annotations
+
+import random
+
+import pyarrow as pa
+import pytest
+import torch
+
+from grpo_flow.flows import checks
+from grpo_flow.flows.checks import StartCheckError, check_device
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.actor.actor import Actor
+from grpo_flow.workers.actor.sharded import ActorGroup
+from grpo_flow.workers.backends import vllm_env
+from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
+
+LEARNING_RATE = 1e-3
+# The two sides sum the same terms in another order (each rank's share, then across ranks): the loss agrees to
+# float32 rounding. Adam's first update is about lr * sign(g), so where a gradient element nearly cancels, that
+# rounding moves its update by a visible fraction of lr (seen: up to 7e-3 x lr); a wrong normaliser moves the
+# updates by about lr and the loss by the ratio of the normalisers.
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-2 * LEARNING_RATE
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen2-sharded")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def rollouts(rows: int = 8) -> pa.Table:
+    """Prompts and completions of different lengths (padding on both sides), advantages of both signs."""
+    rng = random.Random(0)
+    return pa.table(
+        {
+            "prompt_token_ids": [[rng.randrange(3, 20) for _ in range(rng.randrange(2, 6))] for _ in range(rows)],
+            "completion_token_ids": [[rng.randrange(3, 20) for _ in range(rng.randrange(1, 5))] for _ in range(rows)],
+            "advantage": [rng.uniform(-1, 1) for _ in range(rows)],
+        }
+    )
+
+
+def config(**fields) -> GRPOFlowConfig:
+    defaults = {"prompts_per_step": 2, "num_generations": 4, "max_completion_length": 4}
+    return GRPOFlowConfig(run_id="sharded", learning_rate=LEARNING_RATE, **{**defaults, **fields})
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_two_ranks_step_as_one_process(model_path, monkeypatch, loss_type, use_lora):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # each rank one thread: the machine is shared
+    one = Actor(config(loss_type=loss_type, use_lora=use_lora), model_path)
+    one.load()
+    expected = one.step(0, rollouts())
+    expected_weights = one.published_weights()
+    group = ActorGroup(config(loss_type=loss_type, use_lora=use_lora, actor_num_processes=2), model_path)
+    group.load()
+    try:
+        got = group.step(0, rollouts())
+        weights = group.published_weights()
+    finally:
+        group.close()
+    assert group.policy_version == 1
+    assert got["loss"] == pytest.approx(expected["loss"], rel=LOSS_RTOL)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=LOSS_RTOL)
+    assert sorted(weights) == sorted(expected_weights)
+    initial = Actor(config(use_lora=use_lora), model_path)
+    initial.load()
+    moved = [name for name, t in initial.published_weights().items() if not torch.equal(t, expected_weights[name])]
+    assert moved, "the step changed no weight"
+    for name, tensor in expected_weights.items():
+        torch.testing.assert_close(weights[name], tensor, atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
+def test_steps_that_do_not_split_across_the_ranks_are_refused():
+    with pytest.raises(ValueError, match=r"actor_num_processes/prompts_per_step/num_generations: completions_per_step"):
+        config(prompts_per_step=1, num_generations=3, actor_num_processes=2)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"backend": "modal", "modal_actor_gpu_count": 1}, "actor_num_processes/modal_actor_gpu_count: "),
+        ({"backend": "ray", "ray_actor_gpus": 1}, "actor_num_processes/ray_actor_gpus: "),
+        ({"rollout_engine": "vllm"}, "actor_num_processes/rollout_engine: "),
+    ],
+)
+def test_backends_that_cannot_give_the_ranks_are_refused_naming_the_fields(fields, message):
+    with pytest.raises(ValueError, match=message):
+        config(actor_num_processes=2, **fields)
+    config(actor_num_processes=1, **fields)  # one process: what runs today
+
+
+def test_more_ranks_than_cuda_gpus_are_refused_before_anything_loads(monkeypatch):
+    monkeypatch.setattr(vllm_env, "has_cuda", lambda: True)
+    monkeypatch.setattr(vllm_env, "cuda_device_count", lambda: 1)
+    with pytest.raises(StartCheckError) as caught:
+        check_device(config(device="cuda", actor_num_processes=2))
+    assert (caught.value.field, caught.value.message) == (
+        "actor_num_processes",
+        "2 ranks need a CUDA GPU each; this machine has 1",
+    )
+    check_device(config(device="cpu", actor_num_processes=2))  # CPU ranks: as many as asked
+    assert checks.check_device(config(device="cuda")) is None
