@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 import torch
@@ -145,13 +145,17 @@ class ShardedActor(Actor):
         return int(total_rows), torch.tensor(total_tokens, dtype=torch.float32, device=self.device)
 
     def _clip_gradients(self) -> float:
+        from torch.distributed.tensor import DTensor
+
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        return float(norm.full_tensor())  # a DTensor: the norm over every rank's shards
+        assert isinstance(norm, DTensor)  # the norm over every rank's shards
+        return float(norm.full_tensor())
 
     def _module_state(self, module: Any) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(module, options=full_options())  # on rank 0; {} on the others
+        state = get_model_state_dict(module, options=full_options())  # on rank 0; {} on the others
+        return cast(dict[str, torch.Tensor], state)
 
     @contextlib.contextmanager
     def _full_parameters(self) -> Iterator[bool]:
