@@ -110,3 +110,46 @@ def test_more_ranks_than_cuda_gpus_are_refused_before_anything_loads(monkeypatch
     )
     check_device(config(device="cpu", actor_num_processes=2))  # CPU ranks: as many as asked
     assert checks.check_device(config(device="cuda")) is None
+
+
+def second_batch() -> pa.Table:
+    table = rollouts(16).slice(8, 8)
+    return table.set_column(2, "advantage", pa.array([-a for a in table.column("advantage").to_pylist()]))
+
+
+def assert_same_step(got: tuple[dict, dict], expected: tuple[dict, dict], exact: bool = False) -> None:
+    (metrics, weights), (expected_metrics, expected_weights) = got, expected
+    assert metrics["loss"] == pytest.approx(expected_metrics["loss"], rel=0 if exact else LOSS_RTOL)
+    for name, tensor in expected_weights.items():
+        torch.testing.assert_close(weights[name], tensor, atol=0 if exact else WEIGHT_ATOL, rtol=0, msg=name)
+
+
+def test_checkpoints_resume_under_either_number_of_processes(model_path, tmp_path, monkeypatch):
+    """A checkpoint holds the one-process actor's files (the weights a normal transformers folder, the optimizer
+    state whole), whatever wrote it: one written by 2 ranks resumes under 1 and under 2 (bitwise as the unbroken
+    2-rank actor), one written by 1 process under 2."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one_folder, two_folder = tmp_path / "one", tmp_path / "two"
+    one_folder.mkdir(), two_folder.mkdir()
+    one = Actor(config(), model_path)
+    one.load()
+    one.step(0, rollouts())
+    one.save_checkpoint(one_folder)
+    unbroken = (one.step(1, second_batch()), one.published_weights())
+    two = ActorGroup(config(actor_num_processes=2), model_path)
+    two.load()
+    try:
+        two.step(0, rollouts())
+        two.save_checkpoint(two_folder)
+        unbroken_two = (two.step(1, second_batch()), two.published_weights())
+        assert_same_step(unbroken_two, unbroken)
+        two.restore(one_folder)  # written by 1 process
+        assert two.policy_version == 1
+        assert_same_step((two.step(1, second_batch()), two.published_weights()), unbroken)
+        two.restore(two_folder)
+        assert_same_step((two.step(1, second_batch()), two.published_weights()), unbroken_two, exact=True)
+    finally:
+        two.close()
+    resumed = Actor(config(), model_path)
+    resumed.restore(two_folder)  # written by 2 ranks
+    assert_same_step((resumed.step(1, second_batch()), resumed.published_weights()), unbroken)
