@@ -153,3 +153,30 @@ def test_checkpoints_resume_under_either_number_of_processes(model_path, tmp_pat
     resumed = Actor(config(), model_path)
     resumed.restore(two_folder)  # written by 2 ranks
     assert_same_step((resumed.step(1, second_batch()), resumed.published_weights()), unbroken)
+
+
+def test_ranks_with_unequal_micro_batches_step_as_one_process(model_path, monkeypatch):
+    """Rank 0's rows are long and split into a micro-batch each under the token budget; rank 1's short rows fit
+    in one, so it splits them to as many (every forward and backward meets the other rank's collectives).
+    Two iterations: the old log-probs' pass too."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    long_rows, short_rows = [[5, 6, 7, 8, 9]] * 4, [[5, 6]] * 4
+    table = pa.table(
+        {
+            "prompt_token_ids": long_rows + short_rows,
+            "completion_token_ids": [[3, 4, 5, 6]] * 4 + [[7]] * 4,
+            "advantage": [1.0, -0.5, 0.25, -1.0, 0.5, -0.25, 1.0, -1.0],
+        }
+    )
+    fields = {"loss_type": "grpo", "max_tokens_per_microbatch": 12, "num_iterations": 2}
+    one = Actor(config(**fields), model_path)
+    one.load()
+    expected = (one.step(0, table), one.published_weights())
+    two = ActorGroup(config(actor_num_processes=2, **fields), model_path)
+    two.load()
+    try:
+        got = (two.step(0, table), two.published_weights())
+    finally:
+        two.close()
+    assert expected[0]["actor/micro_batches"] == 5 and got[0]["actor/micro_batches"] == 4
+    assert_same_step(got, expected)
