@@ -127,13 +127,13 @@ def assert_same_step(got: tuple[dict, dict], expected: tuple[dict, dict], exact:
 def test_checkpoints_resume_under_either_number_of_processes(model_path, tmp_path, monkeypatch):
     """A checkpoint holds the one-process actor's files (the weights a normal transformers folder, the optimizer
     state whole), whatever wrote it: one written by 2 ranks resumes under 1 and under 2 (bitwise as the unbroken
-    2-rank actor), one written by 1 process under 2."""
+    2-rank actor), one written by 1 process under 2; a reset goes back to the initial model."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     one_folder, two_folder = tmp_path / "one", tmp_path / "two"
     one_folder.mkdir(), two_folder.mkdir()
     one = Actor(config(), model_path)
     one.load()
-    one.step(0, rollouts())
+    first = one.step(0, rollouts())
     one.save_checkpoint(one_folder)
     unbroken = (one.step(1, second_batch()), one.published_weights())
     two = ActorGroup(config(actor_num_processes=2), model_path)
@@ -148,6 +148,9 @@ def test_checkpoints_resume_under_either_number_of_processes(model_path, tmp_pat
         assert_same_step((two.step(1, second_batch()), two.published_weights()), unbroken)
         two.restore(two_folder)
         assert_same_step((two.step(1, second_batch()), two.published_weights()), unbroken_two, exact=True)
+        two.reset()  # a run healed before its first checkpoint: the initial model
+        assert two.policy_version == 0
+        assert two.step(0, rollouts())["loss"] == pytest.approx(first["loss"], rel=LOSS_RTOL)
     finally:
         two.close()
     resumed = Actor(config(), model_path)
