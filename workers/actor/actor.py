@@ -16,6 +16,7 @@ import contextlib
 import json
 import random
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ from grpo_flow.workers.state.resume import BASE_MODEL_FILE, base_model_reference
 
 MODEL_DIR = "model"  # in a checkpoint: a full fine-tune's weights and tokenizer (a save_pretrained folder)
 ADAPTER_DIR = "adapter"  # in a LoRA run's checkpoint: the peft adapter and the tokenizer
+# In a checkpoint written by N ranks (workers/actor/sharded.py): the optimizer state as torch.distributed.checkpoint
+# writes it, a file per rank (one process writes optimizer.pt instead).
+OPTIMIZER_SHARDS_DIR = "optimizer"
 
 
 def save_policy(
@@ -391,8 +395,8 @@ class Actor:
         """A copy of `module`'s state dict, full tensors."""
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
-    def _checkpoint_states(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
-        """The weights a checkpoint saves (None: the model's own) and the optimizer's state dict."""
+    def _checkpoint_states(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        """The weights a checkpoint saves (None: the model's own) and the optimizer's state dict for optimizer.pt."""
         return None, self.objective.optimizer.state_dict()
 
     def _full_parameters(self) -> contextlib.AbstractContextManager[bool]:
@@ -439,7 +443,8 @@ class Actor:
         """Weights (`save_policy`), optimizer, scheduler and RNG states into `folder` (the caller commits it)."""
         weights, optimizer = self._checkpoint_states()
         save_policy(self.model, self.tokenizer, folder, self.config.model, self.model_path, self.uses_lora, weights)
-        torch.save(optimizer, folder / "optimizer.pt")
+        if optimizer is not None:  # None: each rank wrote its shard (OPTIMIZER_SHARDS_DIR)
+            torch.save(optimizer, folder / "optimizer.pt")
         torch.save(self.objective.lr_scheduler.state_dict(), folder / "scheduler.pt")
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
         torch.save(rng, folder / "rng.pt")
@@ -471,7 +476,7 @@ class Actor:
         # config, not the checkpoint, so a change resumed with allow_config_change applies; the moments,
         # step counts and the schedule's position come from the checkpoint.
         configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        self._load_optimizer(folder)
         scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
         for group, settings in zip(optimizer.param_groups, configured, strict=True):
             group.update(settings)
@@ -493,6 +498,21 @@ class Actor:
         self.policy_version = json.loads((folder / "actor_state.json").read_text())["policy_version"]
         self._last_step = None
         self.model.eval()
+
+    def _load_optimizer(self, folder: Path) -> None:
+        """The optimizer's state from optimizer.pt, or whole from the shards N ranks wrote (any N: resharded)."""
+        optimizer = self.objective.optimizer
+        if not (folder / OPTIMIZER_SHARDS_DIR).is_dir():
+            optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.model, optimizer)}
+        with warnings.catch_warnings():  # in one process, loading without a process group is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=folder / OPTIMIZER_SHARDS_DIR)
+        set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
 
     def reset(self) -> None:
         """Back to the initial model (a run that has no checkpoint yet)."""

@@ -21,9 +21,11 @@ The ranks are started with torch.multiprocessing (spawn) rather than torchrun: t
 process that serves the actor's verbs, which keeps a pipe to each; torchrun would start them apart from it,
 with no channel for the calls.
 
-Weights for the engines are gathered as full tensors on rank 0 when asked. A checkpoint holds what the
-one-process actor writes (full weights and optimizer state gathered on rank 0, the same files), so it
-resumes under any actor_num_processes; a restore loads it whole on every rank, then shards it.
+Weights for the engines are gathered as full tensors on rank 0 when asked. A checkpoint holds the optimizer
+state as torch.distributed.checkpoint writes it (a file per rank, `optimizer/`) and otherwise what the
+one-process actor writes (the weights gathered on rank 0: `model/` stays a transformers folder). It resumes
+under any actor_num_processes (the one-process actor reads the shards too): a restore loads it whole on every
+rank, then shards it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_flow.schemas.config import GRPOFlowConfig
-from grpo_flow.workers.actor.actor import Actor, even_micro_batches
+from grpo_flow.workers.actor.actor import OPTIMIZER_SHARDS_DIR, Actor, even_micro_batches
 
 # A rank's answer summed over the ranks (each rank's loss is its share of the whole batch's; each rank's
 # throughput is its own); every other metric is the mean of the ranks'.
@@ -61,18 +63,6 @@ def full_options(cpu_offload: bool = True) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
-
-
-def optimizer_by_index(state: dict[str, Any]) -> dict[str, Any]:
-    """A full optimizer state dict keyed by parameter names (torch.distributed.checkpoint's) keyed by position
-    in the parameter groups instead, as `Optimizer.state_dict()` writes it."""
-    names = [name for group in state["param_groups"] for name in group["params"]]
-    index = {name: i for i, name in enumerate(names)}
-    groups, start = [], 0
-    for group in state["param_groups"]:
-        groups.append({**group, "params": list(range(start, start + len(group["params"])))})
-        start += len(group["params"])
-    return {"state": {index[name]: value for name, value in state["state"].items()}, "param_groups": groups}
 
 
 class ShardedActor(Actor):
@@ -173,15 +163,17 @@ class ShardedActor(Actor):
         state = self._module_state(self.model)
         return get_peft_model_state_dict(self.model, state_dict=state) if self.rank == 0 else {}
 
-    def _checkpoint_states(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        weights = self._module_state(self.model)
-        optimizer = get_optimizer_state_dict(self.model, self.objective.optimizer, options=full_options())
-        return weights, optimizer_by_index(optimizer) if self.rank == 0 else {}
+    def _checkpoint_states(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        return self._module_state(self.model), None  # the optimizer's shards are written apart
 
     def save_checkpoint(self, folder: Path) -> dict[str, Any]:
-        """Rank 0 writes what Actor.save_checkpoint writes, from the gathered weights and optimizer state."""
+        """Each rank writes its optimizer shard (torch.distributed.checkpoint); rank 0 the rest of what
+        Actor.save_checkpoint writes, the weights gathered."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.objective.optimizer)}
+        dcp.save(state, checkpoint_id=folder / OPTIMIZER_SHARDS_DIR)
         if self.rank == 0:
             return super().save_checkpoint(folder)
         self._checkpoint_states()  # the gathers rank 0 waits on

@@ -125,8 +125,8 @@ def assert_same_step(got: tuple[dict, dict], expected: tuple[dict, dict], exact:
 
 
 def test_checkpoints_resume_under_either_number_of_processes(model_path, tmp_path, monkeypatch):
-    """A checkpoint holds the one-process actor's files (the weights a normal transformers folder, the optimizer
-    state whole), whatever wrote it: one written by 2 ranks resumes under 1 and under 2 (bitwise as the unbroken
+    """2 ranks write the optimizer state a shard per rank (torch.distributed.checkpoint) and the weights gathered
+    (a transformers folder, as one process writes them): a checkpoint written by 2 ranks resumes under 1 and under 2 (bitwise as the unbroken
     2-rank actor), one written by 1 process under 2; a reset goes back to the initial model."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     one_folder, two_folder = tmp_path / "one", tmp_path / "two"
@@ -141,6 +141,8 @@ def test_checkpoints_resume_under_either_number_of_processes(model_path, tmp_pat
     try:
         two.step(0, rollouts())
         two.save_checkpoint(two_folder)
+        assert not (two_folder / "optimizer.pt").exists()
+        assert {p.name for p in (two_folder / "optimizer").iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
         unbroken_two = (two.step(1, second_batch()), two.published_weights())
         assert_same_step(unbroken_two, unbroken)
         two.restore(one_folder)  # written by 1 process
