@@ -9,8 +9,8 @@ Every call goes to every rank, which run the same collectives, and rank 0 answer
 `ShardedActor`: the policy (with use_lora the PeftModel) sharded with FSDP2's `fully_shard` on each decoder
 layer, then the root; gloo on CPU, NCCL on GPUs (rank r on cuda:r).
 
-A step's completions go to the ranks in contiguous equal shares (the config refuses a step that does not
-split evenly). The loss is normalised over all ranks' completions: the sequence count and the loss's token
+A step's completions go to the ranks in contiguous shares, equal for a full step (the config refuses one that
+does not split evenly). The loss is normalised over all ranks' completions: the sequence count and the loss's token
 count (dapo's `num_items_in_batch`) are all-reduced, each rank's loss is its exact share of the whole
 batch's, and FSDP's reduce-scatter sums the gradients (its 1/N divide turned off). TRL under N accelerate
 processes divides a rank's dapo loss by the global token count / N and averages the gradients: the same
@@ -113,9 +113,11 @@ class ShardedActor(Actor):
         return tensor.tolist()
 
     def step(self, expected_version: int, rollouts: pa.Table) -> dict[str, float]:
-        """This rank's share of the step's rows through Actor.step; every rank's metrics merged."""
-        share = rollouts.num_rows // self.world_size
-        result = super().step(expected_version, rollouts.slice(self.rank * share, share))
+        """This rank's contiguous share of the step's rows through Actor.step; every rank's metrics merged. The
+        shares are equal when the rows split evenly (the config's rule for a full step), else a row apart (a step
+        dynamic sampling could not fill): the loss is the whole batch's either way."""
+        first, last = (rollouts.num_rows * r // self.world_size for r in (self.rank, self.rank + 1))
+        result = super().step(expected_version, rollouts.slice(first, last - first))
         results: list[Any] = [None] * self.world_size
         dist.all_gather_object(results, result)
         return merge_rank_metrics(results)

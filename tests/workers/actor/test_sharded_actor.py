@@ -185,3 +185,19 @@ def test_ranks_with_unequal_micro_batches_step_as_one_process(model_path, monkey
         two.close()
     assert expected[0]["actor/micro_batches"] == 5 and got[0]["actor/micro_batches"] == 4
     assert_same_step(got, expected)
+
+
+def test_rows_that_do_not_split_evenly_step_as_one_process(model_path, monkeypatch):
+    """A step dynamic sampling could not fill may hold rows that do not split across the ranks: shares a row
+    apart, and the loss still the whole batch's (counts all-reduced, gradients summed)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    table = rollouts(7)
+    one = Actor(config(loss_type="grpo"), model_path)
+    one.load()
+    expected = (one.step(0, table), one.published_weights())
+    two = ActorGroup(config(loss_type="grpo", actor_num_processes=2), model_path)
+    two.load()
+    try:
+        assert_same_step((two.step(0, table), two.published_weights()), expected)
+    finally:
+        two.close()
