@@ -73,12 +73,19 @@ def check_before_start(
 
 
 def check_device(config: GRPOFlowConfig) -> None:
-    """`device cuda` on a machine without a CUDA GPU (nvidia-smi finds none), said before torch loads."""
-    from grpo_flow.workers.backends.vllm_env import has_cuda
+    """`device cuda` on a machine without a CUDA GPU (nvidia-smi finds none), or actor ranks on GPUs that are
+    not there, said before torch loads."""
+    from grpo_flow.workers.backends.vllm_env import cuda_device_count, has_cuda
 
     if config.device == "cuda" and not has_cuda():
         raise StartCheckError(
             "device", "'cuda', but this machine has no CUDA GPU (nvidia-smi finds none); use cpu or auto"
+        )
+    on_gpus = config.device == "cuda" or (config.device == "auto" and has_cuda())
+    if on_gpus and config.actor_num_processes > cuda_device_count():
+        raise StartCheckError(
+            "actor_num_processes",
+            f"{config.actor_num_processes} ranks need a CUDA GPU each; this machine has {cuda_device_count()}",
         )
 
 

@@ -509,6 +509,15 @@ class GRPOFlowConfig(BaseModel):
         description="Rollout workers; each step's groups are split evenly across them.",
         json_schema_extra=SCHEDULE,
     )
+    actor_num_processes: int = Field(
+        default=1,
+        ge=1,
+        description="Processes the actor trains in, one rank each of one torch.distributed process group (gloo on "
+        "CPU, NCCL on GPUs, one GPU a rank), the policy sharded with FSDP2 and each rank taking its share of the "
+        "step's completions (accelerate's num_processes). 1: one process, unsharded. The local backend starts the "
+        "ranks on this machine; completions_per_step must split evenly across them.",
+        json_schema_extra=SCHEDULE_RUNTIME,
+    )
     rollout_engine: RolloutEngine = Field(
         default="transformers",
         description="What generates the completions: `transformers` (its `generate`, in the actor's process or a "
@@ -873,6 +882,7 @@ class GRPOFlowConfig(BaseModel):
                 ("max_tool_calling_iterations", "tools"),
                 "max_tool_calling_iterations given without tools or environment_factory",
             )
+        self._check_actor_processes()
         lora_options = [name for name in LORA_OPTIONS if getattr(self, name) is not None]
         if lora_options and not self.use_lora:
             raise FieldRuleError(lora_options, "LoRA options given without use_lora")
@@ -882,6 +892,33 @@ class GRPOFlowConfig(BaseModel):
                     (name,), f"unknown Modal GPU type {getattr(self, name)!r}; known: {', '.join(MODAL_GPU_TYPES)}"
                 )
         return self
+
+    def _check_actor_processes(self) -> None:
+        """actor_num_processes against what splits across the ranks and what the backend gives the actor."""
+        processes = self.actor_num_processes
+        if self.completions_per_step % processes:
+            raise FieldRuleError(
+                ("actor_num_processes", "prompts_per_step", "num_generations"),
+                f"completions_per_step ({self.completions_per_step}) must split evenly across actor_num_processes "
+                f"({processes})",
+            )
+        if processes > 1 and self.rollout_engine == "vllm":
+            raise FieldRuleError(
+                ("actor_num_processes", "rollout_engine"),
+                f"actor_num_processes ({processes}) runs with transformers rollout engines for now: publishing "
+                "sharded weights to vLLM engines is not built",
+            )
+        if processes > 1 and self.backend == "modal" and self.modal_actor_gpu_count != processes:
+            raise FieldRuleError(
+                ("actor_num_processes", "modal_actor_gpu_count"),
+                f"actor_num_processes ({processes}) needs one GPU a rank; modal_actor_gpu_count is "
+                f"{self.modal_actor_gpu_count}",
+            )
+        if processes > 1 and self.backend == "ray" and self.ray_actor_gpus not in (None, processes):
+            raise FieldRuleError(
+                ("actor_num_processes", "ray_actor_gpus"),
+                f"actor_num_processes ({processes}) needs one GPU a rank; ray_actor_gpus is {self.ray_actor_gpus}",
+            )
 
     @property
     def resolved_vllm_mode(self) -> VLLMMode:

@@ -12,9 +12,11 @@ a rollout engine runs) and `adapter_state_dict()` the adapter alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,18 +31,30 @@ from grpo_flow.workers.state.resume import BASE_MODEL_FILE, base_model_reference
 
 MODEL_DIR = "model"  # in a checkpoint: a full fine-tune's weights and tokenizer (a save_pretrained folder)
 ADAPTER_DIR = "adapter"  # in a LoRA run's checkpoint: the peft adapter and the tokenizer
+# In a checkpoint written by N ranks (workers/actor/sharded.py): the optimizer state as torch.distributed.checkpoint
+# writes it, a file per rank (one process writes optimizer.pt instead).
+OPTIMIZER_SHARDS_DIR = "optimizer"
 
 
-def save_policy(model: Any, tokenizer: Any, folder: Path, model_name: str, model_path: str, lora: bool) -> None:
+def save_policy(
+    model: Any,
+    tokenizer: Any,
+    folder: Path,
+    model_name: str,
+    model_path: str,
+    lora: bool,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
     """A checkpoint's weights: a full fine-tune's in `model/`, a folder any loader opens; a LoRA run's adapter
     and tokenizer in `adapter/`, and in `base_model.json` the base model it adapts (name, folder,
-    fingerprint), not a copy of it (`grpo export` merges the two)."""
+    fingerprint), not a copy of it (`grpo export` merges the two). `state_dict`: the model's weights gathered
+    from its shards (None: the model's own)."""
     if lora:
-        model.save_pretrained(folder / ADAPTER_DIR)
+        model.save_pretrained(folder / ADAPTER_DIR, state_dict=state_dict)
         tokenizer.save_pretrained(folder / ADAPTER_DIR)
         (folder / BASE_MODEL_FILE).write_text(json.dumps(base_model_reference(model_name, model_path)))
     else:
-        model.save_pretrained(folder / MODEL_DIR)
+        model.save_pretrained(folder / MODEL_DIR, state_dict=state_dict)
         tokenizer.save_pretrained(folder / MODEL_DIR)
 
 
@@ -123,7 +137,7 @@ def micro_batches(inputs: dict[str, torch.Tensor], max_tokens: int | None) -> li
     if max_tokens is None or rows * (inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)) <= max_tokens:
         return [inputs]
     prompt_lengths = inputs["prompt_mask"].sum(1).tolist()
-    completion_lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in inputs["completion_mask"]]
+    completion_lengths = completion_widths(inputs)
     bounds, start, widest_prompt, widest_completion = [], 0, 0, 0
     for row in range(rows):
         prompt_width = max(widest_prompt, int(prompt_lengths[row]))
@@ -133,6 +147,26 @@ def micro_batches(inputs: dict[str, torch.Tensor], max_tokens: int | None) -> li
             start, prompt_width, completion_width = row, int(prompt_lengths[row]), completion_lengths[row]
         widest_prompt, widest_completion = prompt_width, completion_width
     bounds.append((start, rows))
+    return cut_rows(inputs, bounds)
+
+
+def even_micro_batches(inputs: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    """Rows split in order into `count` micro-batches of as equal row counts as can be (at most one row
+    apart), each trimmed to its own padding."""
+    rows = inputs["completion_ids"].size(0)
+    edges = [rows * i // count for i in range(count + 1)]
+    return cut_rows(inputs, list(zip(edges[:-1], edges[1:], strict=True)))
+
+
+def completion_widths(inputs: dict[str, torch.Tensor]) -> list[int]:
+    """Each row's completion up to its last token in the mask (1 for a row with none)."""
+    return [int(m.nonzero().max()) + 1 if m.any() else 1 for m in inputs["completion_mask"]]
+
+
+def cut_rows(inputs: dict[str, torch.Tensor], bounds: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
+    """The micro-batches of rows [first, last) for each bound, each trimmed to its own padding."""
+    rows = inputs["completion_ids"].size(0)
+    completion_lengths = completion_widths(inputs)
     parts = []
     for first, last in bounds:
         part = {k: (v[first:last] if k in PER_ROW and v.size(0) == rows else v) for k, v in inputs.items()}
@@ -226,11 +260,16 @@ class Actor:
         )
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.create_optimizer()
+        self.model.eval()
+
+    def create_optimizer(self) -> None:
+        """TRL's optimizer and scheduler over the model's parameters as they are now."""
         # The scheduler counts optimizer steps: num_iterations per step. max_steps may be -1 (epochs);
         # then it only needs an upper bound for linear/cosine decay.
         steps = self.config.max_steps if self.config.max_steps > 0 else 10**6
+        self.objective.optimizer = self.objective.lr_scheduler = None
         self.objective.create_optimizer_and_scheduler(num_training_steps=steps * self.config.num_iterations)
-        self.model.eval()
 
     def _corrects_sampling(self, rollouts: pa.Table) -> bool:
         """The IS correction applies where the sampling log-probs can differ from the actor's: another
@@ -258,7 +297,7 @@ class Actor:
             }
         )
         inputs = loss_inputs(table, self.tokenizer.pad_token_id)
-        parts = micro_batches(inputs, self.max_tokens_per_microbatch)
+        parts = self._parts(inputs)
         with torch.no_grad():
             logps = by_parts(
                 lambda part: trl_objective.per_token_logprobs(self.objective, self.model, part),
@@ -280,13 +319,14 @@ class Actor:
         config, objective = self.config, self.objective
         inputs = loss_inputs(rollouts, self.tokenizer.pad_token_id, config.mask_truncated_completions)
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        rows, inputs["num_items_in_batch"] = self._batch_totals(inputs)
         sampling = inputs.pop("sampling_per_token_logps", None)
         self.model.train()
         extra: dict[str, float] = {}
         correct = sampling is not None and self._corrects_sampling(rollouts)
         budget, width = self.max_tokens_per_microbatch, inputs["completion_ids"].size(1)
         if config.num_iterations > 1 or correct:  # TRL computes the old log-probs in these cases only
-            parts = micro_batches(inputs, budget)
+            parts = self._parts(inputs)
             inputs["old_per_token_logps"] = by_parts(
                 lambda part: trl_objective.old_logprobs(objective, part), parts, width
             )
@@ -297,23 +337,25 @@ class Actor:
             inputs["importance_sampling_ratio"] = ratio
             inputs["sampling_per_token_logps"] = sampling
         if objective.beta != 0.0:
-            parts = micro_batches(inputs, budget)
+            parts = self._parts(inputs)
             inputs["ref_per_token_logps"] = by_parts(
                 lambda part: trl_objective.reference_logprobs(objective, part), parts, width
             )
-        parts = micro_batches(inputs, budget)  # the same split, now carrying the log-probs above
+        parts = self._parts(inputs)  # the same split, now carrying the log-probs above
         losses, grad_norms, learning_rates = [], [], []
         logged: dict[str, list[float]] = {}
         for _ in range(config.num_iterations):
             loss = torch.zeros((), device=self.device)
             for part in parts:
-                normalizer = trl_objective.accumulation_normalizer(config.loss_type, part, inputs)
+                normalizer = trl_objective.accumulation_normalizer(
+                    config.loss_type, part, rows, inputs["num_items_in_batch"]
+                )
                 part_loss, metrics = trl_objective.compute_loss(objective, self.model, part, normalizer)
                 part_loss.backward()
                 loss += part_loss.detach()
                 for name, value in metrics.items():
                     logged.setdefault(name, []).append(value)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)))
+            grad_norms.append(self._clip_gradients())
             learning_rates.append(objective.lr_scheduler.get_last_lr()[0])
             objective.optimizer.step()
             objective.lr_scheduler.step()
@@ -336,22 +378,47 @@ class Actor:
         self._last_step = (self.policy_version, result)
         return result
 
+    # -- what a sharded actor (workers/actor/sharded.py) does otherwise --------------------------------
+    def _parts(self, inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches of every pass over a step's rows."""
+        return micro_batches(inputs, self.max_tokens_per_microbatch)
+
+    def _batch_totals(self, inputs: dict[str, torch.Tensor]) -> tuple[int, torch.Tensor]:
+        """The step's rows and the tokens in its loss (TRL's num_items_in_batch), which the loss normalises by."""
+        return inputs["completion_ids"].size(0), trl_objective.loss_mask(inputs).sum().float()
+
+    def _clip_gradients(self) -> float:
+        """Gradients clipped to max_grad_norm; their norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
+
+    def _module_state(self, module: Any) -> dict[str, torch.Tensor]:
+        """A copy of `module`'s state dict, full tensors."""
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def _checkpoint_states(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        """The weights a checkpoint saves (None: the model's own) and the optimizer's state dict for optimizer.pt."""
+        return None, self.objective.optimizer.state_dict()
+
+    def _full_parameters(self) -> contextlib.AbstractContextManager[bool]:
+        """Within it the parameters are whole tensors; it gives whether this process answers with them."""
+        return contextlib.nullcontext(True)
+
     # -- what rollout workers get --------------------------------------------------------------
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights a rollout engine runs (with use_lora: base + adapter deltas, by peft's own
         get_delta_weight; the actor's base weights are never merged in place, so they do not drift)."""
         if not self.uses_lora:
-            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            return self._module_state(self.model)
         from peft.tuners.lora import LoraLayer
 
         base = self.model.get_base_model()
-        weights: dict[str, torch.Tensor] = {}
-        for name, tensor in base.state_dict().items():
-            if "lora_" in name:
-                continue
-            weights[name.replace(".base_layer.", ".")] = tensor.detach().clone()
-        with torch.no_grad():
-            for name, module in base.named_modules():
+        weights = {
+            name.replace(".base_layer.", "."): tensor
+            for name, tensor in self._module_state(base).items()
+            if "lora_" not in name
+        }
+        with torch.no_grad(), self._full_parameters() as answers:
+            for name, module in base.named_modules() if answers else ():
                 if isinstance(module, LoraLayer):
                     for adapter in module.active_adapters:
                         # peft's LoRA layers define get_delta_weight; the LoraLayer base class does not declare it.
@@ -374,8 +441,10 @@ class Actor:
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, folder: Path) -> dict[str, Any]:
         """Weights (`save_policy`), optimizer, scheduler and RNG states into `folder` (the caller commits it)."""
-        save_policy(self.model, self.tokenizer, folder, self.config.model, self.model_path, self.uses_lora)
-        torch.save(self.objective.optimizer.state_dict(), folder / "optimizer.pt")
+        weights, optimizer = self._checkpoint_states()
+        save_policy(self.model, self.tokenizer, folder, self.config.model, self.model_path, self.uses_lora, weights)
+        if optimizer is not None:  # None: each rank wrote its shard (OPTIMIZER_SHARDS_DIR)
+            torch.save(optimizer, folder / "optimizer.pt")
         torch.save(self.objective.lr_scheduler.state_dict(), folder / "scheduler.pt")
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
         torch.save(rng, folder / "rng.pt")
@@ -407,7 +476,7 @@ class Actor:
         # config, not the checkpoint, so a change resumed with allow_config_change applies; the moments,
         # step counts and the schedule's position come from the checkpoint.
         configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        self._load_optimizer(folder)
         scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
         for group, settings in zip(optimizer.param_groups, configured, strict=True):
             group.update(settings)
@@ -429,6 +498,21 @@ class Actor:
         self.policy_version = json.loads((folder / "actor_state.json").read_text())["policy_version"]
         self._last_step = None
         self.model.eval()
+
+    def _load_optimizer(self, folder: Path) -> None:
+        """The optimizer's state from optimizer.pt, or whole from the shards N ranks wrote (any N: resharded)."""
+        optimizer = self.objective.optimizer
+        if not (folder / OPTIMIZER_SHARDS_DIR).is_dir():
+            optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.model, optimizer)}
+        with warnings.catch_warnings():  # in one process, loading without a process group is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=folder / OPTIMIZER_SHARDS_DIR)
+        set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
 
     def reset(self) -> None:
         """Back to the initial model (a run that has no checkpoint yet)."""

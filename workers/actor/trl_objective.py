@@ -200,15 +200,16 @@ def loss_mask(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
 
 
-def accumulation_normalizer(loss_type: str, part: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> float:
+def accumulation_normalizer(loss_type: str, part: dict[str, torch.Tensor], rows: int, tokens: torch.Tensor) -> float:
     """The `current_gradient_accumulation_steps` that makes a micro-batch's loss its exact share of the whole
-    batch's, for micro-batches of unequal size (TRL assumes equal ones): per-sequence means scale by the
-    sequence count, bnpo by the token count; dapo/cispo/vespo already divide by `num_items_in_batch`."""
+    batch's (`rows` sequences, `tokens` in the loss: on N ranks, all ranks' together), for micro-batches of
+    unequal size (TRL assumes equal ones): per-sequence means scale by the sequence count, bnpo by the token
+    count; dapo/cispo/vespo already divide by `num_items_in_batch`."""
     if loss_type in ("cispo", "dapo", "vespo"):
         return 1.0
     if loss_type == "bnpo":
-        return float(loss_mask(whole).sum().clamp(min=1.0)) / float(loss_mask(part).sum().clamp(min=1.0))
-    return whole["completion_ids"].size(0) / part["completion_ids"].size(0)
+        return float(tokens.clamp(min=1.0)) / float(loss_mask(part).sum().clamp(min=1.0))
+    return rows / part["completion_ids"].size(0)
 
 
 def compute_loss(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.actor.sharded import ActorGroup
 from grpo_flow.workers.backends import vllm_env
 from grpo_flow.workers.backends.servers import STATE_DICT, ActorServer, RolloutServer
 from grpo_flow.workers.backends.workers import Handle, Placement
@@ -45,6 +46,7 @@ class LocalPlacement(Placement):
         self.heal_lock = GENERATION_LOCK
         self.uses_vllm = config.rollout_engine == "vllm"
         self.servers: list[RolloutServer] = []
+        self.actor: ActorServer | None = None
 
     def engine(self, index: int) -> Any:
         """Engine `index` as this backend places it; on CPU the cores are shared out between the engines
@@ -64,7 +66,7 @@ class LocalPlacement(Placement):
         if config.max_staleness:
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // (config.num_rollout_workers + 1)))
         config_json = config.model_dump_json()
-        actor = ActorServer(config_json, self.model_path, device=self.device)
+        actor = self.actor = ActorServer(config_json, self.model_path, device=self.device)
 
         def rollout(index: int) -> RolloutServer:
             server = RolloutServer(config_json, self.model_path, index, self.device, engine=self.engine(index))
@@ -96,3 +98,5 @@ class LocalPlacement(Placement):
     def close(self) -> None:
         for server in self.servers:
             server.shutdown()
+        if self.actor is not None and isinstance(self.actor.actor, ActorGroup):
+            self.actor.actor.close()  # its rank processes

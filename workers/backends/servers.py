@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.actor.actor import Actor, StaleActorError
+from grpo_flow.workers.actor.sharded import ActorGroup
 from grpo_flow.workers.backends.weight_sync import WeightPayload, apply_weights, export_weights
 from grpo_flow.workers.rollout.base import GenerationResult, RolloutEngine, SamplingParams
 from grpo_flow.workers.rollout.channel import EngineProcessError
@@ -89,7 +90,11 @@ class ActorServer:
         self.storage = storage or LocalDisk()
         self.storage.reload()  # the model may have been uploaded by another worker
         self.run_dir = self.root / "runs" / (self.config.run_id or "unnamed")
-        self.actor = Actor(self.config, model_path, device=device)
+        self.actor: Actor | ActorGroup = (
+            Actor(self.config, model_path, device=device)
+            if self.config.actor_num_processes == 1
+            else ActorGroup(self.config, model_path, device=device)  # rank 0 answers the verbs below
+        )
         self.actor.load()
 
     def ready(self, marker: str | None = None) -> dict[str, Any]:

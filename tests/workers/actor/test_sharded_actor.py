@@ -1,0 +1,203 @@
+"""The actor on 2 ranks (workers/actor/sharded.py, gloo on CPU) against the one-process actor on the same batch:
+the same loss and the same updated weights for loss types whose normalisers differ (dapo: the global token
+count; grpo: per-sequence means; dr_grpo: rows x max_completion_length), full fine-tune and LoRA; and the
+refusals of actor_num_processes a run cannot have."""
+
+from __future__ import annotations
+
+import random
+
+import pyarrow as pa
+import pytest
+import torch
+
+from grpo_flow.flows import checks
+from grpo_flow.flows.checks import StartCheckError, check_device
+from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.workers.actor.actor import Actor
+from grpo_flow.workers.actor.sharded import ActorGroup
+from grpo_flow.workers.backends import vllm_env
+from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
+
+LEARNING_RATE = 1e-3
+# The two sides sum the same terms in another order (each rank's share, then across ranks): the loss agrees to
+# float32 rounding. Adam's first update is about lr * sign(g), so where a gradient element nearly cancels, that
+# rounding moves its update by a visible fraction of lr (seen: up to 7e-3 x lr); a wrong normaliser moves the
+# updates by about lr and the loss by the ratio of the normalisers.
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-2 * LEARNING_RATE
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen2-sharded")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def rollouts(rows: int = 8) -> pa.Table:
+    """Prompts and completions of different lengths (padding on both sides), advantages of both signs."""
+    rng = random.Random(0)
+    return pa.table(
+        {
+            "prompt_token_ids": [[rng.randrange(3, 20) for _ in range(rng.randrange(2, 6))] for _ in range(rows)],
+            "completion_token_ids": [[rng.randrange(3, 20) for _ in range(rng.randrange(1, 5))] for _ in range(rows)],
+            "advantage": [rng.uniform(-1, 1) for _ in range(rows)],
+        }
+    )
+
+
+def config(**fields) -> GRPOFlowConfig:
+    defaults = {"prompts_per_step": 2, "num_generations": 4, "max_completion_length": 4}
+    return GRPOFlowConfig(run_id="sharded", learning_rate=LEARNING_RATE, **{**defaults, **fields})
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_two_ranks_step_as_one_process(model_path, monkeypatch, loss_type, use_lora):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # each rank one thread: the machine is shared
+    one = Actor(config(loss_type=loss_type, use_lora=use_lora), model_path)
+    one.load()
+    expected = one.step(0, rollouts())
+    expected_weights = one.published_weights()
+    group = ActorGroup(config(loss_type=loss_type, use_lora=use_lora, actor_num_processes=2), model_path)
+    group.load()
+    try:
+        got = group.step(0, rollouts())
+        weights = group.published_weights()
+    finally:
+        group.close()
+    assert group.policy_version == 1
+    assert got["loss"] == pytest.approx(expected["loss"], rel=LOSS_RTOL)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=LOSS_RTOL)
+    assert sorted(weights) == sorted(expected_weights)
+    initial = Actor(config(use_lora=use_lora), model_path)
+    initial.load()
+    moved = [name for name, t in initial.published_weights().items() if not torch.equal(t, expected_weights[name])]
+    assert moved, "the step changed no weight"
+    for name, tensor in expected_weights.items():
+        torch.testing.assert_close(weights[name], tensor, atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
+def test_steps_that_do_not_split_across_the_ranks_are_refused():
+    with pytest.raises(ValueError, match=r"actor_num_processes/prompts_per_step/num_generations: completions_per_step"):
+        config(prompts_per_step=1, num_generations=3, actor_num_processes=2)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"backend": "modal", "modal_actor_gpu_count": 1}, "actor_num_processes/modal_actor_gpu_count: "),
+        ({"backend": "ray", "ray_actor_gpus": 1}, "actor_num_processes/ray_actor_gpus: "),
+        ({"rollout_engine": "vllm"}, "actor_num_processes/rollout_engine: "),
+    ],
+)
+def test_backends_that_cannot_give_the_ranks_are_refused_naming_the_fields(fields, message):
+    with pytest.raises(ValueError, match=message):
+        config(actor_num_processes=2, **fields)
+    config(actor_num_processes=1, **fields)  # one process: what runs today
+
+
+def test_more_ranks_than_cuda_gpus_are_refused_before_anything_loads(monkeypatch):
+    monkeypatch.setattr(vllm_env, "has_cuda", lambda: True)
+    monkeypatch.setattr(vllm_env, "cuda_device_count", lambda: 1)
+    with pytest.raises(StartCheckError) as caught:
+        check_device(config(device="cuda", actor_num_processes=2))
+    assert (caught.value.field, caught.value.message) == (
+        "actor_num_processes",
+        "2 ranks need a CUDA GPU each; this machine has 1",
+    )
+    check_device(config(device="cpu", actor_num_processes=2))  # CPU ranks: as many as asked
+    assert checks.check_device(config(device="cuda")) is None
+
+
+def second_batch() -> pa.Table:
+    table = rollouts(16).slice(8, 8)
+    return table.set_column(2, "advantage", pa.array([-a for a in table.column("advantage").to_pylist()]))
+
+
+def assert_same_step(got: tuple[dict, dict], expected: tuple[dict, dict], exact: bool = False) -> None:
+    (metrics, weights), (expected_metrics, expected_weights) = got, expected
+    assert metrics["loss"] == pytest.approx(expected_metrics["loss"], rel=0 if exact else LOSS_RTOL)
+    for name, tensor in expected_weights.items():
+        torch.testing.assert_close(weights[name], tensor, atol=0 if exact else WEIGHT_ATOL, rtol=0, msg=name)
+
+
+def test_checkpoints_resume_under_either_number_of_processes(model_path, tmp_path, monkeypatch):
+    """2 ranks write the optimizer state a shard per rank (torch.distributed.checkpoint) and the weights gathered
+    (a transformers folder, as one process writes them): a checkpoint written by 2 ranks resumes under 1 and under 2 (bitwise as the unbroken
+    2-rank actor), one written by 1 process under 2; a reset goes back to the initial model."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one_folder, two_folder = tmp_path / "one", tmp_path / "two"
+    one_folder.mkdir(), two_folder.mkdir()
+    one = Actor(config(), model_path)
+    one.load()
+    first = one.step(0, rollouts())
+    one.save_checkpoint(one_folder)
+    unbroken = (one.step(1, second_batch()), one.published_weights())
+    two = ActorGroup(config(actor_num_processes=2), model_path)
+    two.load()
+    try:
+        two.step(0, rollouts())
+        two.save_checkpoint(two_folder)
+        assert not (two_folder / "optimizer.pt").exists()
+        assert {p.name for p in (two_folder / "optimizer").iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+        unbroken_two = (two.step(1, second_batch()), two.published_weights())
+        assert_same_step(unbroken_two, unbroken)
+        two.restore(one_folder)  # written by 1 process
+        assert two.policy_version == 1
+        assert_same_step((two.step(1, second_batch()), two.published_weights()), unbroken)
+        two.restore(two_folder)
+        assert_same_step((two.step(1, second_batch()), two.published_weights()), unbroken_two, exact=True)
+        two.reset()  # a run healed before its first checkpoint: the initial model
+        assert two.policy_version == 0
+        assert two.step(0, rollouts())["loss"] == pytest.approx(first["loss"], rel=LOSS_RTOL)
+    finally:
+        two.close()
+    resumed = Actor(config(), model_path)
+    resumed.restore(two_folder)  # written by 2 ranks
+    assert_same_step((resumed.step(1, second_batch()), resumed.published_weights()), unbroken)
+
+
+def test_ranks_with_unequal_micro_batches_step_as_one_process(model_path, monkeypatch):
+    """Rank 0's rows are long and split into a micro-batch each under the token budget; rank 1's short rows fit
+    in one, so it splits them to as many (every forward and backward meets the other rank's collectives).
+    Two iterations: the old log-probs' pass too."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    long_rows, short_rows = [[5, 6, 7, 8, 9]] * 4, [[5, 6]] * 4
+    table = pa.table(
+        {
+            "prompt_token_ids": long_rows + short_rows,
+            "completion_token_ids": [[3, 4, 5, 6]] * 4 + [[7]] * 4,
+            "advantage": [1.0, -0.5, 0.25, -1.0, 0.5, -0.25, 1.0, -1.0],
+        }
+    )
+    fields = {"loss_type": "grpo", "max_tokens_per_microbatch": 12, "num_iterations": 2}
+    one = Actor(config(**fields), model_path)
+    one.load()
+    expected = (one.step(0, table), one.published_weights())
+    two = ActorGroup(config(actor_num_processes=2, **fields), model_path)
+    two.load()
+    try:
+        got = (two.step(0, table), two.published_weights())
+    finally:
+        two.close()
+    assert expected[0]["actor/micro_batches"] == 5 and got[0]["actor/micro_batches"] == 4
+    assert_same_step(got, expected)
+
+
+def test_rows_that_do_not_split_evenly_step_as_one_process(model_path, monkeypatch):
+    """A step dynamic sampling could not fill may hold rows that do not split across the ranks: shares a row
+    apart, and the loss still the whole batch's (counts all-reduced, gradients summed)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    table = rollouts(7)
+    one = Actor(config(loss_type="grpo"), model_path)
+    one.load()
+    expected = (one.step(0, table), one.published_weights())
+    two = ActorGroup(config(loss_type="grpo", actor_num_processes=2), model_path)
+    two.load()
+    try:
+        assert_same_step((two.step(0, table), two.published_weights()), expected)
+    finally:
+        two.close()
