@@ -6,7 +6,8 @@
                    as `grpo train --resume` does.
 
     grpo-guard     a `grpo.step.completed` of a grpo deployment run whose reward is not finite (NaN:
-                   no reward function applied to any completion) cancels that flow run. `grpo serve`
+                   no reward function applied to any completion), or whose KL is above the run's
+                   guard_max_kl (`grpo serve --max-kl`), cancels that flow run. `grpo serve`
                    then ends it with SIGTERM during the next step: the run is recorded `interrupted`
                    after the step that tripped the guard, whose rows are kept, and is not resumed.
 
@@ -65,14 +66,17 @@ def resume_automation(max_resumes: int) -> Any:
 
 
 def guard_automation() -> Any:
-    """`grpo-guard`, which cancels a grpo deployment run at a step whose reward is NaN."""
+    """`grpo-guard`, which cancels a grpo deployment run at a step whose reward is NaN or whose KL is above
+    the run's guard_max_kl."""
     from prefect.automations import Automation
     from prefect.events.actions import CancelFlowRun
     from prefect.events.schemas.automations import EventTrigger, Posture
 
+    from grpo_flow.flows.events import GUARD_LABEL, GUARD_TRIPPED
+
     trigger = EventTrigger(
         expect={"grpo.step.completed"},
-        match={"grpo.reward.finite": "false"},  # the label flows/events.py puts on the step's resource
+        match={GUARD_LABEL: list(GUARD_TRIPPED)},  # the label flows/events.py puts on the step's resource
         match_related={"prefect.resource.role": "deployment"},
         posture=Posture.Reactive,
         threshold=1,
@@ -80,7 +84,8 @@ def guard_automation() -> Any:
     # The action cancels the flow run the event is related to: the run's own (events are emitted there).
     return Automation(
         name=GUARD_AUTOMATION,
-        description="Cancel a grpo deployment run at a step whose reward is NaN. Created by `grpo serve`.",
+        description="Cancel a grpo deployment run at a step whose reward is NaN or whose KL is above its "
+        "guard_max_kl (`grpo serve --max-kl`). Created by `grpo serve`.",
         trigger=trigger,
         actions=[CancelFlowRun()],
     )

@@ -76,8 +76,9 @@ def nightly_schedule(cron: str | None = None, timezone: str | None = None) -> tu
     return cron, timezone
 
 
-def grpo_deployments(storage_root: str | os.PathLike) -> list[RunnerDeployment]:
-    """`grpo/<preset>` for each preset in GRPO_PRESETS (that exists in schemas/presets.py)."""
+def grpo_deployments(storage_root: str | os.PathLike, max_kl: float | None = None) -> list[RunnerDeployment]:
+    """`grpo/<preset>` for each preset in GRPO_PRESETS (that exists in schemas/presets.py); `max_kl`, when
+    given, is each one's guard_max_kl (the grpo-guard automation's KL limit)."""
     from grpo_flow.deployments.grpo import grpo_preset
 
     root = absolute_root(storage_root)
@@ -89,7 +90,8 @@ def grpo_deployments(storage_root: str | os.PathLike) -> list[RunnerDeployment]:
         deployments.append(
             grpo_preset.to_deployment(
                 name=preset,
-                parameters={"preset": preset, "storage_root": root},
+                parameters={"preset": preset, "storage_root": root}
+                | ({"guard_max_kl": max_kl} if max_kl is not None else {}),
                 description=f"GRPO run from the `{preset}` preset ({values['model']} on {values['dataset']}). "
                 "Override any config field: `prefect deployment run grpo/" + preset + " --param max_steps=3`.",
                 tags=["grpo", preset],
@@ -168,11 +170,12 @@ def build_deployments(
     k: int | None = None,
     prompts: int | None = None,
     evaluate_checkpoints: bool = True,
+    max_kl: float | None = None,
 ) -> list[RunnerDeployment]:
     """Every deployment of the project, for one storage root."""
     nightly = nightly_deployment(storage_root, cron, timezone, k, prompts)  # checks cron and zone first
     checkpoint = checkpoint_deployment(storage_root, k, prompts, evaluate_checkpoints)
-    return [*grpo_deployments(storage_root), nightly, checkpoint]
+    return [*grpo_deployments(storage_root, max_kl), nightly, checkpoint]
 
 
 def serve_deployments(
@@ -183,6 +186,7 @@ def serve_deployments(
     prompts: int | None = None,
     limit: int | None = None,
     evaluate_checkpoints: bool = True,
+    max_kl: float | None = None,
 ) -> None:
     """Register every deployment with the server in PREFECT_API_URL and run their flow runs in
     subprocesses of this one until interrupted (Prefect's `serve`, with a bounded stop: see the module
@@ -190,7 +194,7 @@ def serve_deployments(
     from prefect.exceptions import TerminationSignal
     from prefect.flows import _display_serve_start_message  # what prefect.serve prints
 
-    deployments = build_deployments(storage_root, cron, timezone, k, prompts, evaluate_checkpoints)
+    deployments = build_deployments(storage_root, cron, timezone, k, prompts, evaluate_checkpoints, max_kl)
     runner = bounded_runner()(pause_on_shutdown=True, limit=limit)
     for deployment in deployments:
         runner.add_deployment(deployment)

@@ -559,6 +559,8 @@ def command_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--limit: must be at least 1, got {args.limit}")
     if args.max_auto_resumes < 1:
         raise UsageError(f"--max-auto-resumes: must be at least 1, got {args.max_auto_resumes}")
+    if args.max_kl is not None and not args.max_kl > 0:
+        raise UsageError(f"--max-kl: must be above 0, got {args.max_kl}")
     if args.gpu_slots < 0:
         raise UsageError(f"--gpu-slots: must be 0 (no limit) or more, got {args.gpu_slots}")
     try:
@@ -589,7 +591,14 @@ def command_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     serve_deployments(
-        args.storage_root, cron, timezone, args.eval_k, args.eval_prompts, args.limit, args.checkpoint_eval
+        args.storage_root,
+        cron,
+        timezone,
+        args.eval_k,
+        args.eval_prompts,
+        args.limit,
+        args.checkpoint_eval,
+        args.max_kl,
     )
     return 0
 
@@ -918,7 +927,7 @@ def make_parser() -> argparse.ArgumentParser:
         dest="nan_guard",
         action="store_false",
         help="remove the grpo-guard automation (by default a grpo deployment run is cancelled at a step "
-        "whose reward is NaN)",
+        "whose reward is NaN, or whose kl is above --max-kl)",
     )
     serve.add_argument(
         "--gpu-slots",
@@ -927,6 +936,14 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="grpo deployment runs at once (the grpo-gpu concurrency limit; others wait for a slot; 0: no limit; "
         "default: 1)",
+    )
+    serve.add_argument(
+        "--max-kl",
+        type=float,
+        default=None,
+        metavar="X",
+        help="grpo-guard also cancels a grpo deployment run at a step whose kl is above X (runs with beta > 0; "
+        "sets each grpo deployment's guard_max_kl; default: no KL limit)",
     )
     serve.add_argument(
         "--no-checkpoint-eval",

@@ -11,8 +11,10 @@ The resource is the run, `grpo.run.<run_id>`. They are emitted in the `grpo` flo
 Emitting only queues the event for Prefect's events worker, which sends it in the background: an
 event never changes what is trained, and with no server listening it is dropped.
 
-JSON has no NaN: a non-finite number is sent as null. A step whose reward is not finite carries the
-resource label `grpo.reward.finite` = `false`, which an automation's trigger can match on.
+JSON has no NaN: a non-finite number is sent as null. A step's resource carries the labels an
+automation's trigger can match on (they match strings, not numbers): `grpo.reward.finite` (`true` or
+`false`) and `grpo.guard`, what a guard should stop the run for: `reward-nan`, `kl-above-limit` (its `kl`
+above the run's guard_max_kl) or `ok`.
 """
 
 from __future__ import annotations
@@ -52,8 +54,15 @@ def emit(event: str, run_id: str, payload: dict[str, Any], labels: dict[str, str
     emit_event(event=event, resource={**run_resource(run_id), **(labels or {})}, payload=json_value(payload))
 
 
-def step_completed(run_id: str, row: dict[str, Any]) -> None:
-    """`grpo.step.completed` with the step's metrics row."""
-    reward = row.get("reward")
+GUARD_LABEL = "grpo.guard"
+GUARD_TRIPPED = ("reward-nan", "kl-above-limit")
+
+
+def step_completed(run_id: str, row: dict[str, Any], max_kl: float | None = None) -> None:
+    """`grpo.step.completed` with the step's metrics row, labelled for the guards (see above)."""
+    reward, kl = row.get("reward"), row.get("kl")
     finite = isinstance(reward, (int, float)) and math.isfinite(reward)
-    emit(STEP_COMPLETED, run_id, row, {"grpo.step": str(row["step"]), "grpo.reward.finite": str(finite).lower()})
+    above = max_kl is not None and isinstance(kl, (int, float)) and not kl <= max_kl  # a NaN KL is above too
+    guard = "ok" if finite and not above else GUARD_TRIPPED[0] if not finite else GUARD_TRIPPED[1]
+    labels = {"grpo.step": str(row["step"]), "grpo.reward.finite": str(finite).lower(), GUARD_LABEL: guard}
+    emit(STEP_COMPLETED, run_id, row, labels)

@@ -249,7 +249,7 @@ class RunLoop:
     def _emit_step_events(self, row: dict[str, Any]) -> None:
         """grpo.step.completed, and grpo.checkpoint.saved when the step saved one (run_step's rule)."""
         plan, step = self.plan, row["step"]
-        events.step_completed(plan.run_id, row)
+        events.step_completed(plan.run_id, row, self.config.guard_max_kl)
         if step % self.config.save_steps == 0 or step == plan.total_steps:
             path = RunStorage(plan.storage_root, plan.run_id).checkpoint_dir(step)
             payload = {"step": step, "path": str(path), "policy_version": row["policy_version"]}

@@ -670,6 +670,15 @@ class GRPOFlowConfig(BaseModel):
         json_schema_extra=RETRIES,
     )
 
+    guard_max_kl: float | None = Field(
+        default=None,
+        gt=0,
+        description="A step whose `kl` is above this is labelled `grpo.guard` = `kl-above-limit` on its "
+        "grpo.step.completed event, on which `grpo serve`'s grpo-guard automation cancels a deployment run (`grpo "
+        "serve --max-kl` sets it). None: no KL limit. Only with beta > 0, where TRL computes the KL.",
+        json_schema_extra=RETRIES,
+    )
+
     # Modal backend (the seeds' option names); ignored by the local backend
     modal_actor_gpu: str = Field(
         default="A100",

@@ -250,6 +250,15 @@ def test_evaluate_checkpoint_runs_on_each_saved_checkpoint_of_a_deployment_run(t
     assert quiet["checkpoint"].triggers == []
 
 
+def test_serves_kl_limit_is_each_grpo_deployments_guard_max_kl(tmp_path):
+    deployments = {d.name: d for d in build_deployments(tmp_path / "store", max_kl=0.5)}
+    for preset in ("tiny", "smol-math", "gsm8k", "math", "mbpp"):
+        assert deployments[preset].parameters["guard_max_kl"] == 0.5
+    merged = deployment_run_parameters(deployments["tiny"].parameters, "run_id=guarded")
+    assert merged["guard_max_kl"] == 0.5  # the server's schema takes it
+    assert "guard_max_kl" not in build_deployments(tmp_path / "store")[0].parameters
+
+
 def test_nightly_schedule_from_options_environment_and_defaults(monkeypatch):
     monkeypatch.delenv("GRPO_FLOW_NIGHTLY_TZ", raising=False)
     monkeypatch.delenv("GRPO_FLOW_NIGHTLY_CRON", raising=False)
@@ -292,6 +301,11 @@ def test_entrypoints_load_from_any_working_directory(tmp_path, monkeypatch):
             ["serve", "--max-auto-resumes", "0"],
             {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
             "grpo serve: --max-auto-resumes: must be at least 1, got 0",
+        ),
+        (
+            ["serve", "--max-kl", "0"],
+            {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
+            "grpo serve: --max-kl: must be above 0, got 0.0",
         ),
         (
             ["serve", "--gpu-slots", "-1"],
