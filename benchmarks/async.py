@@ -66,7 +66,7 @@ def run(
     started = time.perf_counter()
     summary = grpo(config)
     wall = time.perf_counter() - started
-    release(config, run_id)
+    release(run_id)
     rows = RunStorage(storage_root, run_id).read_metrics().to_pylist()
     timed = [r["step_s"] for r in rows[1:]]  # the first step starts processes and warms caches
     tokens = RunStorage(storage_root, run_id).read_rollouts(columns=["completion_tokens"]).column(0).to_pylist()

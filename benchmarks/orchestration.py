@@ -114,14 +114,14 @@ def run_flow_timed(config: Any, direct_steps: int = 0) -> dict[str, Any]:
     if direct_steps:  # the same run continued by the same task functions without Prefect
         from grpo_flow.workers.backends import release
 
-        release(config, config.run_id)
+        release(config.run_id)
         more = config.model_copy(update={"max_steps": config.max_steps + direct_steps})
         try:
             direct = run_steps_directly(more, clock.plan, config.max_steps + 1, more.max_steps)
         finally:
             # No flow ends these steps: release their workers here (Ray ones hold the placement group's
             # CPUs, and the next Ray run would wait for them until its placement timeout).
-            release(more, more.run_id)
+            release(more.run_id)
     return {
         "steps": config.max_steps,
         "wall_s": wall,
@@ -198,7 +198,7 @@ def run_real(workdir: Path, steps: int, model: str | None, ray: bool = False) ->
     try:
         return {**run_flow_timed(config), "model": model}
     finally:
-        release(config, config.run_id)
+        release(config.run_id)
 
 
 def run_prefect_floor(steps: int, tasks_per_step: int) -> dict[str, float]:

@@ -129,9 +129,9 @@ def build_run(
         else:
             run_flow(scaling_config(storage_root, model, run_id, window, save_steps), clock)
             config = scaling_config(storage_root, model, run_id, steps - window, save_steps)
-            backends.release(config, run_id)
+            backends.release(run_id)
             fill_s = sum(run_steps_directly(config, clock.plan, window + 1, steps - window).values())
-            backends.release(config, run_id)  # the flow below resumes as a new process would
+            backends.release(run_id)  # the flow below resumes as a new process would
             run_flow(scaling_config(storage_root, model, run_id, steps, save_steps), clock)
     early, late = range(1, window + 1), range(steps - window + 1, steps + 1)
     per_step = clock.intervals()
@@ -158,7 +158,7 @@ def resume_once(workdir: Path, model: str, run_id: str, to_step: int, save_steps
     clock = StepClock()
     started = time.perf_counter()
     run_flow(config, clock)
-    backends.release(config, run_id)
+    backends.release(run_id)
     return {"to_first_step_s": clock.starts[to_step] - started, "whole_s": time.perf_counter() - started}
 
 

@@ -220,7 +220,7 @@ def finish_run(config: GRPOFlowConfig, plan: RunPlan, summary: dict[str, Any]) -
         description=f"Outcome of run {plan.run_id}",
     )
     wandb_finish(plan.run_id)
-    backends.release(config, plan.run_id)
+    backends.release(plan.run_id)
     release_run_lock(RunStorage(plan.storage_root, plan.run_id).run_dir)
     return summary
 

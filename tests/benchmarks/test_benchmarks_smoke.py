@@ -36,7 +36,7 @@ def test_instant_workers_run_the_real_flow_and_direct_steps_continue_it(prefect_
         assert summary["status"] == "completed"
         assert sorted(clock.intervals()) == [1, 2] and clock.plan.run_id == "instant"
         assert clock.counted["requests"] > 0 and clock.counted["events"] > 0
-        release(config, config.run_id)
+        release(config.run_id)
         more = config.model_copy(update={"max_steps": 4})
         seconds = run_steps_directly(more, clock.plan, 3, 4)
     assert sorted(seconds) == [3, 4]

@@ -32,7 +32,7 @@ def run(storage_root, processes: int) -> RunStorage:
     try:
         assert grpo(config)["status"] == "completed"
     finally:
-        release(config, config.run_id)  # the ranks end with the run's workers
+        release(config.run_id)  # the ranks end with the run's workers
     return RunStorage(storage_root, config.run_id)
 
 

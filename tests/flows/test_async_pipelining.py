@@ -51,7 +51,7 @@ def test_a_failed_async_run_resumes_to_the_unbroken_runs_weights(unbroken, stora
     with pytest.raises(Exception, match="injected failure at stage 'actor' of step 3"):
         with injected("actor@3"):
             grpo(broken)
-    backends.release(broken, broken.run_id)  # as a new process would: fresh actor and engine processes
+    backends.release(broken.run_id)  # as a new process would: fresh actor and engine processes
     summary = grpo(broken)
     assert summary["status"] == "completed"
     storage = RunStorage(storage_root, broken.run_id)

@@ -206,7 +206,7 @@ def test_steps_without_subflows_train_the_same_and_make_no_step_subflow_runs(pre
             step_subflows=step_subflows,
         )
         assert grpo(config)["status"] == "completed"
-        release(config, config.run_id)
+        release(config.run_id)
         runs[step_subflows] = RunStorage(storage_root, config.run_id)
     with_subflows, without = runs[True], runs[False]
     assert without.read_rollouts(columns=["completion"]).equals(with_subflows.read_rollouts(columns=["completion"]))

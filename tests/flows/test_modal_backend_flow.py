@@ -80,7 +80,7 @@ def test_a_failed_modal_run_resumes_from_its_checkpoint_and_ends_where_an_unbrok
     with pytest.raises(Exception, match="injected failure at stage 'actor' of step 4"):
         with injected("actor@4"):
             grpo(broken)
-    backends.release(broken, broken.run_id)  # as a new process would: fresh Modal containers
+    backends.release(broken.run_id)  # as a new process would: fresh Modal containers
     summary = grpo(broken)
     assert summary["status"] == "completed" and summary["steps_completed"] == 4
 

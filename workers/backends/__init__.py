@@ -80,7 +80,7 @@ def start_workers(config: GRPOFlowConfig, model_path: str | Path) -> Any:
     return _STARTED.get(config.run_id, lambda: Workers(config, model_path, placement(config, model_path)).start())
 
 
-def run_workers(config: GRPOFlowConfig, model_path: str | Path | None = None) -> Any:
+def run_workers(config: GRPOFlowConfig) -> Any:
     """The run's started workers."""
     assert config.run_id is not None
     workers = _STARTED.peek(config.run_id)
@@ -96,7 +96,7 @@ def engines_in_this_process(config: GRPOFlowConfig) -> bool:
     return config.backend == "local" and config.rollout_engine == "transformers" and not config.max_staleness
 
 
-def release(config: GRPOFlowConfig, run_id: str) -> None:
+def release(run_id: str) -> None:
     """End the run's workers (their processes, containers, Ray actors); the storage root keeps everything."""
     _STARTED.release(run_id)
 
