@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: `python -m benchmarks.X` runs from here
 QUIET_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",  # as `grpo train` quiets it: the console alone
     "TRANSFORMERS_VERBOSITY": "error",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "HF_HUB_OFFLINE": "1",

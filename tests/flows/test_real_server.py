@@ -246,7 +246,7 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
     """`grpo serve`, then `prefect deployment run` as a user types it: a run, a run failed at step 2
     on purpose and resumed there, the nightly evaluation by hand; checked on disk and through the API."""
     from grpo_flow.flows.evaluate import read_eval_summary
-    from grpo_flow.workers.state.storage import RunStorage
+    from grpo_flow.workers.state.storage import RunStorage, eval_metric_names
 
     url, store = real_server, tmp_path / "store"
     env = client_env(url, tmp_path / "client-home")
@@ -387,6 +387,19 @@ def test_served_deployments_run_fail_resume_and_evaluate_nightly(real_server, ti
             assert 0.0 <= evaluated["pass@1"] <= evaluated["pass@4"] <= 1.0
             tables = artifacts(url, f"eval-{run_id}")
             assert {t.type for t in tables} == {"table"} and any('"checkpoint_step": 3' in t.data for t in tables)
+        # The same scores as `grpo eval` of that checkpoint with the same k and prompts.
+        served = read_eval_summary(RunStorage(store, "dep-run").eval_path(3))
+        argv = ["eval", "dep-run", "--checkpoint", "3", "--k", "4", "--prompts", "16", "--force"]
+        again = subprocess.run(
+            [sys.executable, "-m", "grpo_flow.flows.cli", *argv, "--storage-root", str(store)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+        by_hand = read_eval_summary(RunStorage(store, "dep-run").eval_path(3))
+        assert {m: by_hand[m] for m in eval_metric_names(served)} == {m: served[m] for m in eval_metric_names(served)}
         # The nightly sweep, by hand: both runs' newest checkpoints are scored already.
         done = deployment_run(env, "evaluate/nightly", "prompts=16")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
