@@ -124,8 +124,7 @@ def set_up_automations(auto_resume: bool, max_resumes: int, nan_guard: bool = Tr
             else:
                 put_automation(resume_automation(max_resumes) if name == RESUME_AUTOMATION else guard_automation())
     except Exception as error:  # an old server or one without the permission: training works without it
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return f"could not set up automation {name} ({first_line}); runs are neither resumed nor guarded automatically"
+        return f"could not set up automation {name} ({first_line(error)}); runs are neither resumed nor guarded automatically"
     return None
 
 
@@ -143,6 +142,10 @@ def set_gpu_slots(slots: int) -> str | None:
                 with contextlib.suppress(ObjectNotFound):
                     client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
     except Exception as error:
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return f"could not set the {GPU_LIMIT} concurrency limit ({first_line}); runs may share the accelerators"
+        return f"could not set the {GPU_LIMIT} concurrency limit ({first_line(error)}); runs may share the accelerators"
     return None
+
+
+def first_line(error: Exception) -> str:
+    """What a server's refusal says, in one line (its class name when it says nothing)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
