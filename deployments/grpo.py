@@ -39,6 +39,7 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import typing
 from collections.abc import Iterator
 from typing import Any, Literal, Optional
@@ -49,6 +50,7 @@ from pydantic import Field, ValidationError
 
 from grpo_flow.deployments.automations import GPU_LIMIT
 from grpo_flow.flows.grpo import grpo
+from grpo_flow.flows.interrupt import record_stopped_at_once, run_until_cancelled
 from grpo_flow.schemas.config import new_run_id
 from grpo_flow.schemas.config import GRPOFlowConfig, describe_validation_error
 from grpo_flow.schemas.presets import PRESETS
@@ -161,7 +163,31 @@ def _grpo_preset(**parameters: Any) -> dict[str, Any]:
     )
     logger.info("run %s from %s; fields given: %s", config.run_id, origin, sorted(overrides) or "none")
     with gpu_slot(logger), injected(fail_at) if fail_at else contextlib.nullcontext():
-        return grpo.fn(config, show_progress=False, allow_config_change=allow_config_change)
+        return run_until_cancelled(
+            lambda: grpo.fn(config, show_progress=False, allow_config_change=allow_config_change),
+            cancel_reason,
+            lambda: record_stopped_at_once(config),
+        )
+
+
+def cancel_reason() -> str | None:
+    """Why this flow run is being cancelled: its Cancelling state's message, an automation named by its
+    name. None when it is not (a bare SIGTERM) or the server cannot say."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run.get_id()).state
+            if state is None or not state.is_cancelling():
+                return None
+            message = state.message or "cancelled"
+            if (found := re.search(r"Automation ([0-9a-f-]{36})", message)) and (
+                automation := client.read_automation(found.group(1))
+            ):
+                message = message.replace(found.group(0), f"automation {automation.name}")
+            return message
+    except Exception:  # the server gone: stop as for any SIGTERM
+        return None
 
 
 @contextlib.contextmanager

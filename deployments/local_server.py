@@ -182,14 +182,15 @@ def prefect_server(
     """`prefect server start` on 127.0.0.1 with its own PREFECT_HOME, on `database_url` (a SQLite
     file in `home` when None); yields its API URL once healthy; stops it on exit."""
     port = port or free_port()
+    url = f"http://127.0.0.1:{port}/api"
     Path(home).mkdir(parents=True, exist_ok=True)
+    # The UI asks the API at PREFECT_UI_API_URL, which `--port` does not change (it stays on 4200).
+    env = {**server_environment(home, database_url), "PREFECT_UI_API_URL": url}
     with open(log or os.devnull, "ab") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=server_environment(home, database_url), stdout=log_file, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/api"
     try:
         deadline = time.monotonic() + 120
         while True:

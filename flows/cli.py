@@ -297,19 +297,10 @@ def stop_at_once(config: GRPOFlowConfig, signum: int) -> None:
     interrupted from what is on disk, end the engine processes and the server, exit now. Safe: the run
     survives being killed anywhere (flows/interrupt.py)."""
     from grpo_flow.flows.ephemeral_server import stop_ephemeral_server_now
-    from grpo_flow.flows.interrupt import exit_status, interrupted_summary, resume_command
-    from grpo_flow.workers import backends
-    from grpo_flow.workers.state.storage import RunStorage
+    from grpo_flow.flows.interrupt import exit_status, record_stopped_at_once, resume_command
 
-    storage = RunStorage(config.storage_root, config.run_id or "")
     try:
-        if storage.exists():
-            previous = storage.read_summary()
-            steps = storage.logged_steps()
-            total = config.max_steps if config.max_steps > 0 else (previous or {}).get("total_steps")
-            summary = interrupted_summary(previous, storage.run_id, steps[-1] if steps else 0, total)
-            storage.write_summary({**summary, "stopped_at_once": True})
-        backends.kill(storage.run_id)
+        record_stopped_at_once(config)
         stop_ephemeral_server_now()
         print(
             f"grpo train: run {config.run_id} stopped at once ({signal_name(signum)}); resume with: "

@@ -58,11 +58,18 @@ GUARD_LABEL = "grpo.guard"
 GUARD_TRIPPED = ("reward-nan", "kl-above-limit")
 
 
+def guard_verdict(row: dict[str, Any], max_kl: float | None = None) -> str:
+    """What a guard should stop the run for at this step: `reward-nan`, `kl-above-limit` or `ok`."""
+    reward, kl = row.get("reward"), row.get("kl")
+    if not (isinstance(reward, (int, float)) and math.isfinite(reward)):
+        return GUARD_TRIPPED[0]
+    above = max_kl is not None and isinstance(kl, (int, float)) and not kl <= max_kl  # a NaN KL is above too
+    return GUARD_TRIPPED[1] if above else "ok"
+
+
 def step_completed(run_id: str, row: dict[str, Any], max_kl: float | None = None) -> None:
     """`grpo.step.completed` with the step's metrics row, labelled for the guards (see above)."""
-    reward, kl = row.get("reward"), row.get("kl")
+    reward = row.get("reward")
     finite = isinstance(reward, (int, float)) and math.isfinite(reward)
-    above = max_kl is not None and isinstance(kl, (int, float)) and not kl <= max_kl  # a NaN KL is above too
-    guard = "ok" if finite and not above else GUARD_TRIPPED[0] if not finite else GUARD_TRIPPED[1]
-    labels = {"grpo.step": str(row["step"]), "grpo.reward.finite": str(finite).lower(), GUARD_LABEL: guard}
-    emit(STEP_COMPLETED, run_id, row, labels)
+    labels = {"grpo.step": str(row["step"]), "grpo.reward.finite": str(finite).lower()}
+    emit(STEP_COMPLETED, run_id, row, {**labels, GUARD_LABEL: guard_verdict(row, max_kl)})

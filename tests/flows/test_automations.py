@@ -123,7 +123,8 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
             stop(serve)
             log.close()
 
-        assert (status(storage), status(held_storage)) == ("completed", "interrupted")
+        # Cancelled by hand while held in a step: stopped at once after the grace, recorded as cancelled.
+        assert (status(storage), status(held_storage)) == ("completed", "cancelled")
         summary = storage.read_summary()
         assert summary["resumed_from_step"] == 1 and summary["steps_completed"] == 3
         assert storage.logged_steps() == [1, 2, 3] and storage.resume_count() == 1
@@ -131,14 +132,22 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
         assert second.deployment_id == tiny.id
         assert second.parameters["run_id"] == "auto-kill" and second.parameters["auto_resume_limit"] == 2
         assert "fail_at" not in second.parameters  # the deployment's own parameters, and the run id
-        assert held_storage.read_summary()["interrupted_by"] == "SIGTERM" and held_storage.logged_steps() == [1]
+        held_summary = held_storage.read_summary()
+        assert held_summary["interrupted_by"] == "SIGTERM" and held_summary["stopped_at_once"] is True
+        assert held_storage.logged_steps() == [1]
         assert states(url, "auto-cancel") == ["CANCELLED"]  # not resumed
         (bad_run,) = flow_runs_named(url, "auto-bad")
         assert bad_run.state.type.value == "FAILED" and "prompts_per_step" in bad_run.state.message
         # The guard: cancelled (once, not resumed) after step 3, the first whose reward is NaN, and
         # before its last step; every logged row kept.
         guarded = RunStorage(store, "auto-nan")
-        assert guarded.read_summary()["status"] == "interrupted"
+        summary = guarded.read_summary()
+        # Between two steps, as Ctrl-C stops a run, naming the automation and the step that tripped it.
+        assert summary["status"] == "cancelled" and "stopped_at_once" not in summary
+        assert "automation grpo-guard" in summary["cancelled_by"]
+        assert (summary["guard"], summary["guard_step"]) == ("reward-nan", 3)
+        (guarded_run,) = flow_runs_named(url, "auto-nan")
+        assert "step 3: reward-nan" in guarded_run.state.message
         rewards = guarded.read_metrics()["reward"].to_pylist()
         assert 3 <= len(rewards) < 12 and guarded.logged_steps() == list(range(1, len(rewards) + 1))
         assert [r is None or math.isnan(r) for r in rewards[:3]] == [False, False, True]

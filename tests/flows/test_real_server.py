@@ -55,36 +55,22 @@ def client_env(url: str, home) -> dict[str, str]:
     }
 
 
-def test_a_run_is_recorded_by_the_server_in_prefect_api_url(real_server, tiny_model, tmp_path):
-    env = client_env(real_server, tmp_path / "client-home")
+def train_on_server(url: str, model: str, tmp_path, run_id: str) -> None:
+    """`grpo train` of two tiny steps, recorded by the server at `url`."""
+    argv = ["train", "--model", model, "--max-steps", "2", "--prompts-per-step", "8", "--num-generations", "4"]
+    argv += ["--run-id", run_id, "--eval-prompts", "8", "--storage-root", str(tmp_path / "store"), "--no-progress"]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "grpo_flow.flows.cli",
-            "train",
-            "--model",
-            tiny_model,
-            "--max-steps",
-            "2",
-            "--prompts-per-step",
-            "8",
-            "--num-generations",
-            "4",
-            "--run-id",
-            "on-server",
-            "--eval-prompts",
-            "8",
-            "--storage-root",
-            str(tmp_path / "store"),
-            "--no-progress",
-        ],
-        env=env,
+        [sys.executable, "-m", "grpo_flow.flows.cli", *argv],
+        env=client_env(url, tmp_path / "client-home"),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_run_is_recorded_by_the_server_in_prefect_api_url(real_server, tiny_model, tmp_path):
+    train_on_server(real_server, tiny_model, tmp_path, "on-server")
     names = ["on-server", "on-server-step-1", "on-server-step-2"]
     runs = httpx.post(
         f"{real_server}/flow_runs/filter", json={"flow_runs": {"name": {"any_": names}}}, timeout=10
@@ -98,6 +84,35 @@ def test_a_run_is_recorded_by_the_server_in_prefect_api_url(real_server, tiny_mo
         line for line in flow_run_log(real_server, by_name["on-server"]["id"], until="step 2/2") if ": step " in line
     ]
     assert [line.split()[2] for line in step_lines] == ["1/2", "2/2"]
+
+
+def page_text(url: str) -> str:
+    """The text of a Prefect UI page as headless Chromium renders it. The window is tall because the UI
+    renders a list's rows only once they are on screen; the virtual-time budget lets its requests end."""
+    rendered = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=30000"]
+        + ["--window-size=1400,3000", "--dump-dom", url],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    html = re.sub(r"<script.*?</script>|<style.*?</style>", " ", rendered.stdout, flags=re.S)
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html))
+
+
+@pytest.mark.browser
+def test_the_ui_shows_a_runs_step_lines_and_events(real_server, tiny_model, tmp_path):
+    """What a user sees in the Prefect UI: the run's log tab has its step lines, the event feed its events."""
+    train_on_server(real_server, tiny_model, tmp_path, "in-ui")
+    (run,) = httpx.post(f"{real_server}/flow_runs/filter", json={"flow_runs": {"name": {"any_": ["in-ui"]}}}).json()
+    flow_run_log(real_server, run["id"], until="step 2/2")  # the last lines reach the server as the run exits
+    ui = real_server.removesuffix("/api")
+    run_page = page_text(f"{ui}/runs/flow-run/{run['id']}")
+    assert "in-ui: step 1/2" in run_page and "in-ui: step 2/2" in run_page, run_page[:3000]
+    feed = page_text(f"{ui}/events")  # newest first: the run's last events (its first ones are a page on)
+    assert feed.count("grpo.step.completed Resource grpo.run.in-ui") == 2, feed[:3000]
+    for event in ("grpo.checkpoint.saved", "grpo.run.finished"):
+        assert f"{event} Resource grpo.run.in-ui" in feed, (event, feed[:3000])
 
 
 # -- deployments on a real server: `grpo serve`, `prefect deployment run`, a process work pool ---------
