@@ -46,7 +46,9 @@ Each side runs in a process of its own, one after another. Each side's first ste
 left out of its median (a 1-step run reports its one step). grpo-flow's step time
 is measured around each step (its `grpo-step` subflow call, or with `step_subflows` off the step in
 the run's own flow run; grpo-flow runs both shapes), so it includes Prefect's orchestration;
-its phases come from the run's Parquet metrics; TRL's phases come from timing wrappers put
+its phases come from the run's Parquet metrics, its actor's step broken down too (`actor_phases`: the old and
+reference log-probs' passes, the loss's forward and backward, the optimizer, and the call to the actor's worker
+around them); TRL's phases come from timing wrappers put
 on the trainer instance's `_generate`, `_calculate_rewards` and
 `_generate_and_score_completions` methods.
 """
@@ -115,6 +117,16 @@ WORK = {  # identical for both sides
     "loss_type": "dapo",
     "beta": 0.0,
     "seed": 7,
+}
+
+
+# The actor's step broken down (its metrics row's `actor/<phase>_s`, workers/actor/actor.py), as vs_trl prints it.
+ACTOR_PHASE_COLUMNS = {
+    "rows to tensors": "actor/prepare_s",
+    "old log-probs (IS correction, num_iterations > 1)": "actor/old_logprobs_s",
+    "reference log-probs (beta > 0)": "actor/ref_logprobs_s",
+    "loss forward and backward": "actor/forward_backward_s",
+    "optimizer (clip, step, zero)": "actor/optimizer_s",
 }
 
 
@@ -353,6 +365,7 @@ def run_grpo_flow(
     phases = {name: float(metrics[col].fillna(0).median()) for name, col in phase_columns.items() if col in metrics}
     step = median_of(clock.subflow_seconds(), steady)  # around each step's call, as TRL's side times its steps
     phases["logging + orchestration (the rest)"] = step - sum(phases.values())
+    actor_phases = actor_breakdown(metrics)
     tokens = float((metrics["completions/mean_length"] * metrics["num_completions"]).mean())
     rollouts = [storage.read_rollouts(step) for step in range(1, int(summary["steps_completed"]) + 1)]
     lengths = [[len(ids) for ids in table.column("completion_token_ids").to_pylist()] for table in rollouts]
@@ -373,7 +386,29 @@ def run_grpo_flow(
         "train_share": phases["actor (TRL loss, backward, optimizer)"] / step,
         "prompts": prompts,
         "phases": phases,
+        "actor_phases": actor_phases,
     }
+
+
+def actor_breakdown(metrics: Any) -> dict[str, float]:
+    """The medians of the actor's phases, of the rest of its step, and of the actor task's time outside its step
+    (the call to the actor's worker and back)."""
+    columns = list(ACTOR_PHASE_COLUMNS.values())
+    breakdown = {name: float(metrics[column].median()) for name, column in ACTOR_PHASE_COLUMNS.items()}
+    breakdown["the rest of its step"] = float((metrics["actor/step_s"] - metrics[columns].sum(axis=1)).median())
+    breakdown["the call to the actor (actor task outside its step)"] = float(
+        (metrics["time/actor_s"] - metrics["actor/step_s"]).median()
+    )
+    return breakdown
+
+
+def print_phases(label: str, side: dict[str, Any], digits: int) -> None:
+    """A side's phases and, for grpo-flow's, its actor's time broken down, median seconds per step."""
+    print(f"\n{label} phases, median seconds per step:")
+    for name, seconds in side["phases"].items():
+        print(f"  {name:<58}{seconds:>8.{digits}f}")
+    for name, seconds in side.get("actor_phases", {}).items():
+        print(f"    actor: {name:<51}{seconds:>8.{digits}f}")
 
 
 def print_report(result: dict[str, Any], args: argparse.Namespace) -> None:
@@ -396,9 +431,7 @@ def print_report(result: dict[str, Any], args: argparse.Namespace) -> None:
         f"{ours['in_subflow_step_s']:.3f} s), {flat['step_s'] / trl['step_s']:.2f} without (target <= 1.0)"
     )
     for side, result in (("grpo-flow", ours), ("grpo-flow, step_subflows off", flat), ("TRL", trl)):
-        print(f"\n{side} phases, median seconds per step:")
-        for name, seconds in result["phases"].items():
-            print(f"  {name:<58}{seconds:>8.3f}")
+        print_phases(side, result, 3)
 
 
 def run_trl_in_vllm_env(
@@ -457,9 +490,7 @@ def print_engine_report(params: int, steps: int, work: dict[str, Any], sides: di
             print(f"ratio {with_vllm} / {plain}: {sides[with_vllm]['step_s'] / sides[plain]['step_s']:.2f}")
     for name, result in sides.items():
         if "error" not in result:
-            print(f"\n{name} phases, median seconds per step:")
-            for phase, seconds in result["phases"].items():
-                print(f"  {phase:<58}{seconds:>8.3f}")
+            print_phases(name, result, 3)
 
 
 def options(parser: argparse.ArgumentParser) -> None:
@@ -743,9 +774,7 @@ def print_real_report(result: dict[str, Any]) -> None:
     )
     for side, r in sides.items():
         if "error" not in r:
-            print(f"\n{REAL_LABELS[side]} phases, median seconds per step:")
-            for phase, seconds in r["phases"].items():
-                print(f"  {phase:<58}{seconds:>8.2f}")
+            print_phases(REAL_LABELS[side], r, 2)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """benchmarks/vs_trl.py's shape options (`--max-completion-length`, `--prompts-per-step`, `--num-generations`):
 they reach both sides alike, the defaults keep the work's own shape, and a bad value is refused before anything
 loads. The smoke run checks the shape in what each side did (its completions and prompts per step, its longest
-completion). No timings are asserted."""
+completion), and grpo-flow's actor time broken down. No timings are asserted."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from benchmarks import vs_trl
 from benchmarks.learning import SHARED_FIELDS
 from benchmarks.steps import save_random_model
+from grpo_flow.workers.actor.actor import ACTOR_PHASES
 
 SHAPE = ("--max-completion-length", "12", "--prompts-per-step", "2", "--num-generations", "3")
 
@@ -78,3 +79,10 @@ def test_both_sides_of_the_tiny_comparison_run_at_the_given_shape(prefect_server
         assert 8 < record["longest_completion"] <= 12, name
         assert 0 < record["generate_share"] < 1 and 0 < record["train_share"] < 1
         assert record["generate_share"] + record["train_share"] <= 1
+    breakdown = sides["grpo_flow"]["actor_phases"]  # the actor's step broken down, for grpo-flow's side
+    assert len(breakdown) == len(ACTOR_PHASES) + 2 and all(seconds >= 0 for seconds in breakdown.values())
+    assert breakdown["loss forward and backward"] > 0
+
+
+def test_the_actor_breakdown_reads_every_phase_the_actor_logs():
+    assert sorted(vs_trl.ACTOR_PHASE_COLUMNS.values()) == sorted(f"actor/{phase}_s" for phase in ACTOR_PHASES)
