@@ -367,7 +367,7 @@ def run_grpo_flow(
     phases["logging + orchestration (the rest)"] = step - sum(phases.values())
     actor_phases = actor_breakdown(metrics)
     tokens = float((metrics["completions/mean_length"] * metrics["num_completions"]).mean())
-    rollouts = [storage.read_rollouts(step) for step in range(1, int(summary["steps_completed"]) + 1)]
+    rollouts = [storage.read_rollouts(number) for number in range(1, int(summary["steps_completed"]) + 1)]
     lengths = [[len(ids) for ids in table.column("completion_token_ids").to_pylist()] for table in rollouts]
     prompts = [sorted(set(table.column("prompt_id").to_pylist())) for table in rollouts]
     return {
