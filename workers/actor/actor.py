@@ -58,6 +58,38 @@ def save_policy(
         tokenizer.save_pretrained(folder / MODEL_DIR)
 
 
+# The parts of an actor step, each logged as `actor/<phase>_s` (0 where the step skipped it) beside
+# `actor/step_s`, the whole of it: the batch's tensors from the logged rows, the old log-probs' forward pass
+# (with the IS ratio), the reference model's pass (beta > 0), the loss's forward and backward over the
+# micro-batches, and the optimizer (clipping, step, schedule, zeroing).
+ACTOR_PHASES = ("prepare", "old_logprobs", "ref_logprobs", "forward_backward", "optimizer")
+
+
+class PhaseClock:
+    """Seconds per phase of one actor step, summed over its passes. On a GPU each reading waits for the
+    kernels queued so far, so each phase is charged with its own work rather than the next's."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.seconds = dict.fromkeys(ACTOR_PHASES, 0.0)
+
+    def now(self) -> float:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Any:
+        started = self.now()
+        try:
+            yield
+        finally:
+            self.seconds[name] += self.now() - started
+
+    def metrics(self) -> dict[str, float]:
+        return {f"actor/{name}_s": seconds for name, seconds in self.seconds.items()}
+
+
 class StaleActorError(RuntimeError):
     """The actor holds a different policy version than the caller expects."""
 
@@ -315,56 +347,63 @@ class Actor:
             raise StaleActorError(
                 f"actor holds policy version {self.policy_version}, caller expects {expected_version}"
             )
-        started = time.perf_counter()
+        clock = PhaseClock(self.device)
+        started = clock.now()
         config, objective = self.config, self.objective
-        inputs = loss_inputs(rollouts, self.tokenizer.pad_token_id, config.mask_truncated_completions)
-        inputs = {k: v.to(self.device) for k, v in inputs.items()}
-        rows, inputs["num_items_in_batch"] = self._batch_totals(inputs)
+        with clock.phase("prepare"):
+            inputs = loss_inputs(rollouts, self.tokenizer.pad_token_id, config.mask_truncated_completions)
+            inputs = {k: v.to(self.device) for k, v in inputs.items()}
+            rows, inputs["num_items_in_batch"] = self._batch_totals(inputs)
         sampling = inputs.pop("sampling_per_token_logps", None)
         self.model.train()
         extra: dict[str, float] = {}
         correct = sampling is not None and self._corrects_sampling(rollouts)
         budget, width = self.max_tokens_per_microbatch, inputs["completion_ids"].size(1)
         if config.num_iterations > 1 or correct:  # TRL computes the old log-probs in these cases only
-            parts = self._parts(inputs)
-            inputs["old_per_token_logps"] = by_parts(
-                lambda part: trl_objective.old_logprobs(objective, part), parts, width
-            )
+            with clock.phase("old_logprobs"):
+                parts = self._parts(inputs)
+                inputs["old_per_token_logps"] = by_parts(
+                    lambda part: trl_objective.old_logprobs(objective, part), parts, width
+                )
         if correct and sampling is not None:
-            ratio, extra = trl_objective.importance_sampling_ratio(
-                objective, inputs["old_per_token_logps"], sampling, trl_objective.loss_mask(inputs)
-            )
+            with clock.phase("old_logprobs"):
+                ratio, extra = trl_objective.importance_sampling_ratio(
+                    objective, inputs["old_per_token_logps"], sampling, trl_objective.loss_mask(inputs)
+                )
             inputs["importance_sampling_ratio"] = ratio
             inputs["sampling_per_token_logps"] = sampling
         if objective.beta != 0.0:
-            parts = self._parts(inputs)
-            inputs["ref_per_token_logps"] = by_parts(
-                lambda part: trl_objective.reference_logprobs(objective, part), parts, width
-            )
+            with clock.phase("ref_logprobs"):
+                parts = self._parts(inputs)
+                inputs["ref_per_token_logps"] = by_parts(
+                    lambda part: trl_objective.reference_logprobs(objective, part), parts, width
+                )
         parts = self._parts(inputs)  # the same split, now carrying the log-probs above
         losses, grad_norms, learning_rates = [], [], []
         logged: dict[str, list[float]] = {}
         for _ in range(config.num_iterations):
             loss = torch.zeros((), device=self.device)
-            for part in parts:
-                normalizer = trl_objective.accumulation_normalizer(
-                    config.loss_type, part, rows, inputs["num_items_in_batch"]
-                )
-                part_loss, metrics = trl_objective.compute_loss(objective, self.model, part, normalizer)
-                part_loss.backward()
-                loss += part_loss.detach()
-                for name, value in metrics.items():
-                    logged.setdefault(name, []).append(value)
-            grad_norms.append(self._clip_gradients())
-            learning_rates.append(objective.lr_scheduler.get_last_lr()[0])
-            objective.optimizer.step()
-            objective.lr_scheduler.step()
-            objective.optimizer.zero_grad(set_to_none=True)
+            with clock.phase("forward_backward"):
+                for part in parts:
+                    normalizer = trl_objective.accumulation_normalizer(
+                        config.loss_type, part, rows, inputs["num_items_in_batch"]
+                    )
+                    part_loss, metrics = trl_objective.compute_loss(objective, self.model, part, normalizer)
+                    part_loss.backward()
+                    loss += part_loss.detach()
+                    for name, value in metrics.items():
+                        logged.setdefault(name, []).append(value)
+            with clock.phase("optimizer"):
+                grad_norms.append(self._clip_gradients())
+                learning_rates.append(objective.lr_scheduler.get_last_lr()[0])
+                objective.optimizer.step()
+                objective.lr_scheduler.step()
+                objective.optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss))
         self.model.eval()
         self.policy_version += 1
         tokens = int(inputs["completion_mask"].sum()) + int(inputs["prompt_mask"].sum())
-        seconds = time.perf_counter() - started
+        seconds = clock.now() - started
         result = {
             "loss": sum(losses) / len(losses),
             "grad_norm": sum(grad_norms) / len(grad_norms),
@@ -372,6 +411,8 @@ class Actor:
             "actor/tokens_per_second": tokens * config.num_iterations / seconds,
             "actor/micro_batches": float(len(parts)),
             "actor/max_tokens_per_microbatch": float(budget),
+            "actor/step_s": seconds,
+            **clock.metrics(),
             **{name: sum(values) / len(values) for name, values in logged.items()},
             **extra,
         }

@@ -1,0 +1,88 @@
+"""benchmarks/vs_trl.py's shape options (`--max-completion-length`, `--prompts-per-step`, `--num-generations`):
+they reach both sides alike, the defaults keep the work's own shape, and a bad value is refused before anything
+loads. The smoke run checks the shape in what each side did (its completions and prompts per step, its longest
+completion), and grpo-flow's actor time broken down. No timings are asserted."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from benchmarks import vs_trl
+from benchmarks.learning import SHARED_FIELDS
+from benchmarks.steps import save_random_model
+from grpo_flow.workers.actor.actor import ACTOR_PHASES
+
+SHAPE = ("--max-completion-length", "12", "--prompts-per-step", "2", "--num-generations", "3")
+
+
+def parsed(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    vs_trl.options(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_shape_options_reach_both_sides_of_the_real_model_work(tmp_path):
+    shaped = vs_trl.shape(parsed("--model", "smollm2-135m", "--max-completion-length", "128", "--num-generations", "4"))
+    assert shaped == {"max_completion_length": 128, "num_generations": 4}
+    spec = vs_trl.real_spec(2, shaped)  # TRL's side
+    config = vs_trl.real_config("model", 2, tmp_path, "vllm", shaped)  # grpo-flow's side
+    assert spec["fields"] == {k: v for k, v in config.model_dump().items() if k in SHARED_FIELDS} | {"seed": 7}
+    assert config.max_completion_length == 128 and config.num_generations == 4 and config.prompts_per_step == 4
+    assert len(spec["order"]) == 2 * config.prompts_per_step  # the prompts of both steps, in the run's order
+    colocate = vs_trl.real_colocate(spec)  # TRL's colocated vLLM holds the preset's prompt and the longer completion
+    assert colocate["vllm_max_model_length"] == config.max_prompt_length + 128
+
+
+def test_without_shape_options_each_work_keeps_its_own_shape(tmp_path):
+    args = parsed()
+    assert vs_trl.shape(args) == {}
+    assert vs_trl.tiny_spec()["fields"] == vs_trl.WORK
+    config = vs_trl.tiny_config("model", 3, tmp_path, work=vs_trl.WORK | vs_trl.shape(args))
+    assert (config.max_completion_length, config.prompts_per_step, config.num_generations) == (8, 8, 8)
+    preset = vs_trl.real_config("model", 2, tmp_path, "transformers", vs_trl.shape(args))
+    assert (preset.max_completion_length, preset.prompts_per_step, preset.num_generations) == (16, 4, 8)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-generations", "1"], "--num-generations: must be at least 2, got 1"),
+        (["--prompts-per-step", "0"], "--prompts-per-step: must be at least 1, got 0"),
+        (["--max-completion-length", "57"], "--max-completion-length: at most 56 with --model random-qwen2"),
+    ],
+)
+def test_a_bad_shape_is_refused_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        vs_trl.main(argv)
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_both_sides_of_the_tiny_comparison_run_at_the_given_shape(prefect_server, tmp_path):
+    """Each side as measure() runs it, in this process (measure gives each a process of its own), on a model
+    smaller than the benchmark's."""
+    model = str(tmp_path / "model")
+    save_random_model(Path(model))
+    work = vs_trl.WORK | vs_trl.shape(parsed(*SHAPE))
+    assert work == vs_trl.WORK | {"max_completion_length": 12, "prompts_per_step": 2, "num_generations": 3}
+    sides = {
+        "trl": vs_trl.run_trl(model, 2, tmp_path, spec=vs_trl.tiny_spec(work)),
+        "grpo_flow": vs_trl.run_grpo_flow(model, 2, tmp_path, config=vs_trl.tiny_config(model, 2, tmp_path, work=work)),
+    }
+    for name, record in sides.items():
+        assert record["prompts_per_step"] == [2, 2] and record["completions_per_step"] == [6, 6], name
+        # a random model rarely ends early: its longest completion passes the default's 8 tokens, up to 12
+        assert 8 < record["longest_completion"] <= 12, name
+        assert 0 < record["generate_share"] < 1 and 0 < record["train_share"] < 1
+        assert record["generate_share"] + record["train_share"] <= 1
+    breakdown = sides["grpo_flow"]["actor_phases"]  # the actor's step broken down, for grpo-flow's side
+    assert len(breakdown) == len(ACTOR_PHASES) + 2 and all(seconds >= 0 for seconds in breakdown.values())
+    assert breakdown["loss forward and backward"] > 0
+
+
+def test_the_actor_breakdown_reads_every_phase_the_actor_logs():
+    assert sorted(vs_trl.ACTOR_PHASE_COLUMNS.values()) == sorted(f"actor/{phase}_s" for phase in ACTOR_PHASES)
