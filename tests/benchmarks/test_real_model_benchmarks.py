@@ -14,16 +14,24 @@ from benchmarks import engines, memory, vs_trl
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_vs_trl_runs_trl_and_grpo_flow_on_the_smol_math_work(prefect_server, storage_root, smollm2_path, tmp_path):
+    """At a smaller shape than the work's own (the shape options reach both sides alike), one step."""
     out = tmp_path / "vs_trl.json"
     argv = ["--model", "smollm2-135m", "--steps", "1", "--sides", "trl", "grpo_flow"]
+    argv += ["--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "8"]
     vs_trl.main([*argv, "--storage-root", str(storage_root), "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["same_prompts_every_step"] is True and result["config_differences"] == {}
-    assert result["work"]["prompts_per_step"] == 4 and result["work"]["num_generations"] == 8
+    assert result["work"]["prompts_per_step"] == 2 and result["work"]["num_generations"] == 2
     assert set(result["sides"]) == {"trl", "grpo_flow"}
-    for side in result["sides"].values():
-        assert side["steps"] == 1 and 0 < side["tokens_per_step"] <= 4 * 8 * 16
+    for name, side in result["sides"].items():
+        assert side["steps"] == 1 and 0 < side["tokens_per_step"] <= 2 * 2 * 8
+        assert side["prompts_per_step"] == [2] and side["completions_per_step"] == [4], name
+        assert 0 < side["longest_completion"] <= 8, name
         assert side["generate_s"] > 0 and side["generate_tokens_per_s"] > 0
+        assert 0 < side["generate_share"] < 1 and 0 < side["train_share"] < 1
+        assert side["generate_share"] + side["train_share"] <= 1
+    breakdown = result["sides"]["grpo_flow"]["actor_phases"]  # the actor's step broken down, for grpo-flow's side
+    assert all(seconds >= 0 for seconds in breakdown.values()) and breakdown["loss forward and backward"] > 0
     assert result["ratio_transformers"] > 0 and "ratio_vllm" not in result
 
 

@@ -1,18 +1,16 @@
 """benchmarks/vs_trl.py's shape options (`--max-completion-length`, `--prompts-per-step`, `--num-generations`):
 they reach both sides alike, the defaults keep the work's own shape, and a bad value is refused before anything
-loads. The smoke run checks the shape in what each side did (its completions and prompts per step, its longest
-completion), and grpo-flow's actor time broken down. No timings are asserted."""
+loads. The real-model smoke run (test_real_model_benchmarks.py) checks the shape in what each side did, and
+grpo-flow's actor time broken down. No timings are asserted."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
 from benchmarks import vs_trl
 from benchmarks.learning import SHARED_FIELDS
-from benchmarks.steps import save_random_model
 from grpo_flow.workers.actor.actor import ACTOR_PHASES
 
 SHAPE = ("--max-completion-length", "12", "--prompts-per-step", "2", "--num-generations", "3")
@@ -59,29 +57,6 @@ def test_a_bad_shape_is_refused_before_anything_loads(argv, message, capsys):
         vs_trl.main(argv)
     assert stopped.value.code == 2
     assert message in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_both_sides_of_the_tiny_comparison_run_at_the_given_shape(prefect_server, tmp_path):
-    """Each side as measure() runs it, in this process (measure gives each a process of its own), on a model
-    smaller than the benchmark's."""
-    model = str(tmp_path / "model")
-    save_random_model(Path(model))
-    work = vs_trl.WORK | vs_trl.shape(parsed(*SHAPE))
-    assert work == vs_trl.WORK | {"max_completion_length": 12, "prompts_per_step": 2, "num_generations": 3}
-    sides = {
-        "trl": vs_trl.run_trl(model, 2, tmp_path, spec=vs_trl.tiny_spec(work)),
-        "grpo_flow": vs_trl.run_grpo_flow(model, 2, tmp_path, config=vs_trl.tiny_config(model, 2, tmp_path, work=work)),
-    }
-    for name, record in sides.items():
-        assert record["prompts_per_step"] == [2, 2] and record["completions_per_step"] == [6, 6], name
-        # a random model rarely ends early: its longest completion passes the default's 8 tokens, up to 12
-        assert 8 < record["longest_completion"] <= 12, name
-        assert 0 < record["generate_share"] < 1 and 0 < record["train_share"] < 1
-        assert record["generate_share"] + record["train_share"] <= 1
-    breakdown = sides["grpo_flow"]["actor_phases"]  # the actor's step broken down, for grpo-flow's side
-    assert len(breakdown) == len(ACTOR_PHASES) + 2 and all(seconds >= 0 for seconds in breakdown.values())
-    assert breakdown["loss forward and backward"] > 0
 
 
 def test_the_actor_breakdown_reads_every_phase_the_actor_logs():
