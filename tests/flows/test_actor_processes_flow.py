@@ -3,18 +3,15 @@ flow: it completes, samples what the one-process run samples, and ends with its 
 
 from __future__ import annotations
 
-import torch
 from safetensors.torch import load_file
 
 from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.presets import preset_config
 from grpo_flow.workers.backends import release
 from grpo_flow.workers.state.storage import RunStorage
+from linear_updates import assert_same_update, use_sgd  # tests/linear_updates.py
 
 STEPS = 3
-# Per step as tests/workers/actor/test_sharded_actor.py states it (float summation order, Adam's ~lr * sign(g)
-# updates where a gradient nearly cancels): 5e-2 x the learning rate, over each of the steps.
-WEIGHT_ATOL_PER_STEP_PER_LR = 5e-2
 
 
 def run(storage_root, processes: int) -> RunStorage:
@@ -40,14 +37,10 @@ def test_a_two_rank_actor_runs_the_flow_and_ends_with_the_one_process_weights(
     prefect_server, storage_root, monkeypatch
 ):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # each rank one thread: the machine is shared
+    use_sgd(monkeypatch)  # the runs' updates compared as tests/workers/actor/test_sharded_actor.py does
     one, two = run(storage_root, 1), run(storage_root, 2)
     assert two.complete_checkpoints() == [STEPS]
     assert two.read_rollouts(columns=["completion"]).equals(one.read_rollouts(columns=["completion"]))
     weights = [load_file(run.checkpoint_dir(STEPS) / "model" / "model.safetensors") for run in (one, two)]
-    learning_rate = preset_config("tiny").learning_rate
     initial = load_file(storage_root / "models" / "tiny-qwen2" / "model.safetensors")
-    assert any(not torch.equal(initial[name], weights[0][name]) for name in initial)
-    for name, tensor in weights[0].items():
-        torch.testing.assert_close(
-            weights[1][name], tensor, atol=WEIGHT_ATOL_PER_STEP_PER_LR * learning_rate * STEPS, rtol=0, msg=name
-        )
+    assert_same_update(initial, weights[0], weights[1])

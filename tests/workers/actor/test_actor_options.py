@@ -21,6 +21,7 @@ from grpo_flow.workers.rollout.base import SamplingParams
 from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 from grpo_flow.workers.state.resume import BaseModelChangedError, model_fingerprint
+from linear_updates import assert_same_update, use_sgd  # tests/linear_updates.py
 from same_samples import assert_same_samples  # tests/same_samples.py
 
 
@@ -69,21 +70,13 @@ def assert_same_weights(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
-def assert_same_update(before, a, b):
-    """Two actors' steps from the same weights moved them alike, in units of the learning rate: Adam's first
-    update is about lr * sign(g), so where a gradient nearly cancels, rounding in how its sum was split flips
-    a few updates by a fraction of lr (as in test_trl_parity.py); a wrong objective moves them by about lr."""
-    lr = a.config.learning_rate
-    moved = max(float((a_w - before[name]).abs().max()) for name, a_w in weights(a).items())
-    assert moved > 0.5 * lr  # the step did move the weights, far beyond the tolerance below
-    for name, b_w in weights(b).items():
-        torch.testing.assert_close(weights(a)[name], b_w, atol=5e-2 * lr, rtol=0, msg=name)
-
-
 @pytest.mark.parametrize("correct", [False, True], ids=["plain", "is_correction"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_micro_batches_by_token_budget_give_the_whole_batchs_update(model_path, rollouts, loss_type, correct):
+def test_micro_batches_by_token_budget_give_the_whole_batchs_update(
+    model_path, rollouts, loss_type, correct, monkeypatch
+):
     """With the IS correction the old log-probs are computed micro-batch by micro-batch too."""
+    use_sgd(monkeypatch)
     whole = actor_for(model_path, loss_type=loss_type)
     split = actor_for(model_path, loss_type=loss_type, max_tokens_per_microbatch=60)
     before = weights(whole)
@@ -95,12 +88,13 @@ def test_micro_batches_by_token_budget_give_the_whole_batchs_update(model_path, 
     if correct:
         name = "sampling/importance_sampling_ratio/mean"
         assert split_metrics[name] == pytest.approx(whole_metrics[name], abs=1e-6)
-    assert_same_update(before, whole, split)
+    assert_same_update(before, weights(whole), weights(split))
 
 
 def test_by_default_the_budget_comes_from_the_devices_total_memory(model_path, rollouts, monkeypatch):
     from grpo_flow.workers.actor import memory
 
+    use_sgd(monkeypatch)
     whole = actor_for(model_path, beta=0.04)  # a reference pass too
     info = memory.model_info_from_config(whole.model.config.to_dict())
     total = memory.device_total_memory("cpu")
@@ -113,7 +107,7 @@ def test_by_default_the_budget_comes_from_the_devices_total_memory(model_path, r
     assert whole_metrics["actor/micro_batches"] == 1 and small_metrics["actor/micro_batches"] > 1
     assert small_metrics["actor/max_tokens_per_microbatch"] == small.max_tokens_per_microbatch
     assert small_metrics["loss"] == pytest.approx(whole_metrics["loss"], abs=1e-6)
-    assert_same_update(before, whole, small)
+    assert_same_update(before, weights(whole), weights(small))
 
 
 def test_micro_batches_respect_the_budget_and_keep_every_row(model_path, rollouts):
@@ -126,14 +120,15 @@ def test_micro_batches_respect_the_budget_and_keep_every_row(model_path, rollout
         assert part["num_items_in_batch"] == inputs["num_items_in_batch"]
 
 
-def test_gradient_checkpointing_changes_memory_not_the_update(model_path, rollouts):
+def test_gradient_checkpointing_changes_memory_not_the_update(model_path, rollouts, monkeypatch):
+    use_sgd(monkeypatch)
     plain = actor_for(model_path)
     before = weights(plain)
     plain.step(0, rollouts)
     checkpointed = actor_for(model_path, gradient_checkpointing=True)
     assert checkpointed.model.is_gradient_checkpointing
     checkpointed.step(0, rollouts)
-    assert_same_update(before, plain, checkpointed)
+    assert_same_update(before, weights(plain), weights(checkpointed))
 
 
 def test_num_iterations_takes_that_many_optimizer_steps_per_batch(model_path, rollouts):
