@@ -14,13 +14,13 @@ Built with no network: images, the Volume and Secrets are lazy handles until the
 The GPU type comes from the run's config, but Modal fixes it when a class is decorated; so the
 classes below are plain, undecorated classes at module scope, and `build_app(config)`
 decorates them for one config (`gpu="H100:2"` from modal_actor_gpu and modal_actor_gpu_count, the
-modal_rollout_gpu, timeouts, `modal.Retries`, volume, secrets). Modal supports exactly this: a container imports
+modal_rollout_gpu, timeouts, volume, secrets). Modal supports exactly this: a container imports
 the class by name from this module and, finding it undecorated, binds it to the function
 definition the app registered (modal/_runtime/user_code_imports.py, "local scope-decoration").
 `app` at the bottom is the same app for the default config, for `modal deploy` / `modal shell`.
 
 Tested offline (tests/workers/backends/test_modal_app.py): the app builds, declares these classes with
-the GPUs, volume, image, timeouts and retries asked for, and every wrapped method runs with
+the GPUs, volume, image and timeouts asked for, and no Modal retries, and every wrapped method runs with
 `Cls(...).method.local(...)` on CPU engines (`.local()` runs `@modal.enter` and the method in
 this process; the Volume is not mounted, commit/reload are skipped). With rollout_engine='vllm'
 the local run reaches the real vLLM engine through the local vLLM environment (tests/flows/
@@ -63,7 +63,7 @@ GPU_PACKAGES: tuple[str, ...] = (
 VLLM_PACKAGES: tuple[str, ...] = CUDA_PACKAGES
 LOCAL_SOURCES = ("schemas", "workers")  # of grpo_flow: workers never import Prefect, flows or tasks
 
-# Per attempt (Modal's timeouts are per attempt; a retry gets a fresh one).
+# Per call (Modal's timeouts are per attempt; a Prefect task retry makes a new call).
 ACTOR_TIMEOUT_S = 60 * 60
 ROLLOUT_TIMEOUT_S = 30 * 60
 STARTUP_TIMEOUT_S = 20 * 60  # image pull + model download + vLLM start
@@ -275,29 +275,18 @@ def build_worker_app(
         max_containers=1,
         include_source=False,  # the image carries grpo_flow's `schemas` and `workers` (_cuda_image)
     )
-    actor_options: dict[str, Any] = dict(
-        gpu=actor_gpu_spec(config),
-        timeout=actor_timeout_s,
-        # Safe to retry: the actor answers a retried step it already took, and refuses a version it does not hold.
-        retries=modal.Retries(max_retries=config.actor_retries, backoff_coefficient=2.0, initial_delay=5.0),
-    )
-    rollout_options: dict[str, Any] = dict(
-        gpu=config.modal_rollout_gpu,
-        timeout=rollout_timeout_s,
-        # Generation is a function of (weights, prompts, seed), and a sync of a version held is skipped.
-        retries=modal.Retries(
-            max_retries=getattr(config, "generate_retries", 2), backoff_coefficient=2.0, initial_delay=5.0
-        ),
-    )
+    # No modal.Retries: a call that fails is retried by its Prefect task (actor_retries, generate_retries), and
+    # a fresh container (Modal re-runs a preempted input itself) refuses a version it does not hold, which the
+    # heal loop (workers/backends/workers.py) answers. Retries here would multiply those.
+    actor_options: dict[str, Any] = dict(gpu=actor_gpu_spec(config), timeout=actor_timeout_s)
+    rollout_options: dict[str, Any] = dict(gpu=config.modal_rollout_gpu, timeout=rollout_timeout_s)
     actor_cls = app.cls(image=image, **common, **actor_options)(ActorWorker)
     rollout_cls = app.cls(image=rollout_image, **common, **rollout_options)(RolloutWorker)
 
     def described(options: dict[str, Any]) -> dict[str, Any]:
-        retries = options["retries"]
         return {
             "gpu": options["gpu"],
             "timeout": options["timeout"],
-            "max_retries": retries.max_retries,
             "startup_timeout": STARTUP_TIMEOUT_S,
             "scaledown_window": scaledown_window_s,
             "min_containers": min_containers,

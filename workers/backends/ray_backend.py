@@ -357,7 +357,9 @@ class RayHandle:
 
     def call(self, verb: str, *args: Any) -> Any:
         """The verb's answer. A worker Ray is restarting is waited for (up to STARTUP_TIMEOUT_S: its process
-        start and model load), then asked again: every verb is safe to repeat (they carry versions)."""
+        start and model load), then asked again: every verb is safe to repeat (they carry versions). This
+        is the wait of a heal (Workers heals the restarted worker, which holds the initial model), not a
+        layer of retries: a call that failed is retried by its Prefect task."""
         exceptions = self.ray.exceptions
         # A worker's start and model load (a restart too) may take minutes; other calls as long as they take.
         timeout = STARTUP_TIMEOUT_S if verb in ("ready", "initial") else None

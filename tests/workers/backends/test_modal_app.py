@@ -129,14 +129,13 @@ def test_gpus_come_from_the_config():
     assert single._spec.gpus == "A100"
 
 
-def test_timeouts_and_retries_are_declared():
+def test_timeouts_are_declared_and_retries_left_to_prefect_and_the_heal_loop():
     config = modal_config()
     worker_app = build_worker_app(config)
     actor, rollout = service_function(worker_app.actor_cls), service_function(worker_app.rollout_cls)
     assert actor._function_info.timeout == ACTOR_TIMEOUT_S and rollout._function_info.timeout == ROLLOUT_TIMEOUT_S
     assert actor._function_info.startup_timeout == rollout._function_info.startup_timeout == STARTUP_TIMEOUT_S
-    assert actor._function_info.max_retries == config.actor_retries >= 1
-    assert rollout._function_info.max_retries == getattr(config, "generate_retries", 2) >= 1
+    assert not actor._function_info.max_retries and not rollout._function_info.max_retries
     assert worker_app.options["RolloutWorker"]["max_containers"] == 1
     assert worker_app.options["ActorWorker"]["scaledown_window"] >= 60
     short = service_function(build_worker_app(config, actor_timeout_s=120).actor_cls)
