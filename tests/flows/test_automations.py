@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from test_real_server import (
     client_env,
+    flow_run_log,
     prefect_client,
     running_prefect_server,
     stop,
@@ -147,7 +148,8 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
         assert "automation grpo-guard" in summary["cancelled_by"]
         assert (summary["guard"], summary["guard_step"]) == ("reward-nan", 3)
         (guarded_run,) = flow_runs_named(url, "auto-nan")
-        assert "step 3: reward-nan" in guarded_run.state.message
+        said = [line for line in flow_run_log(url, guarded_run.id, until="step 3: reward-nan") if "cancelled (" in line]
+        assert len(said) == 1 and "automation grpo-guard" in said[0] and said[0].endswith("step 3: reward-nan")
         rewards = guarded.read_metrics()["reward"].to_pylist()
         assert 3 <= len(rewards) < 12 and guarded.logged_steps() == list(range(1, len(rewards) + 1))
         assert [r is None or math.isnan(r) for r in rewards[:3]] == [False, False, True]
