@@ -148,7 +148,11 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
         assert "automation grpo-guard" in summary["cancelled_by"]
         assert (summary["guard"], summary["guard_step"]) == ("reward-nan", 3)
         (guarded_run,) = flow_runs_named(url, "auto-nan")
-        said = [line for line in flow_run_log(url, guarded_run.id, until="step 3: reward-nan") if "cancelled (" in line]
+        said = [
+            line
+            for line in flow_run_log(url, guarded_run.id, until="step 3: reward-nan")
+            if line.startswith("cancelled (")
+        ]
         assert len(said) == 1 and "automation grpo-guard" in said[0] and said[0].endswith("step 3: reward-nan")
         rewards = guarded.read_metrics()["reward"].to_pylist()
         assert 3 <= len(rewards) < 12 and guarded.logged_steps() == list(range(1, len(rewards) + 1))
