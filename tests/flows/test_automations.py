@@ -13,16 +13,19 @@ import pytest
 from test_real_server import (
     client_env,
     flow_run_log,
+    page_text,
     prefect_client,
     running_prefect_server,
     stop,
     wait_for_deployments,
 )
+from train_cli import assert_same_weights, final_weights  # tests/flows/train_cli.py
 
 from grpo_flow.deployments.automations import GUARD_AUTOMATION, RESUME_AUTOMATION, set_up_automations
 from grpo_flow.workers.state.storage import RunStorage
 
-pytestmark = pytest.mark.slow
+# On PostgreSQL, as a production server runs; the UI of the guarded run in headless Chromium.
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.browser]
 HERE = Path(__file__).parent  # fault_rewards.py, for the flow runs `grpo serve` starts
 
 
@@ -54,8 +57,10 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
 
     from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 
+    from grpo_flow.deployments.local_server import local_postgres
+
     model, store = str(ensure_tiny_model(storage_root)), tmp_path / "store"
-    with running_prefect_server(tmp_path / "server-home") as url:
+    with local_postgres() as database_url, running_prefect_server(tmp_path / "server-home", database_url) as url:
         env = client_env(url, tmp_path / "client-home")
         log = open(tmp_path / "serve.log", "w")
         serve = subprocess.Popen(
@@ -89,6 +94,8 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
                 # SIGKILLed in step 2's scoring, as a preempted machine would be; step 1 is checkpointed.
                 killed = {**small, "run_id": "auto-kill", "save_steps": 1, "fail_at": "score@2:kill"}
                 client.create_flow_run_from_deployment(tiny.id, parameters=killed)
+                # The same run, never killed: the weights the resumed one must end with.
+                client.create_flow_run_from_deployment(tiny.id, parameters={**small, "run_id": "auto-unbroken"})
                 # Held in step 2 until it is cancelled, as a user would from the UI.
                 held = {**small, "run_id": "auto-cancel", "save_steps": 1, "fail_at": "metrics@2:hang"}
                 cancelled = client.create_flow_run_from_deployment(tiny.id, parameters=held)
@@ -116,8 +123,9 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
             )
             assert done.returncode == 0, done.stdout + done.stderr
             # Until the killed run's second flow run has completed and the held one is cancelled.
-            wanted = (["CRASHED", "COMPLETED"], ["CANCELLED"], ["CANCELLED"])
-            while (states(url, "auto-kill"), states(url, "auto-cancel"), states(url, "auto-nan")) != wanted:
+            wanted = (["CRASHED", "COMPLETED"], ["CANCELLED"], ["CANCELLED"], ["COMPLETED"])
+            names = ("auto-kill", "auto-cancel", "auto-nan", "auto-unbroken")
+            while tuple(states(url, name) for name in names) != wanted:
                 assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-5000:]
                 time.sleep(2)
         finally:
@@ -129,6 +137,7 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
         summary = storage.read_summary()
         assert summary["resumed_from_step"] == 1 and summary["steps_completed"] == 3
         assert storage.logged_steps() == [1, 2, 3] and storage.resume_count() == 1
+        assert_same_weights(final_weights(storage, 3), final_weights(RunStorage(store, "auto-unbroken"), 3))
         first, second = flow_runs_named(url, "auto-kill")
         assert second.deployment_id == tiny.id
         assert second.parameters["run_id"] == "auto-kill" and second.parameters["auto_resume_limit"] == 2
@@ -157,3 +166,10 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
         rewards = guarded.read_metrics()["reward"].to_pylist()
         assert 3 <= len(rewards) < 12 and guarded.logged_steps() == list(range(1, len(rewards) + 1))
         assert [r is None or math.isnan(r) for r in rewards[:3]] == [False, False, True]
+        # What a user sees of it in the UI: its step lines and the cancel, and its step events.
+        ui = url.removesuffix("/api")
+        run_page = page_text(f"{ui}/runs/flow-run/{guarded_run.id}")
+        assert "auto-nan: step 3/12" in run_page and said[0] in run_page, run_page[:3000]
+        feed = page_text(f"{ui}/events?resource=grpo.run.auto-nan")
+        steps_seen = feed.count("grpo.step.completed Resource grpo.run.auto-nan")
+        assert steps_seen == len(rewards) and "grpo.run.finished Resource grpo.run.auto-nan" in feed, feed[:3000]
