@@ -308,6 +308,11 @@ def test_entrypoints_load_from_any_working_directory(tmp_path, monkeypatch):
             "grpo serve: --max-kl: must be above 0, got 0.0",
         ),
         (
+            ["serve", "--max-kl", "abc"],
+            {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
+            "grpo serve: error: argument --max-kl: invalid float value: 'abc'",
+        ),
+        (
             ["serve", "--gpu-slots", "-1"],
             {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
             "grpo serve: --gpu-slots: must be 0 (no limit) or more, got -1",
