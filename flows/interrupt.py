@@ -138,12 +138,17 @@ def run_until_cancelled(
     return _outcome(outcome)
 
 
-def _start(target: Callable[[], Any], outcome: dict[str, Any], done: threading.Event | None = None) -> threading.Thread:
-    """A thread (not started) that runs `target()` in a copy of this context (Prefect's run context),
-    its value or error put in `outcome`, then `done` set; the stop flag cleared."""
+def clear_stop() -> None:
+    """No stop asked for (a run that follows in this process runs)."""
     _stop.clear()
     _signal.clear()
     _cancelled_by.clear()
+
+
+def _start(target: Callable[[], Any], outcome: dict[str, Any], done: threading.Event | None = None) -> threading.Thread:
+    """A thread (not started) that runs `target()` in a copy of this context (Prefect's run context),
+    its value or error put in `outcome`, then `done` set; the stop flag cleared."""
+    clear_stop()
 
     def body() -> None:
         try:

@@ -16,13 +16,16 @@ from grpo_flow.flows import interrupt
 
 @pytest.fixture
 def prefect_sigterm():
-    """Prefect's SIGTERM bridge, as a flow run's engine installs it; a SIGTERM to this process 0.5 s on."""
+    """Prefect's SIGTERM bridge, as a flow run's engine installs it; a SIGTERM to this process 0.5 s on.
+    After the test, no stop is left asked for: a run started later in this process would stop at once."""
     previous = signal.signal(signal.SIGTERM, _prefect_sigterm_handler)
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
     timer.start()
     yield
     timer.cancel()
     signal.signal(signal.SIGTERM, previous)
+    interrupt.clear_stop()
+    assert not interrupt.stop_requested() and interrupt.cancelled_by() is None
 
 
 def a_step_of(seconds: float):
