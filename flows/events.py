@@ -69,7 +69,7 @@ def guard_verdict(row: dict[str, Any], max_kl: float | None = None) -> str:
 
 def step_completed(run_id: str, row: dict[str, Any], max_kl: float | None = None) -> None:
     """`grpo.step.completed` with the step's metrics row, labelled for the guards (see above)."""
-    reward = row.get("reward")
-    finite = isinstance(reward, (int, float)) and math.isfinite(reward)
+    verdict = guard_verdict(row, max_kl)
+    finite = verdict != GUARD_TRIPPED[0]  # the reward: a NaN reward is the first thing a guard stops for
     labels = {"grpo.step": str(row["step"]), "grpo.reward.finite": str(finite).lower()}
-    emit(STEP_COMPLETED, run_id, row, {**labels, GUARD_LABEL: guard_verdict(row, max_kl)})
+    emit(STEP_COMPLETED, run_id, row, {**labels, GUARD_LABEL: verdict})

@@ -12,20 +12,9 @@ import torch
 
 from grpo_flow.schemas.presets import preset_config
 from grpo_flow.workers.actor.actor import ACTOR_PHASES, Actor
-from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 COMPLETIONS = [[20, 21, 22], [23, 24], [25, 26, 27, 28], [29]]  # two per prompt
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    """The tiny architecture, randomly initialised (the phases and the ratio do not depend on the weights)."""
-    folder = tmp_path_factory.mktemp("model")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def actor_for(model_path, tmp_path, **overrides):

@@ -17,7 +17,6 @@ from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.actor.actor import Actor
 from grpo_flow.workers.actor.sharded import ActorGroup
 from grpo_flow.workers.backends import vllm_env
-from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
 from linear_updates import assert_same_update, use_sgd  # tests/linear_updates.py
 
 LEARNING_RATE = 1e-3
@@ -26,15 +25,6 @@ LEARNING_RATE = 1e-3
 # the loss by the ratio of the normalisers. The loss sums terms of order 1 that nearly cancel (advantages of both
 # signs), so its rounding is absolute too (seen: 7.5e-9 on a loss of -1.2e-4).
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-7
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-qwen2-sharded")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def rollouts(rows: int = 8) -> pa.Table:

@@ -25,7 +25,6 @@ import torch
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.actor.advantages import step_advantages
 from grpo_flow.workers.actor.actor import Actor
-from grpo_flow.workers.data.tiny_model import build_model, build_tokenizer
 
 PROMPTS = ["6900=", "026773=", "468="]  # different lengths: left padding matters
 NUM_GENERATIONS = 4
@@ -223,17 +222,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    """The project's tiny Qwen2 (workers/data/tiny_model.py) without its format warm start, which parity does not
-    need and which takes minutes on a shared CPU: the same architecture and tokenizer, from its build seed."""
-    folder = tmp_path_factory.mktemp("tiny-qwen2-parity")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
