@@ -135,8 +135,9 @@ def run_step(
     policy_version: int,
     rollout_version: int,
     rollout_stats: dict[str, float] | None = None,
-) -> dict[str, Any]:
-    """One training step; returns its metrics row (also logged as Parquet).
+) -> tuple[dict[str, Any], dict[str, float] | None]:
+    """One training step; returns its metrics row (also logged as Parquet) and, when it produced them,
+    the next step's rollout statistics (the hand-over, given back to that step as `rollout_stats`).
 
     `policy_version` is the actor's before the step, `rollout_version` the one the rollout
     workers must hold (a worker holding another is brought to it first). A step whose rollouts
@@ -179,7 +180,7 @@ def run_step(
     log_metrics(config, plan, step, row, samples)  # and the step's artifact, in the UI
     if step % config.save_steps == 0 or last_step:
         save_checkpoint(config, plan, step)
-    return {**row, "next_rollout_stats": next_stats}
+    return row, next_stats
 
 
 grpo_step = step_subflow(run_step)
@@ -220,8 +221,9 @@ def run_grpo(config: GRPOFlowConfig, allow_config_change: bool, show_progress: b
         say(f"starting the actor and {config.num_rollout_workers} rollout worker(s) on {config.model}")
         rollout_version = start_workers(config, plan)
         run.initial_accuracy = evaluate_heldout(config, plan, initial=True)
+        handed_over = None  # with max_staleness 1: this step's rollout statistics, from the step before
         for step in run.steps():
-            row = train_step(config, plan, step, step - 1, rollout_version, run.handed_over)
+            row, handed_over = train_step(config, plan, step, step - 1, rollout_version, handed_over)
             rollout_version = run.record(row, rollout_version)
         if run.finished:
             run.final_accuracy = evaluate_heldout(config, plan)
