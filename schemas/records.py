@@ -9,10 +9,13 @@ without this project installed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+
+from grpo_flow.workers.state.storage import RunStorage
 
 REWARD_PREFIX = "reward_"
 
@@ -242,6 +245,11 @@ class RunPlan:
     session: str = ""
     # The names in reward_names that environments' get_reward give (TRL names each after its class).
     environment_rewards: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def storage(self) -> RunStorage:
+        """The run's files (a frozen dataclass still has the instance dict a cached property fills)."""
+        return RunStorage(self.storage_root, self.run_id)
 
     @property
     def cache_scope(self) -> str:
