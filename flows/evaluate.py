@@ -190,7 +190,6 @@ def _scored_batch(
     engine: Any,
     rows: Any,
     result: Any,
-    n: int,
     run_id: str,
     step: int,
     extra: list[str],
@@ -201,24 +200,9 @@ def _scored_batch(
     """The completions of one generate call as a RolloutBatch, scored by `funcs` (training's scorer)."""
     from grpo_flow.workers.rewards.functions import score_batch
 
-    repeat = lambda values: [v for v in values for _ in range(n)]  # noqa: E731 - prompt-major, as generated
-    batch = RolloutBatch(
-        run_id=run_id,
-        step=step,
-        policy_version=step,
-        worker_id="eval",
-        prompt_id=repeat(rows["prompt_id"]),
-        group_index=[i // n for i in range(len(result.texts))],
-        sample_index=[i % n for i in range(len(result.texts))],
-        prompt=repeat(engine.tokenizer.batch_decode(result.prompt_token_ids)),
-        completion=result.texts,
-        prompt_token_ids=repeat(result.prompt_token_ids),
-        completion_token_ids=result.completion_token_ids,
-        sampling_logprobs=result.sampling_logprobs,
-        finish_reason=result.finish_reasons,
-        extra_columns={c: repeat(rows[c]) for c in extra},
-        raw_prompt=repeat(rows["prompt"]),
-    )
+    prompt_texts = engine.tokenizer.batch_decode(result.prompt_token_ids)
+    result.extra.update(worker_id="eval", policy_version=step, prompt_texts=prompt_texts)  # as a worker's answer
+    batch = RolloutBatch.from_generation(list(rows), result, run_id=run_id, step=step, columns=extra)
     return score_batch(batch, funcs, weights, state)
 
 
@@ -384,7 +368,7 @@ def evaluate_checkpoint(
                 seed=chunk_seed,
             )
             result = engine.generate(chunk["prompt"], params, config.max_prompt_length)
-            batch = _scored_batch(engine, chunk, result, n, run_id, step, extra, funcs, config.reward_weights, state)
+            batch = _scored_batch(engine, chunk, result, run_id, step, extra, funcs, config.reward_weights, state)
             rows += _batch_rows(batch, mode, _correct(batch, accuracy_name, accuracy_func, state))
     summary = {
         "run_id": run_id,
