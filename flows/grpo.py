@@ -132,19 +132,20 @@ def run_step(
     plan: RunPlan,
     step: int,
     policy_version: int,
-    rollout_version: int,
     rollout_stats: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, float] | None]:
     """One training step; returns its metrics row (also logged as Parquet) and, when it produced them,
     the next step's rollout statistics (the hand-over, given back to that step as `rollout_stats`).
 
-    `policy_version` is the actor's before the step, `rollout_version` the one the rollout
-    workers must hold (a worker holding another is brought to it first). A step whose rollouts
+    `policy_version` is the actor's before the step. Rollouts are generated at the version the rollout
+    workers hold (their last weight sync, as `Workers` knows it; a worker holding another is brought to
+    it first). A step whose rollouts
     are already logged (before a crash) trains on them as logged: nothing is generated again.
     With max_staleness 1 the next step's rollouts are produced on another thread while the actor
     steps (one-step-off); `rollout_stats` are then this step's, handed over from the step before.
     """
     started = time.perf_counter()
+    rollout_version = backends.run_workers(config).rollout_version
     logged = plan.storage.rollouts_committed
     samples = None  # the artifact's three completions; None: read back from the logged rollouts
     if not logged(step):
@@ -218,12 +219,12 @@ def run_grpo(config: GRPOFlowConfig, allow_config_change: bool, show_progress: b
     train_step = grpo_step if config.step_subflows else run_step
     with RunLoop(config, plan, show_progress, progress_every) as run:
         say(f"starting the actor and {config.num_rollout_workers} rollout worker(s) on {config.model}")
-        rollout_version = start_workers(config, plan)
+        start_workers(config, plan)
         run.initial_accuracy = evaluate_heldout(config, plan, initial=True)
         handed_over = None  # with max_staleness 1: this step's rollout statistics, from the step before
         for step in run.steps():
-            row, handed_over = train_step(config, plan, step, step - 1, rollout_version, handed_over)
-            rollout_version = run.record(row, rollout_version)
+            row, handed_over = train_step(config, plan, step, step - 1, handed_over)
+            run.record(row)
         if run.finished:
             run.final_accuracy = evaluate_heldout(config, plan)
     return run.result

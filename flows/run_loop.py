@@ -231,8 +231,8 @@ class RunLoop:
             self._step_started = time.perf_counter()
             yield step
 
-    def record(self, row: dict[str, Any], rollout_version: int) -> int:
-        """A step's metrics row; returns the policy version the rollout workers hold after it."""
+    def record(self, row: dict[str, Any]) -> None:
+        """A step's metrics row: kept, logged, shown and announced."""
         self.rows.append(row)
         warning = no_signal_warning(self.rows, self.config.no_signal_warning_steps)
         if warning is not None:
@@ -242,7 +242,6 @@ class RunLoop:
         self._emit_step_events(row)
         publish(update_run_progress, self.progress_artifact, row["step"], self.plan.total_steps)
         self.progress.update(row["step"], row)
-        return int(row.get("synced_version", rollout_version))
 
     def _emit_step_events(self, row: dict[str, Any]) -> None:
         """grpo.step.completed, and grpo.checkpoint.saved when the step saved one (run_step's rule)."""
