@@ -7,7 +7,6 @@ the step flow; the defaults here are the config's defaults.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Collection, Sequence
 import threading
@@ -31,7 +30,7 @@ from grpo_flow.workers.rewards.functions import (
     resolve_reward_funcs,
     score_batch,
 )
-from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
+from grpo_flow.workers.rollout.base import SamplingParams
 
 
 def step_seed(seed: int, step: int, shard: int = 0, refill_round: int = 0) -> int:
@@ -129,31 +128,15 @@ def generate_episodes(
     from grpo_flow.workers.rollout.episodes import EpisodeRunner
 
     runner = EpisodeRunner.from_config(config, plan.model_path)
-    episodes, starts, environments, extra = runner.play(generate_turn, shard.rows, config.num_generations, params)
-    decode = runner.chat.tokenizer.decode
-    played = GenerationResult(
-        prompt_token_ids=[e.prompt_ids for e in episodes],
-        completion_token_ids=[e.completion_ids for e in episodes],
-        sampling_logprobs=[e.logprobs for e in episodes],
-        finish_reasons=[e.finish_reason for e in episodes],
-        texts=[decode(e.completion_ids, skip_special_tokens=True) for e in episodes],
-        seconds=extra["generate_s"],
-        extra={**extra, "prompt_texts": [decode(e.prompt_ids) for e in episodes]},
-    )
-    return RolloutBatch.from_generation(
+    return runner.batch(
+        generate_turn,
         shard.rows,
-        played,
+        config.num_generations,
+        params,
         run_id=plan.run_id,
         step=shard.step,
         columns=plan.extra_columns,
         group_offset=shard.group_offset,
-        tool_mask=[e.tool_mask for e in episodes],
-        messages=[json.dumps(e.messages, ensure_ascii=False, default=str) for e in episodes],
-        tool_calls=[e.tool_calls for e in episodes],
-        tool_failures=[e.tool_failures for e in episodes],
-        raw_prompt=[start.prompt for start in starts],  # as the toolbox started each episode
-        completion_messages=[e.messages for e in episodes],
-        environments=environments if runner.toolbox.factories is not None else [],
     )
 
 
