@@ -83,13 +83,19 @@ def heldout_accuracy(
     if accuracy is None:  # a custom data set given no 0/1 reward: nothing to measure
         return float("nan")
     rows = list(task.heldout.select(range(min(limit, len(task.heldout)))))
-    step = state.global_step if state is not None else 0
+    step, columns = (state.global_step if state is not None else 0), task.extra_columns
     hits = 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         batch = greedy_batch(
-            engine, chunk, max_tokens, max_prompt_length, run_id="heldout", step=step, columns=task.extra_columns,
+            engine,
+            chunk,
+            max_tokens,
+            max_prompt_length,
+            run_id="heldout",
+            step=step,
+            columns=columns,
             episodes=episodes,
-        )  # fmt: skip
+        )
         hits += sum(1 for c in correct(batch, accuracy, state) if c)
     return hits / len(rows) if rows else 0.0
