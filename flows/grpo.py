@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefect import flow, unmapped
 from prefect.runtime import flow_run
@@ -127,25 +127,34 @@ def produce_rollouts(
     return stats, samples
 
 
+class StepResult(NamedTuple):
+    """What a step hands the loop: its metrics row, the version the rollout workers hold after it (its
+    weight sync's, else the one they held), and with max_staleness 1 the next step's rollout statistics,
+    produced during this step and given back to the next as its `rollout_stats`."""
+
+    row: dict[str, Any]
+    rollout_version: int
+    next_rollout_stats: dict[str, float] | None
+
+
 def run_step(
     config: GRPOFlowConfig,
     plan: RunPlan,
     step: int,
     policy_version: int,
+    rollout_version: int,
     rollout_stats: dict[str, float] | None = None,
-) -> tuple[dict[str, Any], dict[str, float] | None]:
-    """One training step; returns its metrics row (also logged as Parquet) and, when it produced them,
-    the next step's rollout statistics (the hand-over, given back to that step as `rollout_stats`).
+) -> StepResult:
+    """One training step; returns its metrics row (also logged as Parquet), the rollout workers' version
+    after it and, when it produced them, the next step's rollout statistics (see StepResult).
 
-    `policy_version` is the actor's before the step. Rollouts are generated at the version the rollout
-    workers hold (their last weight sync, as `Workers` knows it; a worker holding another is brought to
-    it first). A step whose rollouts
+    `policy_version` is the actor's before the step, `rollout_version` the one the rollout
+    workers must hold (a worker holding another is brought to it first). A step whose rollouts
     are already logged (before a crash) trains on them as logged: nothing is generated again.
     With max_staleness 1 the next step's rollouts are produced on another thread while the actor
     steps (one-step-off); `rollout_stats` are then this step's, handed over from the step before.
     """
     started = time.perf_counter()
-    rollout_version = backends.run_workers(config).rollout_version
     logged = plan.storage.rollouts_committed
     samples = None  # the artifact's three completions; None: read back from the logged rollouts
     if not logged(step):
@@ -180,7 +189,7 @@ def run_step(
     log_metrics(config, plan, step, row, samples)  # and the step's artifact, in the UI
     if step % config.save_steps == 0 or last_step:
         save_checkpoint(config, plan, step)
-    return row, next_stats
+    return StepResult(row, int(synced.get("synced_version", rollout_version)), next_stats)
 
 
 grpo_step = step_subflow(run_step)
@@ -219,12 +228,13 @@ def run_grpo(config: GRPOFlowConfig, allow_config_change: bool, show_progress: b
     train_step = grpo_step if config.step_subflows else run_step
     with RunLoop(config, plan, show_progress, progress_every) as run:
         say(f"starting the actor and {config.num_rollout_workers} rollout worker(s) on {config.model}")
-        start_workers(config, plan)
+        rollout_version = start_workers(config, plan)
         run.initial_accuracy = evaluate_heldout(config, plan, initial=True)
-        handed_over = None  # with max_staleness 1: this step's rollout statistics, from the step before
+        handed_over = None
         for step in run.steps():
-            row, handed_over = train_step(config, plan, step, step - 1, handed_over)
-            run.record(row)
+            stepped = train_step(config, plan, step, step - 1, rollout_version, handed_over)
+            run.record(stepped.row)
+            rollout_version, handed_over = stepped.rollout_version, stepped.next_rollout_stats
         if run.finished:
             run.final_accuracy = evaluate_heldout(config, plan)
     return run.result

@@ -19,12 +19,13 @@ from grpo_flow.workers.state.storage import StorageFullError, is_disk_full
 
 
 @task(name="start-workers", cache_policy=NO_CACHE)
-def start_workers(config: GRPOFlowConfig, plan: RunPlan) -> None:
-    """Every worker started (where the backend runs it) and, when resuming, at the resume checkpoint
-    (`Workers` then knows the version the rollout engines hold)."""
+def start_workers(config: GRPOFlowConfig, plan: RunPlan) -> int:
+    """Every worker started (where the backend runs it) and, when resuming, at the resume checkpoint;
+    returns the version the rollout engines hold."""
     workers = backends.start_workers(config, plan.model_path)
-    if plan.resumes:
-        workers.restore(plan.storage, plan.resume_checkpoint)
+    if not plan.resumes:
+        return 0
+    return workers.restore(plan.storage, plan.resume_checkpoint)
 
 
 @task(name="actor-step", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
