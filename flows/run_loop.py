@@ -248,7 +248,7 @@ class RunLoop:
         plan, step = self.plan, row["step"]
         events.step_completed(plan.run_id, row, self.config.guard_max_kl)
         if step % self.config.save_steps == 0 or step == plan.total_steps:
-            path = plan.storage.checkpoint_dir(step)
+            path = RunStorage(plan.storage_root, plan.run_id).checkpoint_dir(step)
             payload = {"step": step, "path": str(path), "policy_version": row["policy_version"]}
             payload |= {
                 "run_id": plan.run_id,

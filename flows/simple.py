@@ -67,7 +67,7 @@ def grpo_simple(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str
         summary.update(status="failed", error=f"{type(error).__name__}: {error}", steps_completed=0)
         finish_run(config, plan, summary)
         raise
-    storage = plan.storage
+    storage = RunStorage(plan.storage_root, plan.run_id)
     rows = storage.read_metrics().to_pylist()
     recent = rows[-5:]
     summary.update(

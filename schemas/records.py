@@ -9,17 +9,11 @@ without this project installed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
-
-from grpo_flow.workers.state.storage import RunStorage
-
-if TYPE_CHECKING:
-    from grpo_flow.workers.rollout.base import GenerationResult
 
 REWARD_PREFIX = "reward_"
 
@@ -127,7 +121,7 @@ class RolloutBatch:
     def from_generation(
         cls,
         rows: Sequence[dict[str, Any]],
-        result: GenerationResult,
+        result: Any,
         *,
         run_id: str,
         step: int,
@@ -135,11 +129,12 @@ class RolloutBatch:
         group_offset: int = 0,
         **fields: Any,
     ) -> RolloutBatch:
-        """Whole groups from a generation: `result`'s completions, the same number of each of `rows` (data
-        set rows: prompt_id, prompt and the extra `columns` the batch carries), prompt-major. Prompt texts
-        and token ids are one per row (repeated over its group) or one per completion (episodes, each with
-        its own start); the worker id, policy version and prompt texts come from `result.extra`, as a
-        rollout worker's answer carries them. `fields` set any other field (the episodes' tool columns)."""
+        """Whole groups from a generation: `result`'s completions (a GenerationResult, workers/rollout/base.py),
+        the same number of each of `rows` (data set rows: prompt_id, prompt and the extra `columns` the batch
+        carries), prompt-major. Prompt texts and token ids are one per row (repeated over its group) or one
+        per completion (episodes, each with its own start); the worker id, policy version and prompt texts
+        come from `result.extra`, as a rollout worker's answer carries them. `fields` set any other field
+        (the episodes' tool columns)."""
         n = len(result.texts) // max(1, len(rows))
 
         def each(given: Iterable[Any]) -> list[Any]:
@@ -298,11 +293,6 @@ class RunPlan:
     session: str = ""
     # The names in reward_names that environments' get_reward give (TRL names each after its class).
     environment_rewards: tuple[str, ...] = ()
-
-    @functools.cached_property
-    def storage(self) -> RunStorage:
-        """The run's files (a frozen dataclass still has the instance dict a cached property fills)."""
-        return RunStorage(self.storage_root, self.run_id)
 
     @property
     def cache_scope(self) -> str:

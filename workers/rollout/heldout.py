@@ -47,7 +47,7 @@ def greedy_batch(
     `episodes` (an EpisodeRunner: a run with tools or environments), one greedy multi-turn episode."""
     greedy = SamplingParams(max_tokens=max_tokens, greedy=True)
     if episodes is not None:
-        turn = lambda ids, params: engine.generate(ids, params, None)  # noqa: E731 - the prompts are token ids
+        turn = lambda ids, params: answered(engine, engine.generate(ids, params, None))  # noqa: E731 - token ids
         return episodes.batch(turn, rows, 1, greedy, run_id=run_id, step=step, columns=columns)
     result = answered(engine, engine.generate([row["prompt"] for row in rows], greedy, max_prompt_length))
     return RolloutBatch.from_generation(rows, result, run_id=run_id, step=step, columns=columns)
