@@ -169,6 +169,7 @@ def parse_columns(text_pairs: list[str], json_pairs: list[str]) -> dict[str, Any
 
 def command_test_reward(args: argparse.Namespace) -> int:
     from grpo_flow.schemas.records import RolloutBatch
+    from grpo_flow.workers.rollout.base import GenerationResult
     from grpo_flow.workers.rewards.functions import (
         RewardOutputError,
         RewardTrainerState,
@@ -181,23 +182,16 @@ def command_test_reward(args: argparse.Namespace) -> int:
     except (ValueError, ImportError, AttributeError) as error:
         raise ComponentError(f"REWARD_FUNC: {error}") from None
     columns = parse_columns(args.column or [], args.column_json or [])
-    batch = RolloutBatch(
-        run_id="component-test-reward",
-        step=1,
-        policy_version=0,
-        worker_id="test-reward",
-        prompt_id=["test-0"],
-        group_index=[0],
-        sample_index=[0],
-        prompt=[args.prompt],
-        completion=[args.completion],
+    completion = GenerationResult(  # as a rollout worker would answer, for the batch a run scores
         prompt_token_ids=[[]],
         completion_token_ids=[[]],
         sampling_logprobs=[[]],
-        finish_reason=["stop"],
-        extra_columns={name: [value] for name, value in columns.items()},
-        raw_prompt=[args.prompt],
+        finish_reasons=["stop"],
+        texts=[args.completion],
+        extra={"worker_id": "test-reward", "policy_version": 0, "prompt_texts": [args.prompt]},
     )
+    row = {**columns, "prompt_id": "test-0", "prompt": args.prompt}
+    batch = RolloutBatch.from_generation([row], completion, run_id="component-test-reward", step=1, columns=columns)
     state = RewardTrainerState(global_step=1, max_steps=1, epoch=0.0)
     try:  # a function that raises shows its traceback: that is where its bug is
         scored = score_batch(batch, funcs, None, state)

@@ -186,42 +186,6 @@ def settings_for(
     )
 
 
-def _scored_batch(
-    engine: Any,
-    rows: Any,
-    result: Any,
-    n: int,
-    run_id: str,
-    step: int,
-    extra: list[str],
-    funcs: dict,
-    weights: list[float] | None,
-    state: Any,
-) -> RolloutBatch:
-    """The completions of one generate call as a RolloutBatch, scored by `funcs` (training's scorer)."""
-    from grpo_flow.workers.rewards.functions import score_batch
-
-    repeat = lambda values: [v for v in values for _ in range(n)]  # noqa: E731 - prompt-major, as generated
-    batch = RolloutBatch(
-        run_id=run_id,
-        step=step,
-        policy_version=step,
-        worker_id="eval",
-        prompt_id=repeat(rows["prompt_id"]),
-        group_index=[i // n for i in range(len(result.texts))],
-        sample_index=[i % n for i in range(len(result.texts))],
-        prompt=repeat(engine.tokenizer.batch_decode(result.prompt_token_ids)),
-        completion=result.texts,
-        prompt_token_ids=repeat(result.prompt_token_ids),
-        completion_token_ids=result.completion_token_ids,
-        sampling_logprobs=result.sampling_logprobs,
-        finish_reason=result.finish_reasons,
-        extra_columns={c: repeat(rows[c]) for c in extra},
-        raw_prompt=repeat(rows["prompt"]),
-    )
-    return score_batch(batch, funcs, weights, state)
-
-
 def _batch_rows(batch: RolloutBatch, mode: str, correct: list[bool | None]) -> list[dict[str, Any]]:
     rows = []
     for i in range(len(batch)):
@@ -243,19 +207,6 @@ def _batch_rows(batch: RolloutBatch, mode: str, correct: list[bool | None]) -> l
         }
         rows.append(row)
     return rows
-
-
-def _correct(batch: RolloutBatch, accuracy_name: str | None, accuracy_func: Any, state: Any) -> list[bool | None]:
-    """0/1 correctness by the data set's accuracy reward; reuses its column when the run trains on it
-    (code rewards run sandboxes: never twice)."""
-    from grpo_flow.workers.rewards.functions import score_batch
-
-    if accuracy_name is None:
-        return [None] * len(batch)
-    scores = batch.rewards.get(accuracy_name)
-    if scores is None:
-        scores = score_batch(batch, {accuracy_name: accuracy_func}, None, state).rewards[accuracy_name]
-    return [None if s is None else s == 1.0 for s in scores]
 
 
 def summarize(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, float]:
@@ -335,8 +286,9 @@ def evaluate_checkpoint(
     """
     from grpo_flow.workers.backends import local_device
     from grpo_flow.workers.rewards.task import run_task
-    from grpo_flow.workers.rewards.functions import BUILTIN_REWARDS, RewardTrainerState, resolve_reward_funcs
+    from grpo_flow.workers.rewards.functions import RewardTrainerState, resolve_reward_funcs, score_batch
     from grpo_flow.workers.rollout.base import SamplingParams
+    from grpo_flow.workers.rollout.heldout import accuracy_reward, answered, correct, greedy_batch
 
     storage = RunStorage(storage_root, run_id)
     path = storage.eval_path(step)
@@ -358,40 +310,41 @@ def evaluate_checkpoint(
             f"run {run_id!r} holds out no prompts: its data set has no test or validation split, and without an "
             "accuracy_reward a run holds none of its prompts out (start it with --accuracy-reward)"
         )
-    heldout = task_data.heldout.select(range(min(settings.prompts, len(task_data.heldout))))
+    heldout = list(task_data.heldout.select(range(min(settings.prompts, len(task_data.heldout)))))
     funcs = resolve_reward_funcs(config.reward_funcs or list(task_data.default_rewards), run_id)
-    accuracy_name = task_data.accuracy_reward
-    accuracy_func = task_data.accuracy_function or (BUILTIN_REWARDS.get(accuracy_name) if accuracy_name else None)
+    accuracy = accuracy_reward(task_data)
     state = RewardTrainerState(
         global_step=step,
         max_steps=config.total_steps(len(task_data.train)),
         epoch=step * config.prompts_per_step / max(1, len(task_data.train)),
     )
     engine = checkpoint_engine(storage, step, local_device(config))
-    extra = list(task_data.extra_columns)
-    modes = [("sample", settings.k, False)] + ([("greedy", 1, True)] if settings.greedy else [])
+    columns = list(task_data.extra_columns)
     rows: list[dict[str, Any]] = []
     for start in range(0, len(heldout), PROMPTS_PER_BATCH):
-        chunk = heldout.select(range(start, min(start + PROMPTS_PER_BATCH, len(heldout))))
-        chunk_seed = int(np.random.SeedSequence([settings.seed, start]).generate_state(1)[0])
-        for mode, n, is_greedy in modes:
-            params = SamplingParams(
-                n=n,
-                max_tokens=settings.max_tokens,
-                temperature=settings.temperature,
-                top_p=settings.top_p,
-                greedy=is_greedy,
-                seed=chunk_seed,
+        chunk = heldout[start : start + PROMPTS_PER_BATCH]
+        params = SamplingParams(
+            n=settings.k,
+            max_tokens=settings.max_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            seed=int(np.random.SeedSequence([settings.seed, start]).generate_state(1)[0]),
+        )
+        result = answered(engine, engine.generate([row["prompt"] for row in chunk], params, config.max_prompt_length))
+        batches = {"sample": RolloutBatch.from_generation(chunk, result, run_id=run_id, step=step, columns=columns)}
+        if settings.greedy:  # the run's own held-out accuracy, measured as the run measures it
+            batches["greedy"] = greedy_batch(
+                engine, chunk, settings.max_tokens, config.max_prompt_length, run_id=run_id, step=step, columns=columns
             )
-            result = engine.generate(chunk["prompt"], params, config.max_prompt_length)
-            batch = _scored_batch(engine, chunk, result, n, run_id, step, extra, funcs, config.reward_weights, state)
-            rows += _batch_rows(batch, mode, _correct(batch, accuracy_name, accuracy_func, state))
+        for mode, batch in batches.items():
+            scored = score_batch(batch, funcs, config.reward_weights, state)  # training's scorer
+            rows += _batch_rows(scored, mode, correct(scored, accuracy, state))
     summary = {
         "run_id": run_id,
         "checkpoint_step": step,
         "dataset": config.dataset,
         "model": config.model,
-        "accuracy_reward": accuracy_name,
+        "accuracy_reward": task_data.accuracy_reward,
         "reward_funcs": list(funcs),
         "num_prompts": len(heldout),
         "samples_per_prompt": settings.k,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefect import flow, unmapped
 from prefect.runtime import flow_run
@@ -128,6 +128,16 @@ def produce_rollouts(
     return stats, samples
 
 
+class StepResult(NamedTuple):
+    """What a step hands the loop: its metrics row, the version the rollout workers hold after it (its
+    weight sync's, else the one they held), and with max_staleness 1 the next step's rollout statistics,
+    produced during this step and given back to the next as its `rollout_stats`."""
+
+    row: dict[str, Any]
+    rollout_version: int
+    next_rollout_stats: dict[str, float] | None
+
+
 def run_step(
     config: GRPOFlowConfig,
     plan: RunPlan,
@@ -135,8 +145,9 @@ def run_step(
     policy_version: int,
     rollout_version: int,
     rollout_stats: dict[str, float] | None = None,
-) -> dict[str, Any]:
-    """One training step; returns its metrics row (also logged as Parquet).
+) -> StepResult:
+    """One training step; returns its metrics row (also logged as Parquet), the rollout workers' version
+    after it and, when it produced them, the next step's rollout statistics (see StepResult).
 
     `policy_version` is the actor's before the step, `rollout_version` the one the rollout
     workers must hold (a worker holding another is brought to it first). A step whose rollouts
@@ -179,7 +190,7 @@ def run_step(
     log_metrics(config, plan, step, row, samples)  # and the step's artifact, in the UI
     if step % config.save_steps == 0 or last_step:
         save_checkpoint(config, plan, step)
-    return {**row, "next_rollout_stats": next_stats}
+    return StepResult(row, int(synced.get("synced_version", rollout_version)), next_stats)
 
 
 grpo_step = step_subflow(run_step)
@@ -220,9 +231,11 @@ def run_grpo(config: GRPOFlowConfig, allow_config_change: bool, show_progress: b
         say(f"starting the actor and {config.num_rollout_workers} rollout worker(s) on {config.model}")
         rollout_version = start_workers(config, plan)
         run.initial_accuracy = evaluate_heldout(config, plan, initial=True)
+        handed_over = None
         for step in run.steps():
-            row = train_step(config, plan, step, step - 1, rollout_version, run.handed_over)
-            rollout_version = run.record(row, rollout_version)
+            stepped = train_step(config, plan, step, step - 1, rollout_version, handed_over)
+            run.record(stepped.row)
+            rollout_version, handed_over = stepped.rollout_version, stepped.next_rollout_stats
         if run.finished:
             run.final_accuracy = evaluate_heldout(config, plan)
     return run.result

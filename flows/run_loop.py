@@ -61,13 +61,13 @@ from grpo_flow.workers.state.location import absolute_root
 from grpo_flow.workers.state.storage import RunStorage
 
 
-def step_subflow(run_step: Callable[..., dict[str, Any]]) -> Any:
+def step_subflow(run_step: Callable[..., Any]) -> Any:
     """`run_step` as the `grpo-step` subflow (`<run>-step-N` in the UI). persist_result=False: a retried
     parent flow run must run a step again, never reuse an old step's result (Prefect reuses a finished
     subflow run only when its result was persisted)."""
 
     @functools.wraps(run_step)
-    def step_body(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    def step_body(*args: Any, **kwargs: Any) -> Any:
         with artifact_writes_allowed():
             return run_step(*args, **kwargs)
 
@@ -202,7 +202,6 @@ class RunLoop:
         self.show_progress, self.progress_every = show_progress, progress_every
         self.rows: list[dict[str, Any]] = []
         self.step_walls: list[float] = []  # around each step: its work plus Prefect's orchestration
-        self.handed_over: dict[str, float] | None = None  # with max_staleness 1: the next step's rollout stats
         self.initial_accuracy = math.nan
         self.final_accuracy = math.nan
         self.result: Any = None
@@ -238,9 +237,8 @@ class RunLoop:
             self._step_started = time.perf_counter()
             yield step
 
-    def record(self, row: dict[str, Any], rollout_version: int) -> int:
-        """A step's metrics row; returns the policy version the rollout workers hold after it."""
-        self.handed_over = row.pop("next_rollout_stats", None)
+    def record(self, row: dict[str, Any]) -> None:
+        """A step's metrics row: kept, logged, shown and announced."""
         self.rows.append(row)
         warning = no_signal_warning(self.rows, self.config.no_signal_warning_steps)
         if warning is not None:
@@ -250,7 +248,6 @@ class RunLoop:
         self._emit_step_events(row)
         publish(update_run_progress, self.progress_artifact, row["step"], self.plan.total_steps)
         self.progress.update(row["step"], row)
-        return int(row.get("synced_version", rollout_version))
 
     def _emit_step_events(self, row: dict[str, Any]) -> None:
         """grpo.step.completed, and grpo.checkpoint.saved when the step saved one (run_step's rule)."""

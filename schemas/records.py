@@ -9,6 +9,7 @@ without this project installed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,50 @@ class RolloutBatch:
     completion_messages: list[Any] = field(default_factory=list)
     environments: list[Any] = field(default_factory=list)
 
+    @classmethod
+    def from_generation(
+        cls,
+        rows: Sequence[dict[str, Any]],
+        result: Any,
+        *,
+        run_id: str,
+        step: int,
+        columns: Iterable[str] = (),
+        group_offset: int = 0,
+        **fields: Any,
+    ) -> RolloutBatch:
+        """Whole groups from a generation: `result`'s completions (a GenerationResult, workers/rollout/base.py),
+        the same number of each of `rows` (data set rows: prompt_id, prompt and the extra `columns` the batch
+        carries), prompt-major. Prompt texts and token ids are one per row (repeated over its group) or one
+        per completion (episodes, each with its own start); the worker id, policy version and prompt texts
+        come from `result.extra`, as a rollout worker's answer carries them. `fields` set any other field
+        (the episodes' tool columns)."""
+        n = len(result.texts) // max(1, len(rows))
+
+        def each(given: Iterable[Any]) -> list[Any]:
+            values = list(given)
+            return values if len(values) == len(result.texts) else [v for v in values for _ in range(n)]
+
+        generated: dict[str, Any] = {
+            "run_id": run_id,
+            "step": step,
+            "policy_version": result.extra["policy_version"],
+            "worker_id": result.extra["worker_id"],
+            "prompt_id": each(row["prompt_id"] for row in rows),
+            "group_index": [group_offset + i // n for i in range(len(result.texts))],
+            "sample_index": [i % n for i in range(len(result.texts))],
+            "prompt": each(result.extra["prompt_texts"]),
+            "completion": result.texts,
+            "prompt_token_ids": each(result.prompt_token_ids),
+            "completion_token_ids": result.completion_token_ids,
+            "sampling_logprobs": result.sampling_logprobs,
+            "finish_reason": result.finish_reasons,
+            "extra_columns": {c: each(row[c] for row in rows) for c in columns},
+            "generate_s": result.seconds,
+            "raw_prompt": each(row["prompt"] for row in rows),
+        }
+        return cls(**{**generated, **fields})
+
     def __len__(self) -> int:
         return len(self.completion)
 
@@ -147,8 +192,8 @@ class RolloutBatch:
                 changes[f.name] = {k: v + getattr(other, f.name)[k] for k, v in value.items()}
         return self.replace(**changes)
 
-    def to_table(self, schema: pa.Schema) -> pa.Table:
-        """The batch as an Arrow table that conforms to `schema` (raises naming a missing column)."""
+    def columns(self) -> dict[str, list[Any]]:
+        """The batch's logged columns by name, one value per row: what `to_table` writes."""
         n = len(self)
         columns: dict[str, Any] = {
             "run_id": [self.run_id] * n,
@@ -180,6 +225,12 @@ class RolloutBatch:
         }
         columns.update({REWARD_PREFIX + name: scores for name, scores in self.rewards.items()})
         columns.update(self.extra_columns)
+        return columns
+
+    def to_table(self, schema: pa.Schema) -> pa.Table:
+        """The batch as an Arrow table that conforms to `schema` (raises naming a missing column)."""
+        n = len(self)
+        columns = self.columns()
         missing = [name for name in schema.names if name not in columns]
         if missing:
             raise ValueError(f"rollout batch of step {self.step} lacks columns {missing}")

@@ -7,7 +7,6 @@ the step flow; the defaults here are the config's defaults.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Collection, Sequence
 import threading
@@ -19,7 +18,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_flow.schemas.config import GRPOFlowConfig
-from grpo_flow.schemas.records import PromptShard, RolloutBatch, RunPlan, rollout_schema
+from grpo_flow.schemas.records import REWARD_PREFIX, PromptShard, RolloutBatch, RunPlan, rollout_schema
 from grpo_flow.tasks.observability import USER_FACING
 from grpo_flow.workers import backends
 from grpo_flow.workers.state.faults import maybe_fail, maybe_kill_engine
@@ -111,26 +110,13 @@ def generate(config: GRPOFlowConfig, plan: RunPlan, shard: PromptShard, policy_v
         return generate_episodes(config, plan, shard, params, turn)
     prompts = [row["prompt"] for row in shard.rows]
     result = workers.generate(shard.shard, policy_version, prompts, params, config.max_prompt_length)
-    g = config.num_generations
-    repeat = lambda values: [v for v in values for _ in range(g)]  # noqa: E731 - prompt-major order
-    prompt_texts = result.extra["prompt_texts"]
-    return RolloutBatch(
+    return RolloutBatch.from_generation(
+        shard.rows,
+        result,
         run_id=plan.run_id,
         step=shard.step,
-        policy_version=result.extra["policy_version"],
-        worker_id=result.extra["worker_id"],
-        prompt_id=repeat([row["prompt_id"] for row in shard.rows]),
-        group_index=[shard.group_offset + i // g for i in range(len(result.texts))],
-        sample_index=[i % g for i in range(len(result.texts))],
-        prompt=repeat(prompt_texts),
-        completion=result.texts,
-        prompt_token_ids=repeat(result.prompt_token_ids),
-        completion_token_ids=result.completion_token_ids,
-        sampling_logprobs=result.sampling_logprobs,
-        finish_reason=result.finish_reasons,
-        extra_columns={c: repeat([row[c] for row in shard.rows]) for c in plan.extra_columns},
-        generate_s=result.seconds,
-        raw_prompt=repeat([row["prompt"] for row in shard.rows]),
+        columns=plan.extra_columns,
+        group_offset=shard.group_offset,
     )
 
 
@@ -143,33 +129,15 @@ def generate_episodes(
     from grpo_flow.workers.rollout.episodes import EpisodeRunner
 
     runner = EpisodeRunner.from_config(config, plan.model_path)
-    episodes, starts, environments, extra = runner.play(generate_turn, shard.rows, config.num_generations, params)
-    g = config.num_generations
-    repeat = lambda values: [v for v in values for _ in range(g)]  # noqa: E731 - prompt-major order
-    decode = runner.chat.tokenizer.decode
-    return RolloutBatch(
+    return runner.batch(
+        generate_turn,
+        shard.rows,
+        config.num_generations,
+        params,
         run_id=plan.run_id,
         step=shard.step,
-        policy_version=extra["policy_version"],
-        worker_id=extra["worker_id"],
-        prompt_id=repeat([row["prompt_id"] for row in shard.rows]),
-        group_index=[shard.group_offset + i // g for i in range(len(episodes))],
-        sample_index=[i % g for i in range(len(episodes))],
-        prompt=[decode(e.prompt_ids) for e in episodes],
-        completion=[decode(e.completion_ids, skip_special_tokens=True) for e in episodes],
-        prompt_token_ids=[e.prompt_ids for e in episodes],
-        completion_token_ids=[e.completion_ids for e in episodes],
-        sampling_logprobs=[e.logprobs for e in episodes],
-        finish_reason=[e.finish_reason for e in episodes],
-        extra_columns={c: repeat([row[c] for row in shard.rows]) for c in plan.extra_columns},
-        tool_mask=[e.tool_mask for e in episodes],
-        messages=[json.dumps(e.messages, ensure_ascii=False, default=str) for e in episodes],
-        tool_calls=[e.tool_calls for e in episodes],
-        tool_failures=[e.tool_failures for e in episodes],
-        generate_s=extra["generate_s"],
-        raw_prompt=[start.prompt for start in starts],
-        completion_messages=[e.messages for e in episodes],
-        environments=environments if runner.toolbox.factories is not None else [],
+        columns=plan.extra_columns,
+        group_offset=shard.group_offset,
     )
 
 
@@ -288,42 +256,45 @@ def keep_informative_groups(
     return out, dropped
 
 
+# The logged columns a step's statistics are computed from, besides each function's reward_<name>.
+STATS_COLUMNS = ("reward", "completion_tokens", "tool_mask", "finish_reason", "tool_calls", "tool_failures")
+
+
 def compute_advantages(config: GRPOFlowConfig, batches: list[RolloutBatch]) -> tuple[list[RolloutBatch], dict]:
     """Group-relative advantages over the whole step (batch scaling needs every shard), plus reward stats."""
-    import torch
-
-    from grpo_flow.workers.actor.advantages import reward_stats, step_advantages
-
-    rewards = torch.tensor([r for b in batches for r in b.reward], dtype=torch.float32)
-    per_function = {name: [s for b in batches for s in b.rewards[name]] for name in batches[0].rewards}
-    advantages, std_is_zero = step_advantages(config, per_function)
+    names = list(batches[0].rewards)
+    per_batch = [batch.columns() for batch in batches]
+    needed = [*STATS_COLUMNS, *(REWARD_PREFIX + name for name in names)]
+    advantages, stats = step_reward_stats(config, names, {c: [v for b in per_batch for v in b[c]] for c in needed})
     out, offset = [], 0
     for batch in batches:
         out.append(batch.replace(advantage=advantages[offset : offset + len(batch)].tolist()))
         offset += len(batch)
-    reward_columns = {name: [s for b in batches for s in b.rewards[name]] for name in batches[0].rewards}
-    lengths = [
-        model_tokens(ids, mask) for b in batches for ids, mask in zip(b.completion_token_ids, masks(b), strict=True)
-    ]
-    finish_reasons = [reason for b in batches for reason in b.finish_reason]
-    stats = reward_stats(rewards, std_is_zero, reward_columns, lengths, finish_reasons)
-    if any(b.tool_calls for b in batches):
-        stats.update(
-            tool_stats([n for b in batches for n in b.tool_calls], [n for b in batches for n in b.tool_failures])
-        )
     for name in batches[0].reward_seconds:  # functions run per shard: their time summed over shards
         stats[f"time/reward/{name}_s"] = sum(b.reward_seconds.get(name, 0.0) for b in batches)
     stats.update(logged_metric_means(batches, reserved=stats))
     return out, stats
 
 
-def masks(batch: RolloutBatch) -> list[list[int] | None]:
-    return batch.tool_mask or [None] * len(batch)
+def step_reward_stats(
+    config: GRPOFlowConfig, reward_names: Sequence[str], columns: dict[str, list[Any]]
+) -> tuple[Any, dict[str, float]]:
+    """A step's advantages (a tensor) and TRL's reward, length and tool statistics, from its rollout columns
+    by their logged names: the batches about to be logged, or a replayed step's logged rows."""
+    import torch
 
+    from grpo_flow.workers.actor.advantages import reward_stats, step_advantages
 
-def model_tokens(ids: list[int], tool_mask: list[int] | None) -> int:
-    """A completion's length as TRL counts it: the model's own tokens (tool messages left out)."""
-    return len(ids) if tool_mask is None else sum(tool_mask)
+    per_function = {name: columns[REWARD_PREFIX + name] for name in reward_names}
+    advantages, std_is_zero = step_advantages(config, per_function)
+    masks = columns.get("tool_mask") or [None] * len(columns["reward"])  # runs logged before tools had none
+    # A completion's length as TRL counts it: the model's own tokens (tool messages left out).
+    lengths = [n if mask is None else sum(mask) for n, mask in zip(columns["completion_tokens"], masks, strict=True)]
+    rewards = torch.tensor(columns["reward"], dtype=torch.float32)
+    stats = reward_stats(rewards, std_is_zero, per_function, lengths, columns["finish_reason"])
+    if any(mask is not None for mask in masks):
+        stats.update(tool_stats(columns["tool_calls"], columns["tool_failures"]))
+    return advantages, stats
 
 
 def tool_stats(calls: list[int | None], failures: list[int | None]) -> dict[str, float]:
@@ -363,22 +334,10 @@ def refuse_metric_clashes(logged: Collection[str], taken: Collection[str], whose
 @task(name="read-logged-rollouts", cache_policy=NO_CACHE)
 def logged_reward_stats(config: GRPOFlowConfig, plan: RunPlan, step: int) -> tuple[int, dict[str, float]]:
     """A replayed step's completion count and reward statistics, from its logged rollouts."""
-    import torch
-
-    from grpo_flow.workers.actor.advantages import reward_stats, step_advantages
-
     table = RunStorage(plan.storage_root, plan.run_id).read_rollouts(step)
-    rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
-    columns = {name: table.column("reward_" + name).to_pylist() for name in plan.reward_names}
-    _, std_is_zero = step_advantages(config, columns)
-    lengths = table.column("completion_tokens").to_pylist()
-    tool_masks = table.column("tool_mask").to_pylist() if "tool_mask" in table.column_names else []
-    if any(mask is not None for mask in tool_masks):
-        lengths = [n if mask is None else sum(mask) for n, mask in zip(lengths, tool_masks, strict=True)]
-    stats = reward_stats(rewards, std_is_zero, columns, lengths, table.column("finish_reason").to_pylist())
-    if tool_masks and any(mask is not None for mask in tool_masks):
-        stats.update(tool_stats(table.column("tool_calls").to_pylist(), table.column("tool_failures").to_pylist()))
-    return table.num_rows, stats
+    needed = [*STATS_COLUMNS, *(REWARD_PREFIX + name for name in plan.reward_names)]
+    columns = table.select([c for c in needed if c in table.column_names]).to_pydict()
+    return table.num_rows, step_reward_stats(config, plan.reward_names, columns)[1]
 
 
 def write_rollouts(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, shard: int) -> str:

@@ -27,6 +27,7 @@ asked for what is left of it: the same tokens.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from grpo_flow.schemas.records import RolloutBatch
 from grpo_flow.workers.rollout.base import GenerationResult, SamplingParams
 from grpo_flow.workers.tools.calls import ToolRequest, ToolResult
 
@@ -348,6 +350,48 @@ class EpisodeRunner:
         starts, environments = episode_starts(self.toolbox, rows, num_generations)
         episodes, extra = play_episodes(generate, self.chat, starts, params, self.limits, self.call_tools)
         return episodes, starts, environments, extra
+
+    def batch(
+        self,
+        generate: Generate,
+        rows: Sequence[dict[str, Any]],
+        num_generations: int,
+        params: SamplingParams,
+        *,
+        run_id: str,
+        step: int,
+        columns: Sequence[str] = (),
+        group_offset: int = 0,
+    ) -> RolloutBatch:
+        """`play` as a RolloutBatch (`RolloutBatch.from_generation`'s groups): each episode's turns as one
+        completion, with its tool columns, messages (what reward functions get as completions) and
+        environment."""
+        episodes, starts, environments, extra = self.play(generate, rows, num_generations, params)
+        decode = self.chat.tokenizer.decode
+        played = GenerationResult(
+            prompt_token_ids=[e.prompt_ids for e in episodes],
+            completion_token_ids=[e.completion_ids for e in episodes],
+            sampling_logprobs=[e.logprobs for e in episodes],
+            finish_reasons=[e.finish_reason for e in episodes],
+            texts=[decode(e.completion_ids, skip_special_tokens=True) for e in episodes],
+            seconds=extra["generate_s"],
+            extra={**extra, "prompt_texts": [decode(e.prompt_ids) for e in episodes]},
+        )
+        return RolloutBatch.from_generation(
+            rows,
+            played,
+            run_id=run_id,
+            step=step,
+            columns=columns,
+            group_offset=group_offset,
+            tool_mask=[e.tool_mask for e in episodes],
+            messages=[json.dumps(e.messages, ensure_ascii=False, default=str) for e in episodes],
+            tool_calls=[e.tool_calls for e in episodes],
+            tool_failures=[e.tool_failures for e in episodes],
+            raw_prompt=[start.prompt for start in starts],  # as the toolbox started each episode
+            completion_messages=[e.messages for e in episodes],
+            environments=environments if self.toolbox.factories is not None else [],
+        )
 
 
 def check_episodes(config: Any, task: Any, model_path: str | Path, reward_names: Sequence[str] = ()) -> list[str]:
