@@ -2,6 +2,7 @@
 counter see its steps, the direct (no-Prefect) steps write what the flow writes, and gpu.py
 refuses cleanly without CUDA. No timings are asserted: figures come from running benchmarks/."""
 
+import argparse
 import subprocess
 import sys
 import time
@@ -95,3 +96,13 @@ def test_gpu_benchmark_refuses_without_cuda():
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "needs a CUDA GPU" in done.stderr
+
+
+def test_quickstart_times_a_checkouts_grpo_train_and_refuses_a_folder_that_is_not_one(tmp_path, storage_root):
+    from benchmarks import harness
+    from benchmarks.quickstart import check, timed_run
+
+    assert "not a grpo-flow checkout" in check(argparse.Namespace(baseline=tmp_path))
+    assert check(argparse.Namespace(baseline=harness.ROOT)) is None
+    assert timed_run(harness.ROOT, storage_root, "quickstart", max_steps=1) > 0
+    assert RunStorage(str(storage_root), "quickstart").logged_steps() == [1]

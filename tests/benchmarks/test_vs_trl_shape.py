@@ -61,3 +61,8 @@ def test_a_bad_shape_is_refused_before_anything_loads(argv, message, capsys):
 
 def test_the_actor_breakdown_reads_every_phase_the_actor_logs():
     assert sorted(vs_trl.ACTOR_PHASE_COLUMNS.values()) == sorted(f"actor/{phase}_s" for phase in ACTOR_PHASES)
+
+
+def test_the_report_holds_each_shape_to_its_own_target():
+    assert vs_trl.targets({"max_completion_length": 16}) == {"transformers": 1.0, "vllm": 1.0}
+    assert vs_trl.targets({"max_completion_length": 128}) == {"vllm": 0.8}
