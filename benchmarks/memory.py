@@ -5,6 +5,7 @@ checkpointing, each measurement in a fresh process.
                          [--completion-tokens 32] [--json FILE]
     python -m benchmarks.memory --models smollm2-135m [--storage-root DIR] [--json FILE]
     python -m benchmarks.memory --models smollm2-135m --completions 32,64,128,256
+    python -m benchmarks.memory --models smollm2-135m --vllm-step 64x4
 
 Models:
 - `tiny`: the tiny preset's model (the built one under the default storage root or
@@ -27,6 +28,10 @@ With `--completions`, the smol-math actor step at each of those numbers of compl
 with the default micro-batch budget, and beside each peak the estimate `grpo train` states before
 loading (workers/actor/memory.py; the actor's part, as the rollout engine is not in the process).
 
+With `--vllm-step PxG`, `grpo train --preset smol-math --rollout-engine vllm` for two steps of P prompts x G
+completions instead, as a user runs it: the peak of the whole process tree's resident memory (the flow's
+process with the actor, the vLLM engine's process and the Prefect server), sampled twice a second.
+
 Each measurement is a fresh Python process that loads the project's `Actor` (fp32, AdamW from
 TRL's trainer, TRL's loss) from the folder, as the local backend does, and applies one step
 (`Actor.step`) to a rollouts table; it reports `ru_maxrss` before and after the step. The peak
@@ -43,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -223,6 +229,50 @@ def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def tree_rss_bytes(process: Any) -> int:
+    """Resident memory of a process and all its descendants (psutil), those that exit meanwhile left out."""
+    import psutil
+
+    total = 0
+    for member in [process, *process.children(recursive=True)]:
+        try:
+            total += member.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def vllm_step(storage_root: str, prompts: int, generations: int, timeout: float) -> dict[str, Any]:
+    """Two smol-math steps of `prompts` x `generations` with the vLLM engine through `grpo train`; the process
+    tree's peak resident memory, sampled twice a second."""
+    import psutil
+
+    argv = ["train", "--preset", "smol-math", "--rollout-engine", "vllm", "--max-steps", "2", "--eval-prompts", "0"]
+    argv += ["--prompts-per-step", str(prompts), "--num-generations", str(generations), "--no-progress"]
+    with tempfile.TemporaryDirectory(prefix="grpo-flow-vllm-step-") as runs:
+        argv += ["--storage-root", storage_root, "--run-id", f"memory-{prompts}x{generations}-{os.getpid()}"]
+        started, peak = time.perf_counter(), 0
+        child = subprocess.Popen(
+            [sys.executable, "-m", "grpo_flow", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **harness.QUIET_ENV, "PREFECT_HOME": runs},
+        )
+        tree = psutil.Process(child.pid)
+        while child.poll() is None and time.perf_counter() - started < timeout:
+            peak = max(peak, tree_rss_bytes(tree))
+            time.sleep(0.5)
+        if child.poll() is None:
+            child.kill()
+        output = child.communicate()[0]
+    result = {"prompts": prompts, "generations": generations, "peak_bytes": peak}
+    result |= {"process_s": time.perf_counter() - started, "exit_status": child.returncode}
+    if child.returncode != 0:
+        result["error"] = output.strip()[-2000:]
+    return result
+
+
 def real_model_shape(model_path: str) -> list[str]:
     """The smol-math preset's step: 4 prompts x 8 completions of 16 tokens after smol_math's longest
     chat-rendered prompt."""
@@ -291,6 +341,12 @@ def options(parser: argparse.ArgumentParser) -> None:
         help=f"{REAL_MODEL} only: instead of the preset's step with and without gradient checkpointing and the "
         "flow's step, its actor step at each of these numbers of completions per step (e.g. 32,64,128,256)",
     )
+    parser.add_argument(
+        "--vllm-step",
+        default="",
+        help=f"{REAL_MODEL} only: instead, two smol-math steps of PxG (e.g. 64x4) with the vLLM engine through "
+        "grpo train, the whole process tree's peak",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed each child process")
     # internal: one measurement in this (fresh) process
     parser.add_argument("--child", choices=("build", "step", "run"), help=argparse.SUPPRESS)
@@ -302,7 +358,11 @@ def options(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> str | None:
     unknown = set(models_of(args)) - set(MODELS)
-    return f"--models: unknown {sorted(unknown)}; known: {', '.join(MODELS)}" if unknown else None
+    if unknown:
+        return f"--models: unknown {sorted(unknown)}; known: {', '.join(MODELS)}"
+    if args.vllm_step and not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", args.vllm_step):
+        return f"--vllm-step: {args.vllm_step!r} is not PROMPTSxGENERATIONS, e.g. 64x4"
+    return None
 
 
 def models_of(args: argparse.Namespace) -> list[str]:
@@ -340,6 +400,10 @@ def measure_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
         path = resolve_model_path(REAL_MODEL, harness.storage_root(args.storage_root))
         if args.completions:
             return {"completions": completions_sweep(path, [int(c) for c in args.completions.split(",")], args.timeout)}
+        if args.vllm_step:
+            prompts, generations = (int(n) for n in args.vllm_step.split("x"))
+            root = harness.storage_root(args.storage_root)
+            return {"vllm_step": vllm_step(root, prompts, generations, args.timeout)}
         shape = [*real_model_shape(path), "--preset", "smol-math"]
         built = {"run": run_child(["--child", "run", "--model-path", path, "--workdir", str(workdir)], args.timeout)}
     else:
@@ -371,7 +435,9 @@ def print_report(results: dict[str, Any], args: argparse.Namespace) -> None:
             print(f"{name:<14}  error: {entry['error'][:300]}")
             continue
         for key in ("without_gc", "with_gc"):
-            r = entry.get(key, {})
+            if key not in entry:  # a sweep or a vLLM step instead, printed below
+                continue
+            r = entry[key]
             if "peak_bytes" not in r:
                 print(
                     f"{name:<14}{'':>9}{'':>34}{('on' if key == 'with_gc' else 'off'):>11}  "
@@ -400,6 +466,13 @@ def print_report(results: dict[str, Any], args: argparse.Namespace) -> None:
     for name, entry in results["models"].items():
         if "completions" in entry:
             print_sweep(name, entry["completions"])
+        if "vllm_step" in entry:
+            r = entry["vllm_step"]
+            outcome = "ran" if r["exit_status"] == 0 else f"failed (exit status {r['exit_status']})"
+            print(
+                f"\n{name}: two smol-math steps of {r['prompts']} x {r['generations']} with the vLLM engine through "
+                f"grpo train {outcome}: peak {r['peak_bytes'] / GIB:.2f} GiB (process tree) in {r['process_s']:.0f} s"
+            )
     if "qwen0.5b" in results["models"]:
         print(f"\nQwen2.5-0.5B-shape step within {LIMIT_GIB} GiB: {'yes' if results['qwen05b_fits_16gib'] else 'NO'}")
 

@@ -106,3 +106,29 @@ def test_quickstart_times_a_checkouts_grpo_train_and_refuses_a_folder_that_is_no
     assert check(argparse.Namespace(baseline=harness.ROOT)) is None
     assert timed_run(harness.ROOT, storage_root, "quickstart", max_steps=1) > 0
     assert RunStorage(str(storage_root), "quickstart").logged_steps() == [1]
+
+
+def test_memory_refuses_a_vllm_step_that_is_not_prompts_x_generations(capsys):
+    from benchmarks.memory import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--models", "smollm2-135m", "--vllm-step", "64by4"])
+    assert exited.value.code == 2
+    assert "--vllm-step: '64by4' is not PROMPTSxGENERATIONS" in capsys.readouterr().err
+
+
+def test_memory_sums_a_process_trees_resident_memory():
+    import psutil
+
+    from benchmarks.memory import tree_rss_bytes
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 * 2**20); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        me = psutil.Process()
+        while tree_rss_bytes(me) - me.memory_info().rss < 200 * 2**20 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tree_rss_bytes(me) - me.memory_info().rss >= 200 * 2**20
+    finally:
+        child.kill()
+        child.wait()
