@@ -214,14 +214,17 @@ def child_main(args: argparse.Namespace) -> None:
 
 # -- parent -------------------------------------------------------------------------------------------
 def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **harness.QUIET_ENV},
-        cwd=harness.ROOT,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.memory", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **harness.QUIET_ENV},
+            cwd=harness.ROOT,
+        )
+    except subprocess.TimeoutExpired:  # the other measurements are kept
+        return {"error": f"not done in --timeout {timeout:.0f} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         killed = " (killed: out of memory?)" if done.returncode in (-9, 137) else ""

@@ -18,8 +18,8 @@ def test_learning_benchmark_writes_both_sides_figures_and_the_plot(prefect_serve
     common = ["--tasks", "last_digit", "--steps", "2", "--eval-every", "1", "--eval-prompts", "8"]
     common += ["--storage-root", str(storage_root), "--json", str(out), "--png", str(png)]
     main([*common, "--seeds", "1"])
-    # A second invocation: its seed joins the first's, with the sampling control beside it.
-    main([*common, "--seeds", "1", "--first-seed", "1", "--sides", "trl", "grpo_flow", "trl_resampled"])
+    # A second invocation: its seed joins the first's, with TRL's sampling control beside TRL.
+    main([*common, "--seeds", "1", "--first-seed", "1", "--sides", "trl", "trl_resampled"])
 
     written = json.loads(out.read_text())
     assert written["another_task"] == {"kept": True}
@@ -30,6 +30,11 @@ def test_learning_benchmark_writes_both_sides_figures_and_the_plot(prefect_serve
     assert result["config_differences"] == {}
     assert [run["sampling_seed"] for run in result["runs"]["trl_resampled"]] == [1001]
     assert {"trl_vs_grpo_flow_final_gap", "trl_vs_trl_resampled_final_gap"} <= set(result)
+    assert {side: [run["seed"] for run in runs] for side, runs in result["runs"].items()} == {
+        "trl": [0, 1],
+        "grpo_flow": [0],
+        "trl_resampled": [1],
+    }
     for side in ("trl", "grpo_flow", "trl_resampled"):
         for run in result["runs"][side]:
             assert [point[0] for point in run["curve"]] == [0, 1, 2]
