@@ -271,6 +271,30 @@ def test_missing_credentials_are_named_with_the_url(s3_server, monkeypatch, tmp_
         s3fs.S3FileSystem.clear_instance_cache()
 
 
+def test_storage_options_carry_the_endpoint_when_the_environment_has_none(s3_server, monkeypatch):
+    """`--storage-options '{"endpoint_url": ...}'` (a run's `storage_options`) reaches every reader and writer of
+    the run in the process, as pandas' `storage_options` would, with no AWS_ENDPOINT_URL to fall back on."""
+    import fsspec.config
+    import s3fs
+
+    from grpo_flow.flows.cli import use_cli_storage_options
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setattr(fsspec.config, "conf", {})  # this test's defaults only
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        use_cli_storage_options("s3://options-bucket/grpo", json.dumps({"endpoint_url": s3_server}))
+        s3fs.S3FileSystem(endpoint_url=s3_server).mkdir("options-bucket")
+        run = RunStorage("s3://options-bucket/grpo", "run")
+        run.write_config({"model": "tiny"})
+        with RunLock(run.run_dir):
+            assert read_holder(run.run_dir)["pid"] == os.getpid()
+        stored = s3fs.S3FileSystem(endpoint_url=s3_server).cat_file("options-bucket/grpo/runs/run/config.json")
+        assert json.loads(stored)["model"] == "tiny"
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
 def test_a_url_root_with_a_remote_backend_is_refused_naming_what_works():
     from grpo_flow.flows.checks import check_before_start
     from grpo_flow.schemas.presets import preset_config
