@@ -36,3 +36,10 @@ def test_deployments_take_a_url_storage_root_as_it_is():
 
     deployments = build_deployments("s3://bucket/grpo", None, None, None, None)
     assert {d.parameters["storage_root"] for d in deployments} == {"s3://bucket/grpo"}
+
+
+def test_storage_options_that_are_not_a_json_object_are_refused_naming_the_option(capsys):
+    from grpo_flow.flows.cli import main
+
+    assert main(["train", "--storage-root", "memory://grpo-flow-test/options", "--storage-options", "[1]"]) == 2
+    assert "grpo train: --storage-options: '[1]' is not a JSON object" in capsys.readouterr().err

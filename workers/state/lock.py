@@ -7,11 +7,17 @@ live on local disks and on Modal Volumes, so two mechanisms back each other:
 - Locally the file is also held with flock(2). The kernel drops that lock the moment its
   process dies (SIGKILL included), so a second process on the machine is refused for exactly as
   long as the first lives, and a killed holder's lock is taken over at once.
-- An object store (a URL storage root: workers/state/location.py) has no locks and no rename:
-  the lock is an object taken with the store's exclusive create (S3 `If-None-Match: *`, through
-  fsspec's mode "xb"), rewritten by its holder at each renewal, deleted at release, and deleted
-  then taken again by the next writer once its holder is gone (its pid, on this host; its lease,
-  elsewhere).
+- An object store (a URL storage root: workers/state/location.py) has no locks, no rename and no
+  conditional delete, only an exclusive create (S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`,
+  fsspec's `mode="create"`). There the lease is a series of generations, the objects
+  `writer.lock/000000000001`, `.../000000000002`, ...; the newest names the holder. The holder
+  rewrites its own generation at each renewal and deletes it at release. A writer that finds the
+  newest generation's holder gone (its pid, on this host; its lease, elsewhere) creates the next
+  generation: of the takers that race for it, the store lets exactly one create it. The winner
+  then checks that no newer generation and no live older one exists (a taker whose listing was
+  older may have won first), and removes the older ones. A holder that finds a newer generation
+  than its own, or its own gone, at a renewal was taken over: it stops renewing and no longer holds
+  the lock.
 - A Modal Volume has no locks (flock does not reach other containers, and a Volume shows other
   containers' writes only after its background commit). There the lease is what counts: a
   holder on another host is alive until its lease expires.
@@ -132,7 +138,11 @@ def lock_path(run_dir: str | os.PathLike) -> Path:
 
 
 def read_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The lock record, or None (no lock, or a record being written)."""
+    """The lock record (on an object store, its newest generation's), or None (no lock, or a record being
+    written)."""
+    if is_remote(run_dir):
+        newest = _newest_generation(run_dir)
+        return newest[1] if newest is not None else None
     path = lock_path(run_dir)
     for _ in range(5):  # the holder rewrites its record in place: a read may fall between truncate and write
         try:
@@ -149,6 +159,65 @@ def read_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
             pass
         time.sleep(0.02)
     return None
+
+
+# -- an object store's lease: a series of generations ------------------------------------------------
+_GENERATION = re.compile(r"^\d{12}$")
+
+
+def _fs(run_dir: Any) -> Any:
+    return run_dir.fs
+
+
+def _generation_key(run_dir: Any, number: int) -> str:
+    return f"{lock_path(run_dir).path}/{number:012d}"  # type: ignore[attr-defined]
+
+
+def _generations(run_dir: Any) -> list[tuple[int, str]]:
+    """(number, key) of each generation of the lease, oldest first."""
+    keys = _fs(run_dir).find(str(lock_path(run_dir).path))  # type: ignore[attr-defined]
+    found = [(key.rstrip("/").rpartition("/")[2], key) for key in keys]
+    return sorted((int(name), key) for name, key in found if _GENERATION.match(name))
+
+
+def _parse(data: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _read_generation(run_dir: Any, number: int) -> dict[str, Any] | None:
+    """A generation's record; None when it is gone or unreadable (a PUT is whole: damage, not a write under way)."""
+    try:
+        return _parse(_fs(run_dir).cat_file(_generation_key(run_dir, number)))
+    except FileNotFoundError:
+        return None
+
+
+def _newest_generation(run_dir: Any) -> tuple[int, dict[str, Any] | None] | None:
+    """The newest generation's number and record, or None when the lease has none."""
+    for _ in range(5):  # released between the listing and the read: list again
+        found = _generations(run_dir)
+        if not found:
+            return None
+        try:
+            return found[-1][0], _parse(_fs(run_dir).cat_file(found[-1][1]))
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def _alive(holder: dict[str, Any] | None) -> bool:
+    return holder is not None and holder_alive(holder)
+
+
+def _remove(run_dir: Any, key: str) -> None:
+    try:
+        _fs(run_dir).rm_file(key)
+    except FileNotFoundError:  # removed by another cleaner meanwhile
+        pass
 
 
 def live_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -200,7 +269,8 @@ class RunLock:
         self.token = uuid.uuid4().hex
         self.taken_over: dict[str, Any] | None = None  # the stale holder this lock replaced, if any
         self._fd: int | None = None
-        self._leased = False  # holds the lock object of an object store
+        self._leased = False  # holds a generation of an object store's lease
+        self._generation = 0
         self._record: dict[str, Any] = {}
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -266,11 +336,8 @@ class RunLock:
         raise RunLockedError(f"run {self.run_dir.name!r}: could not take {self.path} (it keeps changing)", None)
 
     def release(self) -> None:
-        if self._leased:
-            self._stop_renewer()
-            self._leased = False
-            if (read_holder(self.run_dir) or {}).get("token") == self.token:
-                self.path.unlink()
+        if is_remote(self.run_dir):
+            self._release_object()
             return
         if self._fd is None:
             return
@@ -292,44 +359,84 @@ class RunLock:
     def __exit__(self, *exc: Any) -> None:
         self.release()
 
-    # -- an object store's lock object -----------------------------------------------------------------
+    # -- an object store's lease: generations -------------------------------------------------------
     def _acquire_object(self) -> RunLock:
-        fs, key = self.path.fs, str(self.path.path)  # type: ignore[attr-defined]
-        for _ in range(10):  # another taker may delete or create the object between our steps: try again
+        for _ in range(10):  # another taker may create or release a generation between our steps: try again
+            newest = _newest_generation(self.run_dir)
+            if newest is not None and _alive(newest[1]):
+                self._refuse(newest[1])
+            generation = newest[0] + 1 if newest is not None else 1
             now = time.time()
-            self._record = self._new_record(now)
-            try:
-                with fs.open(key, "xb") as handle:  # the store's conditional create: one taker wins
-                    handle.write(self._payload(now))
-            except FileExistsError:
-                holder = read_holder(self.run_dir)
-                if holder is None and not self.path.exists():  # released meanwhile: create it again
-                    continue
-                if holder is not None and holder_alive(holder):
-                    self._refuse(holder)
-                self.taken_over = holder
-                logger.warning(
-                    "run %s: taking over the writer lock of %s: %s",
-                    self.run_dir.name,
-                    describe_holder(holder),
-                    "its record is unreadable" if holder is None else "its holder is gone",
+            self._record = {**self._new_record(now), "generation": generation}
+            try:  # the store's conditional create: one taker of each generation wins
+                _fs(self.run_dir).pipe_file(
+                    _generation_key(self.run_dir, generation), self._payload(now), mode="create"
                 )
-                fs.rm(key)
+            except FileExistsError:
                 continue
             except OSError as error:
                 raise self._cannot_write(error) from None
-            self._leased = True
+            if not self._won(generation):
+                continue
+            self._generation, self._leased = generation, True
+            if newest is not None:
+                self._take_over(newest[1])
             self._start_renewer()
             return self
         raise RunLockedError(f"run {self.run_dir.name!r}: could not take {self.path} (it keeps changing)", None)
 
+    def _won(self, generation: int) -> bool:
+        """After creating `generation`: whether this lock holds the run. It does not if its object is not its
+        own (a store whose exclusive create is emulated let another write it too), if a newer generation
+        exists (a later taker), or if an older one is alive (a taker whose listing was older won first, or
+        its holder renewed late); it then deletes its own, and is refused naming a live older holder."""
+        if (_read_generation(self.run_dir, generation) or {}).get("token") != self.token:
+            return False
+        found = _generations(self.run_dir)
+        older = [_read_generation(self.run_dir, number) for number, _ in found if number < generation]
+        live = [holder for holder in older if _alive(holder)]
+        if live or found[-1][0] > generation:
+            _remove(self.run_dir, _generation_key(self.run_dir, generation))
+            if live:
+                self._refuse(live[-1])
+            return False
+        return True
+
+    def _take_over(self, holder: dict[str, Any] | None) -> None:
+        self.taken_over = holder
+        logger.warning(
+            "run %s: taking over the writer lock of %s: %s",
+            self.run_dir.name,
+            describe_holder(holder),
+            "its record is unreadable" if holder is None else "its holder is gone",
+        )
+        self._remove_older()
+
+    def _remove_older(self, found: list[tuple[int, str]] | None = None) -> None:
+        for number, key in _generations(self.run_dir) if found is None else found:
+            if number < self._generation:
+                _remove(self.run_dir, key)
+
     def _renew_object(self, now: float) -> None:
-        holder = read_holder(self.run_dir)
-        if holder is not None and holder.get("token") != self.token:
-            logger.error("run %s: the writer lock was taken over by %s", self.run_dir.name, describe_holder(holder))
+        found = _generations(self.run_dir)
+        own = _read_generation(self.run_dir, self._generation) if found and found[-1][0] == self._generation else None
+        if (own or {}).get("token") != self.token:
+            logger.error(
+                "run %s: the writer lock was taken over by %s",
+                self.run_dir.name,
+                describe_holder(read_holder(self.run_dir)),
+            )
+            self._leased = False
             self._stop.set()
             return
-        self.path.write_bytes(self._payload(now))
+        _fs(self.run_dir).pipe_file(_generation_key(self.run_dir, self._generation), self._payload(now))
+        self._remove_older(found)
+
+    def _release_object(self) -> None:
+        self._stop_renewer()
+        if self._leased and (_read_generation(self.run_dir, self._generation) or {}).get("token") == self.token:
+            _remove(self.run_dir, _generation_key(self.run_dir, self._generation))
+        self._leased = False
 
     # -- internals ---------------------------------------------------------------------------------
     def _new_record(self, now: float) -> dict[str, Any]:

@@ -9,7 +9,7 @@
     <root>/runs/<run_id>/eval/initial.json               held-out accuracy before RL
     <root>/runs/<run_id>/quarantine/                     damaged files moved aside, never deleted
     <root>/runs/<run_id>/summary.json
-    <root>/runs/<run_id>/writer.lock                     who writes the run now (workers/state/lock.py)
+    <root>/runs/<run_id>/writer.lock                     who writes the run now (a URL root: writer.lock/<generation>; lock.py)
     <root>/models/<name>/                                models the project builds itself
 
 Every file is written to a temporary name in its own folder and renamed into place, so a

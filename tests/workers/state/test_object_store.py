@@ -3,16 +3,21 @@ a commit is a manifest written last, what has none is skipped and removed, the l
 exclusive create, and nothing lands in a local folder named after the URL."""
 
 import json
+import logging
 import os
+import sys
+import threading
 import time
 import uuid
 
 import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
 import pyarrow as pa
 import pytest
 
 from grpo_flow.flows.checks import StartCheckError, check_storage_root
 from grpo_flow.workers.state.location import StorageURLError, root_path
+from grpo_flow.workers.state import lock as lock_module
 from grpo_flow.workers.state.lock import RunLock, RunLockedError, read_holder, this_host
 from grpo_flow.workers.state.storage import MANIFEST, RunStorage, list_runs, remote_key
 from grpo_flow.workers.state.verify import verify_run
@@ -110,7 +115,7 @@ def test_the_lock_object_refuses_a_live_writer_and_is_taken_over_from_a_gone_one
 
     def planted(**fields):
         record = {"host": "elsewhere", "pid": 1, "token": "t", "expires": time.time() + 60, **fields}
-        (storage.run_dir / "writer.lock").write_text(json.dumps(record))
+        (storage.run_dir / "writer.lock" / "000000000007").write_text(json.dumps(record))  # a generation
 
     planted()  # another host, its lease running
     with pytest.raises(RunLockedError, match="host elsewhere"):
@@ -118,10 +123,104 @@ def test_the_lock_object_refuses_a_live_writer_and_is_taken_over_from_a_gone_one
     planted(expires=time.time() - 1)  # its lease expired: taken over
     lock = RunLock(storage.run_dir).acquire()
     assert lock.taken_over["host"] == "elsewhere" and read_holder(storage.run_dir)["token"] == lock.token
+    assert [p.name for p in (storage.run_dir / "writer.lock").iterdir()] == ["000000000008"]  # the old one removed
     lock.release()
     planted(host=this_host(), pid=2**22 + 1)  # this host, a process that is gone: taken over at once
     with RunLock(storage.run_dir) as lock:
         assert lock.taken_over["pid"] == 2**22 + 1
+
+
+@pytest.fixture
+def atomic_create(monkeypatch):
+    """memory://'s exclusive create checks that a key is free, then creates it, in two Python steps that
+    threads can interleave; S3 (`If-None-Match: *`) and GCS (`ifGenerationMatch=0`) do both at once on the
+    server. This gives the memory store the servers' guarantee, so many threads can race on it."""
+    guard = threading.Lock()
+    create = MemoryFileSystem._open
+
+    def _open(self, path, mode="rb", *args, **kwargs):
+        if "x" not in mode:
+            return create(self, path, mode, *args, **kwargs)
+        with guard:
+            return create(self, path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "_open", _open)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between every few bytecodes: the races happen
+    yield
+    sys.setswitchinterval(switch)
+
+
+def expired_holder(storage: RunStorage, monkeypatch, lease_s: float = 0.2) -> RunLock:
+    """A holder on another host whose lease has run out (its renewer stopped, as a stalled process's)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(lock_module, "this_host", lambda: "elsewhere")
+        holder = RunLock(storage.run_dir, lease_s=lease_s, command="stalled").acquire()
+    holder._stop_renewer()
+    time.sleep(lease_s * 1.5)
+    return holder
+
+
+def take_together(storage: RunStorage, takers: int) -> list[RunLock | RunLockedError]:
+    """What each of `takers` threads, started together, got from `RunLock.acquire()`."""
+    start, outcomes = threading.Barrier(takers), []
+
+    def take(taker: int) -> None:
+        start.wait()
+        try:
+            outcomes.append(RunLock(storage.run_dir, command=f"taker-{taker}").acquire())
+        except RunLockedError as refused:
+            outcomes.append(refused)
+
+    threads = [threading.Thread(target=take, args=(taker,)) for taker in range(takers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def race_to_take_over(storage: RunStorage, monkeypatch, takers: int = 12) -> None:
+    """Takers started together on an expired lease: exactly one wins, the others are refused naming it
+    (three rounds: the losing interleavings are many)."""
+    for _ in range(3):
+        expired_holder(storage, monkeypatch)
+        outcomes = take_together(storage, takers)
+        [winner] = [outcome for outcome in outcomes if isinstance(outcome, RunLock)]
+        assert winner.taken_over["command"] == "stalled"
+        assert read_holder(storage.run_dir)["token"] == winner.token
+        refused = [str(outcome) for outcome in outcomes if isinstance(outcome, RunLockedError)]
+        assert len(refused) == takers - 1 and all(f"({winner.command})" in message for message in refused)
+        winner.release()
+        assert read_holder(storage.run_dir) is None
+
+
+def test_many_takers_of_one_expired_lease_one_wins_and_the_others_are_refused_naming_it(
+    storage, atomic_create, monkeypatch
+):
+    race_to_take_over(storage, monkeypatch)
+
+
+def test_many_takers_of_one_expired_lease_on_s3_one_wins(s3_root, monkeypatch):
+    storage = RunStorage(s3_root, "race")
+    storage.write_config({"model": "tiny"})
+    race_to_take_over(storage, monkeypatch, takers=8)
+
+
+def test_a_holder_whose_lease_was_taken_over_stops_renewing(storage, monkeypatch, caplog):
+    stalled = expired_holder(storage, monkeypatch, lease_s=0.4)
+    taker = RunLock(storage.run_dir, command="taker").acquire()
+    assert taker.taken_over["command"] == "stalled"
+    with caplog.at_level(logging.ERROR, logger="grpo_flow.lock"):
+        stalled._start_renewer()  # the stalled process wakes up and renews
+        stalled._renewer.join(timeout=5)
+    assert not stalled._renewer.is_alive() and not stalled.held
+    assert "the writer lock was taken over by " in caplog.text and "(taker)" in caplog.text
+    time.sleep(0.2)
+    assert read_holder(storage.run_dir)["token"] == taker.token
+    stalled.release()  # deletes nothing of the new holder's
+    assert read_holder(storage.run_dir)["token"] == taker.token
+    taker.release()
 
 
 def test_list_runs_and_nothing_in_a_local_folder_named_after_the_url(storage, tmp_path):
@@ -168,6 +267,30 @@ def test_missing_credentials_are_named_with_the_url(s3_server, monkeypatch, tmp_
     try:
         with pytest.raises(StartCheckError, match=r"'s3://any-bucket/grpo' cannot be written: .*credentials"):
             check_storage_root("s3://any-bucket/grpo")
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_storage_options_carry_the_endpoint_when_the_environment_has_none(s3_server, monkeypatch):
+    """`--storage-options '{"endpoint_url": ...}'` (a run's `storage_options`) reaches every reader and writer of
+    the run in the process, as pandas' `storage_options` would, with no AWS_ENDPOINT_URL to fall back on."""
+    import fsspec.config
+    import s3fs
+
+    from grpo_flow.flows.cli import use_cli_storage_options
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setattr(fsspec.config, "conf", {})  # this test's defaults only
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        use_cli_storage_options("s3://options-bucket/grpo", json.dumps({"endpoint_url": s3_server}))
+        s3fs.S3FileSystem(endpoint_url=s3_server).mkdir("options-bucket")
+        run = RunStorage("s3://options-bucket/grpo", "run")
+        run.write_config({"model": "tiny"})
+        with RunLock(run.run_dir):
+            assert read_holder(run.run_dir)["pid"] == os.getpid()
+        stored = s3fs.S3FileSystem(endpoint_url=s3_server).cat_file("options-bucket/grpo/runs/run/config.json")
+        assert json.loads(stored)["model"] == "tiny"
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
 
