@@ -101,3 +101,28 @@ def test_a_file_weight_sync_on_s3_is_refused_by_the_cli_naming_the_option(s3_roo
     assert main([*argv, "--weight-sync-method", "volume"]) == 2
     err = capsys.readouterr().err
     assert "--weight-sync-method: 'volume' hands weights over as files" in err and "use 'direct'" in err
+
+
+def test_an_actor_container_without_the_buckets_credentials_stops_at_its_start_naming_the_url(
+    s3_root, monkeypatch, tmp_path
+):
+    """As a container whose Secret is missing: no AWS_* variables, no ~/.aws. It stops before its model loads."""
+    from grpo_flow.workers.backends.modal_app import build_worker_app, worker_config_json
+    from grpo_flow.workers.state.location import StorageURLError
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    root = f"{s3_root}/without-credentials"  # a URL of its own: each is probed once per process
+    config = preset_config("tiny", run_id="modal-s3-refused", storage_root=root, backend="modal")
+    actor = build_worker_app(config).actor_cls(
+        config_json=worker_config_json(config), model_path="no-model-loads", device="cpu", storage_root=root
+    )
+    s3fs.S3FileSystem.clear_instance_cache()  # s3fs keeps one client per set of arguments, not per environment
+    try:
+        with pytest.raises(StorageURLError, match=rf"'{root}' cannot be written: .*credentials"):
+            actor.ready.local()
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()

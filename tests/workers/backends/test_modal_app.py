@@ -226,8 +226,8 @@ def test_a_url_root_on_modal_is_refused_only_where_it_cannot_work(tmp_path, over
         check_modal_ready(config, secret_lookup=lambda name: None, env=found)
 
 
-def test_on_a_url_root_every_worker_gets_the_url_and_the_weights_travel_in_the_calls(model_path):
-    config = modal_config(storage_root="s3://bucket/grpo")
+def test_on_a_url_root_every_worker_gets_the_url_and_the_weights_travel_in_the_calls():
+    config, model_path = modal_config(storage_root="s3://bucket/grpo"), "a-model"  # nothing starts: no model loads
     for mode in ("remote", "local"):
         placement = ModalPlacement(config, model_path, mode=mode, mount=lambda worker: "/a/volume/view")
         assert (
