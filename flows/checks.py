@@ -51,11 +51,10 @@ def check_before_start(
     use_storage_options(config.storage_root, config.storage_options)
     check_storage_root(config.storage_root)
     if is_url(config.storage_root) and config.backend == "modal":
-        raise StartCheckError(
-            "storage_root",
-            f"{config.storage_root!r}: a URL storage root runs with the local and ray backends for now; the "
-            "modal backend keeps the run's checkpoints on its Volume: give it a folder",
-        )
+        from grpo_flow.workers.backends.modal_app import url_root_problem
+
+        if problem := url_root_problem(config):
+            raise StartCheckError(*problem)
     if config.dataset.startswith("registered:") and not registered_dataset:
         raise StartCheckError(
             "dataset",

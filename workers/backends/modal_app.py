@@ -11,6 +11,12 @@ Built with no network: images, the Volume and Secrets are lazy handles until the
   `modal.parameter()`, so rollout worker i has its own container pool and keeps its engine warm
   between steps.
 
+The storage root inside a container is the run Volume, mounted at VOLUME_PATH; or, for a URL root
+(`s3://`, `gs://`), the bucket itself: the actor writes and commits the run's files there through the
+client its image adds (`storage_packages`), with the credentials of a Secret (`modal_secrets`), and the
+weights travel in the calls (`url_root_problem` refuses what cannot work). The Volume then holds only the
+Hugging Face cache and uploaded models.
+
 The GPU type comes from the run's config, but Modal fixes it when a class is decorated; so the
 classes below are plain, undecorated classes at module scope, and `build_app(config)`
 decorates them for one config (`gpu="H100:2"` from modal_actor_gpu and modal_actor_gpu_count, the
@@ -37,6 +43,7 @@ import modal
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.backends.vllm_env import CUDA_PACKAGES
 from grpo_flow.workers.rewards.modal_sandbox import sandbox_image
+from grpo_flow.workers.state.location import EXTRAS, check_reachable, is_url, url_scheme, use_storage_options
 from grpo_flow.workers.state.source import package_files
 
 APP_NAME = "grpo-flow"
@@ -61,6 +68,13 @@ GPU_PACKAGES: tuple[str, ...] = (
 # vLLM rollout engines get an image of their own, as locally an environment of their own: the
 # vLLM that `grpo setup-vllm` installs on a CUDA machine, with the torch and transformers it pins.
 VLLM_PACKAGES: tuple[str, ...] = CUDA_PACKAGES
+# A URL storage root's client, in the actor's image (the worker that writes the run's files on a URL root):
+# grpo-flow's fsspec and universal-pathlib, and the extra of the URL's scheme (pyproject.toml's `s3`, `gcs`),
+# as ranges, so that uv resolves them against the image's own pins (datasets bounds fsspec).
+STORAGE_PACKAGES: tuple[str, ...] = ("fsspec>=2024.6", "universal-pathlib>=0.3,<0.4")
+CLIENT_PACKAGES = {"s3": "s3fs>=2024.6", "gcs": "gcsfs>=2024.6"}  # by extra (location.EXTRAS)
+# On a URL root the containers share no folder, so the weights travel in the call: `direct` (`reload` becomes it).
+URL_SYNC_METHODS = ("reload", "direct")
 LOCAL_SOURCES = ("schemas", "workers")  # of grpo_flow: workers never import Prefect, flows or tasks
 
 # Per call (Modal's timeouts are per attempt; a Prefect task retry makes a new call).
@@ -74,13 +88,15 @@ MIN_CONTAINERS = 0
 
 
 # -- images, volume, secrets ----------------------------------------------------------------------------
-def _cuda_image(packages: tuple[str, ...], env: dict[str, str]) -> modal.Image:
+def _cuda_image(packages: tuple[str, ...], env: dict[str, str], storage: tuple[str, ...] = ()) -> modal.Image:
     image = (
         modal.Image.from_registry(CUDA_BASE_IMAGE, add_python=PYTHON_VERSION)
         .entrypoint([])  # the CUDA image's entrypoint only prints a banner
         .uv_pip_install(*packages)
-        .env({"HF_HOME": HF_HOME, "TOKENIZERS_PARALLELISM": "false", **env})
     )
+    if storage:  # a layer of its own: the one above stays cached, shared with folder roots' runs
+        image = image.uv_pip_install(*storage)
+    image = image.env({"HF_HOME": HF_HOME, "TOKENIZERS_PARALLELISM": "false", **env})
     # Last: added at container start, no rebuild on code edits. File by file rather than with
     # add_local_python_source, which does not follow the source checkout's links (workers/state/source.py).
     for remote, local in package_files(LOCAL_SOURCES).items():
@@ -91,9 +107,44 @@ def _cuda_image(packages: tuple[str, ...], env: dict[str, str]) -> modal.Image:
     return image
 
 
-def gpu_image() -> modal.Image:
-    """CUDA base + pinned torch / TRL / transformers + this project's `schemas` and `workers`: the actor."""
-    return _cuda_image(GPU_PACKAGES, {})
+def gpu_image(storage: tuple[str, ...] = ()) -> modal.Image:
+    """CUDA base + pinned torch / TRL / transformers (+ `storage`: a URL root's client, `storage_packages`) + this
+    project's `schemas` and `workers`: the actor."""
+    return _cuda_image(GPU_PACKAGES, {}, storage)
+
+
+def storage_packages(config: GRPOFlowConfig) -> tuple[str, ...]:
+    """What the actor's image adds for the run's storage root: nothing for a folder (the Volume); for a URL,
+    its scheme's client (`url_root_problem` refuses a scheme with none here)."""
+    scheme = url_scheme(config.storage_root)
+    if scheme is None:
+        return ()
+    return (*STORAGE_PACKAGES, CLIENT_PACKAGES[EXTRAS[scheme]])
+
+
+def url_root_problem(config: GRPOFlowConfig) -> tuple[str, str] | None:
+    """(field, why in one line) when the Modal workers cannot run on the config's URL storage root; None for a
+    folder root, or a URL they can. The actor's container reaches the bucket through the scheme's client, with
+    the credentials of a Secret (`modal_secrets`) and the run's `storage_options`."""
+    scheme, root = url_scheme(config.storage_root), config.storage_root
+    if scheme is None:
+        return None
+    if EXTRAS.get(scheme) not in CLIENT_PACKAGES:
+        return "storage_root", (
+            f"{root!r}: the Modal containers reach a URL storage root through s3fs or gcsfs (s3://, gs://), not "
+            f"{scheme}://; use one of those, or a folder (the run's files then live on the Modal Volume)"
+        )
+    if config.sync_method in URL_SYNC_METHODS:
+        return None
+    if config.weight_sync_method != "lora" and config.publishes_adapter:
+        return "lora_publish", (
+            f"the rollout workers would take the LoRA adapter as files ('lora'), which the containers do not share "
+            f"on a URL storage_root ({root!r}); set lora_publish 'merged' (the weights then travel in the Modal call)"
+        )
+    return "weight_sync_method", (
+        f"{config.weight_sync_method!r} hands weights over as files at one path every container reads, which a URL "
+        f"storage_root ({root!r}) is not; use 'direct' (the weights travel in the Modal call)"
+    )
 
 
 def vllm_image() -> modal.Image:
@@ -167,7 +218,11 @@ class ActorWorker:
     def start(self) -> None:
         from grpo_flow.workers.backends.servers import ActorServer
 
-        volume = VolumeSync(GRPOFlowConfig.model_validate_json(self.config_json).modal_volume, self.storage_root)
+        config = GRPOFlowConfig.model_validate_json(self.config_json)
+        if is_url(self.storage_root):  # this container's credentials (a Secret's) reach the bucket, or one clear error
+            use_storage_options(self.storage_root, config.storage_options)
+            check_reachable(self.storage_root)
+        volume = VolumeSync(config.modal_volume, self.storage_root)
         self.server = ActorServer(self.config_json, self.model_path, self.device, self.storage_root, volume)
 
     @modal.method()
@@ -262,7 +317,7 @@ def build_worker_app(
     """The app for one run's config; builds offline (nothing here talks to Modal)."""
     app = modal.App(APP_NAME)
     volume = storage_volume(config)
-    image = gpu_image()
+    image = gpu_image(storage_packages(config))
     rollout_image = vllm_image() if config.rollout_engine == "vllm" else image
     common: dict[str, Any] = dict(
         volumes={VOLUME_PATH: volume},

@@ -5,7 +5,9 @@
   `mode="local"` calls `.local()` on the same classes in this process (how the tests run it, on
   CPU). Every actor step's metrics carry GPU-seconds per role (`gpu_seconds/actor`,
   `gpu_seconds/rollout`: the wall time of each remote call times the GPUs of its container, summed
-  over the run). Checkpoints stay on the Volume; the local checkpoint folder gets a pointer.
+  over the run). On a folder root checkpoints stay on the Volume and the local checkpoint folder gets a
+  pointer; on a URL root (`s3://`, `gs://`) the workers use the bucket as the flow does, and the actor's
+  checkpoint there is the run's (no pointer, no copy), as with the local and Ray backends.
 - `check_modal_ready(config)`: before anything starts, a clear error when Modal credentials are
   missing or a named Secret does not exist (the Secret lookup needs the network, so it is
   injectable).
@@ -36,8 +38,10 @@ from grpo_flow.workers.backends.modal_app import (
     VOLUME_PATH,
     WorkerApp,
     build_worker_app,
+    url_root_problem,
     worker_config_json,
 )
+from grpo_flow.workers.state.location import is_url
 from grpo_flow.workers.state.storage import RunStorage, file_matches
 from grpo_flow.workers.backends.weight_sync import check_weight_sync_config
 from grpo_flow.workers.backends.workers import Handle, Placement
@@ -85,6 +89,8 @@ def check_modal_ready(
 ) -> None:
     """Everything the Modal backend needs before any container starts, or one clear error."""
     check_weight_sync_config(config)
+    if problem := url_root_problem(config):
+        raise ModalNotReadyError(": ".join(problem))
     if not modal_credentials_found(env, config_path):
         raise ModalNotReadyError(
             "backend 'modal': no Modal credentials found (MODAL_TOKEN_ID and MODAL_TOKEN_SECRET are not set and "
@@ -222,20 +228,30 @@ class ModalPlacement(Placement):
             return list(pool.map(lambda call: call(), calls))
 
     def worker_storage_root(self, worker: str) -> str:
-        """Inside a container the storage root is the Volume; locally the config's folder, or `mount`'s."""
+        """A URL root as it is (each container reaches the bucket); a folder root is the Volume inside a
+        container, locally the config's folder, or `mount`'s."""
+        if is_url(self.config.storage_root):
+            return self.config.storage_root
         if self.mode == "remote":
             return VOLUME_PATH
         return self.mount(worker) if self.mount else str(self.config.storage_root)
 
     def worker_storage_differs(self) -> bool:
-        """Whether the workers see the run's storage elsewhere than this process (the Volume)."""
-        return self.mode == "remote" or self.mount is not None
+        """Whether the workers see the run's storage elsewhere than this process (the Volume; a bucket is the
+        same for both)."""
+        return not is_url(self.config.storage_root) and (self.mode == "remote" or self.mount is not None)
+
+    def weights_method(self) -> str:
+        """The run's method; on a URL root `reload` becomes `direct`: the containers share no folder for its file
+        (`url_root_problem` refuses the other file methods there)."""
+        method = self.config.sync_method
+        return "direct" if method == "reload" and is_url(self.config.storage_root) else method
 
     def checkpoint_written(
         self, storage: RunStorage, step: int, answer: dict[str, Any], files: dict[str, bytes]
     ) -> None:
         """The actor wrote and committed `checkpoints/step-N` on the Volume (a 0.5B model's optimizer state
-        is GBs: it stays there). The run's own folder gets a checkpoint of its own, committed the same way,
+        is GBs: it stays there; on a URL root the bucket's checkpoint is the run's, and nothing is left to do). The run's own folder gets a checkpoint of its own, committed the same way,
         holding a pointer with the Volume path and each file's size and sha256, the actor's manifest fields
         and `files` (`checkpoint_model_files` fetches the model through it; a resume restores from the path)."""
         if not self.worker_storage_differs():

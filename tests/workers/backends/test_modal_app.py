@@ -27,6 +27,7 @@ from grpo_flow.workers.backends.modal_app import (
     CUDA_BASE_IMAGE,
     ROLLOUT_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
+    STORAGE_PACKAGES,
     VOLUME_PATH,
     ActorWorker,
     RolloutWorker,
@@ -187,6 +188,55 @@ def test_vllm_engines_get_an_image_of_their_own_pinned_as_grpo_setup_vllm_instal
     commands = [c for _, cmds in image_layers(worker_app.rollout_image) for c in cmds]
     assert "ENV VLLM_ALLOW_INSECURE_SERIALIZATION=1" in commands
     assert_carries_grpo_flow(worker_app.rollout_image)
+
+
+def test_a_url_roots_app_installs_its_client_in_the_actors_image():
+    on_s3 = build_worker_app(modal_config(storage_root="s3://bucket/grpo", rollout_engine="vllm"))
+    layers = [c for _, cmds in image_layers(on_s3.gpu_image) for c in cmds if "uv pip install" in c]
+    client = next(c for c in layers if "s3fs" in c)
+    assert all(package in client for package in STORAGE_PACKAGES) and "torch" not in client  # a layer of its own
+    assert any("trl==1.16.0" in c for c in layers)  # the actor's packages, in the layer below it
+    on_gcs = build_worker_app(modal_config(storage_root="gs://bucket/grpo"))
+    assert "gcsfs" in " ".join(c for _, cmds in image_layers(on_gcs.gpu_image) for c in cmds)
+    # The rollout workers never touch the bucket (weights come in the calls); a folder root's image is unchanged.
+    for image in (on_s3.rollout_image, build_worker_app(modal_config()).gpu_image):
+        assert not [c for _, cmds in image_layers(image) for c in cmds if "s3fs" in c or "universal-pathlib" in c]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        (dict(storage_root="memory://bucket/grpo"), "storage_root: 'memory://bucket/grpo': the Modal containers reach"),
+        (dict(storage_root="az://bucket/grpo"), r"through s3fs or gcsfs \(s3://, gs://\), not az://"),
+        (dict(weight_sync_method="volume"), "weight_sync_method: 'volume' hands weights over as files .* use 'direct'"),
+        (dict(weight_sync_method="checkpoint"), "weight_sync_method: 'checkpoint' hands weights over as files"),
+        (dict(use_lora=True), "lora_publish: the rollout workers would take the LoRA adapter as files"),
+        (dict(weight_sync_method="reload"), None),
+        (dict(weight_sync_method="direct", use_lora=True, lora_publish="merged"), None),
+        (dict(storage_root="gs://bucket/grpo"), None),
+    ],
+)
+def test_a_url_root_on_modal_is_refused_only_where_it_cannot_work(tmp_path, overrides, refused):
+    config = modal_config(**{"storage_root": "s3://bucket/grpo", **overrides})
+    found = dict(MODAL_TOKEN_ID="id", MODAL_TOKEN_SECRET="secret")  # credentials: not what is checked here
+    if refused is None:
+        check_modal_ready(config, secret_lookup=lambda name: None, env=found)
+        return
+    with pytest.raises(ModalNotReadyError, match=refused):
+        check_modal_ready(config, secret_lookup=lambda name: None, env=found)
+
+
+def test_on_a_url_root_every_worker_gets_the_url_and_the_weights_travel_in_the_calls():
+    config, model_path = modal_config(storage_root="s3://bucket/grpo"), "a-model"  # nothing starts: no model loads
+    for mode in ("remote", "local"):
+        placement = ModalPlacement(config, model_path, mode=mode, mount=lambda worker: "/a/volume/view")
+        assert (
+            placement.worker_storage_root("actor") == placement.worker_storage_root("rollout-1") == config.storage_root
+        )
+        assert not placement.worker_storage_differs()  # no pointer, no Volume copy to prune
+        assert placement.weights_method() == "direct"  # `reload`, the default, writes a file no other container sees
+    on_volume = ModalPlacement(config.model_copy(update={"storage_root": "/runs"}), model_path, mode="remote")
+    assert on_volume.worker_storage_root("actor") == VOLUME_PATH and on_volume.weights_method() == "reload"
 
 
 def test_a_vllm_container_imports_the_wrapped_classes_without_torch_or_trl():

@@ -295,15 +295,15 @@ def test_storage_options_carry_the_endpoint_when_the_environment_has_none(s3_ser
         s3fs.S3FileSystem.clear_instance_cache()
 
 
-def test_a_url_root_with_a_remote_backend_is_refused_naming_what_works():
+def test_a_url_root_the_modal_containers_cannot_reach_is_refused_naming_what_works():
     from grpo_flow.flows.checks import check_before_start
     from grpo_flow.schemas.presets import preset_config
 
     config = preset_config("tiny", storage_root="memory://bucket/grpo", backend="modal")
     with pytest.raises(
-        StartCheckError, match="the local and ray backends .* modal backend keeps the run's checkpoints"
+        StartCheckError, match=r"storage_root: .* through s3fs or gcsfs \(s3://, gs://\), not memory://"
     ):
-        check_before_start(config)
+        check_before_start(config)  # each container would have a memory of its own
     check_before_start(config.model_copy(update={"backend": "ray"}))  # Ray asks each node at start
 
 
