@@ -42,6 +42,14 @@ NEEDS = {
 }
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (tests/file_seconds.py), for xdist's `--dist loadfile`."""
+    from file_seconds import longest_files_first
+
+    items[:] = longest_files_first(items)
+
+
 def pytest_runtest_setup(item):
     for marker, missing in NEEDS.items():
         if item.get_closest_marker(marker) and (reason := missing()):

@@ -69,6 +69,18 @@ def test_pandas_reads_the_rollouts_straight_from_the_bucket(unbroken, s3_root, s
     assert sorted(frame["step"].unique()) == [1, 2, 3, 4, 5]
 
 
+def test_duckdb_reads_the_rollouts_straight_from_the_bucket(unbroken, s3_root, s3_server):
+    """Through the bucket's fsspec client registered with DuckDB (its httpfs extension is fetched from the
+    network, which these machines lack), as docs/run-files.md shows."""
+    import duckdb
+    import s3fs
+
+    connection = duckdb.connect()
+    connection.register_filesystem(s3fs.S3FileSystem(endpoint_url=s3_server))
+    query = f"select count(*), count(distinct step) from read_parquet('{s3_root}/runs/unbroken/rollouts/*/*.parquet')"
+    assert connection.execute(query).fetchall() == [(unbroken.read_rollouts().num_rows, 5)]
+
+
 def test_verify_rollouts_report_runs_and_eval_work_on_the_url(unbroken, s3_root, workdir, tmp_path):
     runs = grpo_command("runs", "--storage-root", s3_root, cwd=workdir)
     assert runs.returncode == 0 and "unbroken" in runs.stdout and "completed" in runs.stdout, runs.stderr
