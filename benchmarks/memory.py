@@ -50,6 +50,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -252,8 +253,9 @@ def vllm_step(storage_root: str, prompts: int, generations: int, timeout: float)
 
     argv = ["train", "--preset", "smol-math", "--rollout-engine", "vllm", "--max-steps", "2", "--eval-prompts", "0"]
     argv += ["--prompts-per-step", str(prompts), "--num-generations", str(generations), "--no-progress"]
+    run_id = f"memory-{prompts}x{generations}-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="grpo-flow-vllm-step-") as runs:
-        argv += ["--storage-root", storage_root, "--run-id", f"memory-{prompts}x{generations}-{os.getpid()}"]
+        argv += ["--storage-root", storage_root, "--run-id", run_id]
         started, peak = time.perf_counter(), 0
         child = subprocess.Popen(
             [sys.executable, "-m", "grpo_flow", *argv],
@@ -269,6 +271,8 @@ def vllm_step(storage_root: str, prompts: int, generations: int, timeout: float)
         if child.poll() is None:
             child.kill()
         output = child.communicate()[0]
+    # The run is a measurement, not the user's: it leaves nothing among their runs (the model stays cached).
+    shutil.rmtree(Path(storage_root) / "runs" / run_id, ignore_errors=True)
     result = {"prompts": prompts, "generations": generations, "peak_bytes": peak}
     result |= {"process_s": time.perf_counter() - started, "exit_status": child.returncode}
     if child.returncode != 0:
