@@ -41,8 +41,8 @@ def load() -> dict[str, dict[str, float]]:
     return json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
 
 
-def heavy(item) -> bool:  # noqa: ANN001  (a pytest Item)
-    return any(item.get_closest_marker(marker) for marker in HEAVY_MARKERS)
+def tier(item) -> str:  # noqa: ANN001  (a pytest Item)
+    return "heavy" if any(item.get_closest_marker(marker) for marker in HEAVY_MARKERS) else "light"
 
 
 def longest_files_first(items: list) -> list:  # noqa: ANN001  (pytest Items)
@@ -52,10 +52,10 @@ def longest_files_first(items: list) -> list:  # noqa: ANN001  (pytest Items)
         by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
 
     def seconds(file: str) -> float:
-        tiers = {"heavy" if heavy(item) else "light" for item in by_file[file]}
+        tiers = {tier(item) for item in by_file[file]}
         if file in figures:
             return sum(figures[file][tier] for tier in tiers)
-        return sum(ESTIMATE_S["heavy" if heavy(item) else "light"] for item in by_file[file])
+        return sum(ESTIMATE_S[tier(item)] for item in by_file[file])
 
     return [item for file in sorted(by_file, key=seconds, reverse=True) for item in by_file[file]]
 
