@@ -52,6 +52,20 @@ def status(storage: RunStorage) -> str | None:
     return (storage.read_summary() or {}).get("status")
 
 
+def stored_events(url: str, resource: str, until: dict[str, int]) -> dict[str, int]:
+    """How many events of each kind the server has stored for `resource`, once they reach `until` (or after
+    60 s): the server stores events in batches, a little after the automations have acted on them."""
+    deadline = time.monotonic() + 60
+    while True:
+        with prefect_client(url) as client:
+            body = {"filter": {"resource": {"id": [resource]}}, "limit": 50}
+            events = client.request("POST", "/events/filter", json=body).json()["events"]
+        counts = {kind: sum(e["event"] == kind for e in events) for kind in until}
+        if counts == until or time.monotonic() > deadline:
+            return counts
+        time.sleep(1)
+
+
 def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_root):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -170,6 +184,11 @@ def test_a_killed_deployment_run_is_resumed_by_the_automation(tmp_path, storage_
         ui = url.removesuffix("/api")
         run_page = page_text(f"{ui}/runs/flow-run/{guarded_run.id}")
         assert "auto-nan: step 3/12" in run_page and said[0] in run_page, run_page[:3000]
-        feed = page_text(f"{ui}/events?resource=grpo.run.auto-nan")
-        steps_seen = feed.count("grpo.step.completed Resource grpo.run.auto-nan")
+        wanted_events = {"grpo.step.completed": len(rewards), "grpo.run.finished": 1}
+        assert stored_events(url, "grpo.run.auto-nan", until=wanted_events) == wanted_events
+        for _ in range(3):  # on a loaded machine the feed's request may outlast one render's time budget
+            feed = page_text(f"{ui}/events?resource=grpo.run.auto-nan")
+            steps_seen = feed.count("grpo.step.completed Resource grpo.run.auto-nan")
+            if steps_seen == len(rewards) and "grpo.run.finished Resource grpo.run.auto-nan" in feed:
+                break
         assert steps_seen == len(rewards) and "grpo.run.finished Resource grpo.run.auto-nan" in feed, feed[:3000]
