@@ -6,6 +6,7 @@ checkpointing, each measurement in a fresh process.
     python -m benchmarks.memory --models smollm2-135m [--storage-root DIR] [--json FILE]
     python -m benchmarks.memory --models smollm2-135m --completions 32,64,128,256
     python -m benchmarks.memory --models smollm2-135m --vllm-step 64x4
+    python -m benchmarks.memory --models smollm2-135m --actor-processes 1,2
 
 Models:
 - `tiny`: the tiny preset's model (the built one under the default storage root or
@@ -32,6 +33,12 @@ With `--vllm-step PxG`, `grpo train --preset smol-math --rollout-engine vllm` fo
 completions instead, as a user runs it: the peak of the whole process tree's resident memory (the flow's
 process with the actor, the vLLM engine's process and the Prefect server), sampled twice a second.
 
+With `--actor-processes 1,2`, smol-math's step as a full fine-tune (no LoRA) under each number of actor ranks
+instead: N = 1 is the one-process actor; N > 1 the ranks `actor_num_processes` starts (FSDP2 over gloo), each
+one's peak read when the group has ended (`RUSAGE_CHILDREN`: the largest of the reaped ranks'). Beside each
+peak, the parameters, gradients and AdamW states a rank holds: FSDP2 shards each tensor evenly over the ranks,
+so 16 bytes a parameter over N. Target (issue 37): the per-rank peak at N = 2 within 0.6 x the one process's.
+
 Each measurement is a fresh Python process that loads the project's `Actor` (fp32, AdamW from
 TRL's trainer, TRL's loss) from the folder, as the local backend does, and applies one step
 (`Actor.step`) to a rollouts table; it reports `ru_maxrss` before and after the step. The peak
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -193,6 +201,63 @@ def measure_run(model_path: str, workdir: str) -> dict[str, Any]:
     return {"peak_bytes": peak_rss_bytes(), "process_s": time.perf_counter() - started, "steps": 1}
 
 
+def peak_rss_of(pid: int) -> int:
+    """A process's peak resident memory so far (Linux: VmHWM)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
+
+
+def measure_ranks(
+    model_path: str, processes: int, rows: int, prompt_tokens: int, completion_tokens: int, microbatch_tokens: int
+) -> dict[str, Any]:
+    """smol-math's step as a full fine-tune by `processes` actor ranks (1: the one-process actor, in this
+    process); the largest rank's peak resident memory once loaded and sharded, and after the step."""
+    from transformers import AutoConfig
+
+    from grpo_flow.schemas.presets import preset_config
+    from grpo_flow.workers.actor.actor import Actor
+    from grpo_flow.workers.actor.sharded import ActorGroup
+
+    config = preset_config(
+        "smol-math",
+        model=model_path,
+        run_id="memory-ranks",
+        use_lora=False,
+        actor_num_processes=processes,
+        max_completion_length=completion_tokens,
+        max_prompt_length=prompt_tokens,
+        num_generations=rows // preset_config("smol-math").prompts_per_step,
+        max_tokens_per_microbatch=microbatch_tokens or None,
+    )
+    actor = Actor(config, model_path) if processes == 1 else ActorGroup(config, model_path)
+    started = time.perf_counter()
+    actor.load()
+    pids = [process.pid for process in actor.processes] if isinstance(actor, ActorGroup) else [os.getpid()]
+    loaded = max(peak_rss_of(pid) for pid in pids)
+    table = rollouts_table(rows, prompt_tokens, completion_tokens, AutoConfig.from_pretrained(model_path).vocab_size)
+    metrics = actor.step(0, table)
+    peak = max(peak_rss_of(pid) for pid in pids)
+    step_s = time.perf_counter() - started
+    if isinstance(actor, ActorGroup):
+        actor.close()
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_path) / "model.safetensors"), "pt") as weights:
+        parameters = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    return {
+        "processes": processes,
+        "rows": rows,
+        "parameters": parameters,
+        "states_bytes_per_rank": 16 * parameters // processes,  # fp32 weights and gradients, AdamW's two moments
+        "micro_batches": metrics["actor/micro_batches"],
+        "max_tokens_per_microbatch": metrics["actor/max_tokens_per_microbatch"],
+        "loaded_peak_bytes": loaded,
+        "peak_bytes": peak,
+        "process_s": step_s,
+        "loss": metrics["loss"],
+    }
+
+
 def child_main(args: argparse.Namespace) -> None:
     from transformers.utils import logging as transformers_logging
 
@@ -201,6 +266,15 @@ def child_main(args: argparse.Namespace) -> None:
         result = {"parameters": save_random_model(Path(args.model_path), shape=QWEN_05B_SHAPE, seed=0)}
     elif args.child == "run":
         result = measure_run(args.model_path, args.workdir)
+    elif args.child == "ranks":
+        result = measure_ranks(
+            args.model_path,
+            args.processes,
+            args.rows,
+            args.prompt_tokens,
+            args.completion_tokens,
+            args.microbatch_tokens,
+        )
     else:
         result = measure_step(
             args.model_path,
@@ -321,6 +395,15 @@ def completions_sweep(path: str, counts: list[int], timeout: float) -> dict[str,
     }
 
 
+def actor_ranks(path: str, counts: list[int], microbatch_tokens: int, timeout: float) -> dict[str, Any]:
+    """smol-math's step as a full fine-tune under each number of actor ranks, each in a fresh process."""
+    shape = [*real_model_shape(path), "--max-tokens-per-microbatch", str(microbatch_tokens)]
+    return {
+        str(count): run_child(["--child", "ranks", "--model-path", path, "--processes", str(count), *shape], timeout)
+        for count in counts
+    }
+
+
 def tiny_model(workdir: Path, given: str | None) -> str:
     model = given or default_tiny_model()
     if model is None:
@@ -354,13 +437,27 @@ def options(parser: argparse.ArgumentParser) -> None:
         help=f"{REAL_MODEL} only: instead, two smol-math steps of PxG (e.g. 64x4) with the vLLM engine through "
         "grpo train, the whole process tree's peak",
     )
+    parser.add_argument(
+        "--actor-processes",
+        default="",
+        help=f"{REAL_MODEL} only: instead, smol-math's step as a full fine-tune under each of these numbers of "
+        "actor ranks (e.g. 1,2), the peak of a rank",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed each child process")
     # internal: one measurement in this (fresh) process
-    parser.add_argument("--child", choices=("build", "step", "run"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("build", "step", "run", "ranks"), help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--preset", default="tiny", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--max-tokens-per-microbatch",
+        dest="microbatch_tokens",
+        type=int,
+        default=0,
+        help="with --actor-processes: the micro-batch budget of every side (default: the config's default)",
+    )
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -369,6 +466,8 @@ def check(args: argparse.Namespace) -> str | None:
         return f"--models: unknown {sorted(unknown)}; known: {', '.join(MODELS)}"
     if args.vllm_step and not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", args.vllm_step):
         return f"--vllm-step: {args.vllm_step!r} is not PROMPTSxGENERATIONS, e.g. 64x4"
+    if args.actor_processes and not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", args.actor_processes):
+        return f"--actor-processes: {args.actor_processes!r} is not a list of rank counts, e.g. 1,2"
     return None
 
 
@@ -411,6 +510,9 @@ def measure_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
             prompts, generations = (int(n) for n in args.vllm_step.split("x"))
             root = harness.storage_root(args.storage_root)
             return {"vllm_step": vllm_step(root, prompts, generations, args.timeout)}
+        if args.actor_processes:
+            counts = [int(n) for n in args.actor_processes.split(",")]
+            return {"ranks": actor_ranks(path, counts, args.microbatch_tokens, args.timeout)}
         shape = [*real_model_shape(path), "--preset", "smol-math"]
         built = {"run": run_child(["--child", "run", "--model-path", path, "--workdir", str(workdir)], args.timeout)}
     else:
@@ -473,6 +575,8 @@ def print_report(results: dict[str, Any], args: argparse.Namespace) -> None:
     for name, entry in results["models"].items():
         if "completions" in entry:
             print_sweep(name, entry["completions"])
+        if "ranks" in entry:
+            print_ranks(name, entry["ranks"])
         if "vllm_step" in entry:
             r = entry["vllm_step"]
             outcome = "ran" if r["exit_status"] == 0 else f"failed (exit status {r['exit_status']})"
@@ -496,6 +600,25 @@ def print_sweep(name: str, sweep: dict[str, Any]) -> None:
         print(
             f"{count:>11}{r['micro_batches']:>15.0f}{r['max_tokens_per_microbatch']:>13.0f}{r['peak_bytes'] / GIB:>10.2f}"
             f"{r['estimate_bytes'] / GIB:>14.2f}{r['estimate_bytes'] / r['peak_bytes']:>10.2f}"
+        )
+
+
+def print_ranks(name: str, ranks: dict[str, Any]) -> None:
+    print(f"\n{name}, smol-math's step as a full fine-tune (AdamW, fp32) by actor ranks:\n")
+    print(
+        f"{'ranks':>6}{'completions':>13}{'micro-batches':>15}{'tokens each':>13}{'states GiB/rank':>17}"
+        f"{'loaded GiB/rank':>17}{'peak GiB/rank':>15}{'vs 1 rank':>11}{'s':>7}"
+    )
+    single = ranks.get("1", {}).get("peak_bytes")
+    for count, r in ranks.items():
+        if "peak_bytes" not in r:
+            print(f"{count:>6}  {r.get('error', '')[:300]}")
+            continue
+        ratio = f"{r['peak_bytes'] / single:.2f} x" if single else ""
+        print(
+            f"{count:>6}{r['rows']:>13}{r['micro_batches']:>15.0f}{r['max_tokens_per_microbatch']:>13.0f}"
+            f"{r['states_bytes_per_rank'] / GIB:>17.2f}{r['loaded_peak_bytes'] / GIB:>17.2f}"
+            f"{r['peak_bytes'] / GIB:>15.2f}{ratio:>11}{r['process_s']:>7.0f}"
         )
 
 

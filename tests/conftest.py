@@ -7,6 +7,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# One thread a process, set before torch is imported: two test workers share the cores, each with its runs'
+# worker processes beside it, and torch's threads spinning on a shared core slow a step many times over.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
