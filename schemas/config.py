@@ -114,6 +114,15 @@ class FieldRuleError(ValueError):
         super().__init__(f"{'/'.join(self.fields)}: {message}")
 
 
+def colocated_ranks_message(processes: int) -> str:
+    """Why vLLM engines cannot be colocated with an actor of `processes` ranks on CUDA GPUs."""
+    return (
+        f"vllm_mode 'colocate' on CUDA GPUs would put the vLLM engines on GPU 0, beside rank 0 of the actor's "
+        f"{processes} FSDP ranks; use vllm_mode 'server' (the engines on GPUs {processes} onward) or "
+        "actor_num_processes 1"
+    )
+
+
 def truncated_sampling_message(top_p: float) -> str:
     return (
         f"top_p {top_p} with the importance-sampling correction: the rollout engine logs log-probs of the "
@@ -911,12 +920,8 @@ class GRPOFlowConfig(BaseModel):
                 f"completions_per_step ({self.completions_per_step}) must split evenly across actor_num_processes "
                 f"({processes})",
             )
-        if processes > 1 and self.rollout_engine == "vllm":
-            raise FieldRuleError(
-                ("actor_num_processes", "rollout_engine"),
-                f"actor_num_processes ({processes}) runs with transformers rollout engines for now: publishing "
-                "sharded weights to vLLM engines is not built",
-            )
+        if self.device == "cuda" and self.colocates_vllm_with_ranks:
+            raise FieldRuleError(("actor_num_processes", "vllm_mode", "device"), colocated_ranks_message(processes))
         if processes > 1 and self.backend == "modal" and self.modal_actor_gpu_count != processes:
             raise FieldRuleError(
                 ("actor_num_processes", "modal_actor_gpu_count"),
@@ -928,6 +933,12 @@ class GRPOFlowConfig(BaseModel):
                 ("actor_num_processes", "ray_actor_gpus"),
                 f"actor_num_processes ({processes}) needs one GPU a rank; ray_actor_gpus is {self.ray_actor_gpus}",
             )
+
+    @property
+    def colocates_vllm_with_ranks(self) -> bool:
+        """Whether vLLM engines would be colocated with an actor of several ranks (what a GPU cannot take; on a
+        CPU an engine process beside the ranks only shares the cores)."""
+        return self.actor_num_processes > 1 and self.rollout_engine == "vllm" and self.resolved_vllm_mode == "colocate"
 
     @property
     def resolved_vllm_mode(self) -> VLLMMode:

@@ -46,6 +46,12 @@ def problems(**fields) -> str:
             "vllm_mode/backend: vllm_mode 'colocate' needs the local backend: on Ray each rollout engine is a Ray "
             "actor of its own",
         ),
+        (
+            {"actor_num_processes": 2, "rollout_engine": "vllm", "device": "cuda"},
+            "actor_num_processes/vllm_mode/device: vllm_mode 'colocate' on CUDA GPUs would put the vLLM engines on "
+            "GPU 0, beside rank 0 of the actor's 2 FSDP ranks; use vllm_mode 'server' (the engines on GPUs 2 "
+            "onward) or actor_num_processes 1",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(fields, expected):
@@ -57,6 +63,14 @@ def test_vllm_engines_on_ray_are_accepted_each_on_its_own_device():
     config = GRPOFlowConfig(backend="ray", rollout_engine="vllm")
     assert config.resolved_vllm_mode == "server"
     assert GRPOFlowConfig(rollout_engine="vllm").resolved_vllm_mode == "colocate"  # the local backend's default
+
+
+def test_vllm_engines_with_an_actor_of_several_ranks_are_accepted_where_they_have_a_device_of_their_own():
+    """Colocated on the CPU an engine process only shares the cores with the ranks; in server mode each engine has
+    a GPU past the ranks'. Colocated on a CUDA GPU is refused (above)."""
+    for fields in ({"device": "cpu"}, {"device": "cuda", "vllm_mode": "server"}, {"backend": "ray"}):
+        config = GRPOFlowConfig(actor_num_processes=2, rollout_engine="vllm", **fields)
+        assert config.colocates_vllm_with_ranks == (config.resolved_vllm_mode == "colocate")
 
 
 def test_defaults_are_trl_defaults_where_trl_has_the_option():

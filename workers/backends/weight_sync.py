@@ -15,6 +15,12 @@ engines, run_dir)` does both in one process and returns a small report
 | `checkpoint` | `weights/checkpoint-v000042/`, a full `save_pretrained`    | is re-created from that folder                |
 | `lora`       | `weights/lora-v000042/`, the peft adapter only             | applies the adapter (vLLM: a new LoRARequest) |
 
+The actor's half uses only what the one-process `Actor` and the N-rank `ActorGroup`
+(workers/actor/sharded.py) both answer: `policy_state_dict()` and `adapter_state_dict()` (a group's ranks
+gather the full tensors on rank 0, which sends them back; no rank's optimizer state moves), `policy_version`,
+`uses_lora`, `config` and `model_path` (the config, generation config and tokenizer a folder holds are those
+of the model the actor loaded). So every method works from N ranks as from one.
+
 Folders are written under a hidden temporary name and renamed into place, and a version
 folder that already exists is reused: a retried or preempted export never leaves a partial
 folder and never writes a version twice (the actor's policy version names its weights).
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +51,7 @@ from grpo_flow.workers.state.storage import atomic_folder, atomic_write
 METHODS: tuple[str, ...] = ("reload", "volume", "direct", "checkpoint", "lora")
 WEIGHTS_FILE = "model.safetensors"
 LORA_ADAPTER_FILE = "adapter_model.safetensors"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class WeightSyncError(ValueError):
@@ -96,7 +104,7 @@ def is_peft_model(model: Any) -> bool:
 
 
 def require_lora_actor(actor: Any) -> None:
-    if not is_peft_model(actor.model):
+    if not actor.uses_lora:
         raise WeightSyncError(
             "weight_sync_method='lora' sends only a LoRA adapter, but the actor trains the full model "
             "(use_lora is off, so it has no peft adapter): set use_lora=True, or choose weight_sync_method "
@@ -121,6 +129,42 @@ def _save_state_dict(actor: Any, path: Path) -> None:
     save_file({name: t.contiguous() for name, t in actor.policy_state_dict().items()}, str(path))
 
 
+def _save_model_config(actor: Any, folder: Path) -> None:
+    """config.json of the model the actor loaded, saying float32 (the dtype the actor trains and exports in).
+    Read from `actor.model_path`, not `actor.model`: an ActorGroup's model lives in its rank processes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(actor.model_path)
+    config.dtype = "float32"
+    config.save_pretrained(folder)
+
+
+def _save_model_folder(actor: Any, folder: Path) -> None:
+    """A transformers model folder of the policy: the weights (merged with use_lora), the config, and the
+    generation config and tokenizer of the model the actor loaded."""
+    from transformers import AutoTokenizer
+
+    _save_state_dict(actor, folder / WEIGHTS_FILE)
+    _save_model_config(actor, folder)
+    generation = Path(actor.model_path) / GENERATION_CONFIG_FILE
+    if generation.is_file():
+        shutil.copyfile(generation, folder / GENERATION_CONFIG_FILE)
+    AutoTokenizer.from_pretrained(actor.model_path).save_pretrained(folder)
+
+
+def _save_adapter(actor: Any, folder: Path) -> None:
+    """A peft adapter folder (adapter_config.json + adapter_model.safetensors) of the actor's LoRA adapter,
+    configured as the actor's (trl_objective.lora_config), the base model the actor loaded."""
+    from safetensors.torch import save_file
+
+    from grpo_flow.workers.actor.trl_objective import lora_config
+
+    config = lora_config(actor.config)
+    config.base_model_name_or_path, config.inference_mode = actor.model_path, True
+    config.save_pretrained(str(folder))
+    save_file({name: t.contiguous() for name, t in actor.adapter_state_dict().items()}, str(folder / LORA_ADAPTER_FILE))
+
+
 # -- actor side --------------------------------------------------------------------------------------
 def _export_reload(actor: Any, run_dir: Path) -> WeightPayload:
     path = weights_root(run_dir) / "reload" / WEIGHTS_FILE
@@ -134,7 +178,7 @@ def _export_volume(actor: Any, run_dir: Path) -> WeightPayload:
 
     def write(folder: Path) -> None:
         _save_state_dict(actor, folder / WEIGHTS_FILE)
-        actor.model.config.to_json_file(str(folder / "config.json"))
+        _save_model_config(actor, folder)
         (folder / "version.json").write_text(json.dumps({"policy_version": version}))
 
     atomic_folder(final, write)
@@ -151,23 +195,14 @@ def _export_direct(actor: Any, run_dir: Path) -> WeightPayload:
 
 def _export_checkpoint(actor: Any, run_dir: Path) -> WeightPayload:
     final = version_dir(run_dir, actor.policy_version, "checkpoint")
-
-    def write(folder: Path) -> None:
-        if is_peft_model(actor.model):  # a PeftModel would save its adapter alone: save the merged weights
-            actor.model.get_base_model().config.save_pretrained(folder)
-            _save_state_dict(actor, folder / WEIGHTS_FILE)
-        else:
-            actor.model.save_pretrained(folder)
-        actor.tokenizer.save_pretrained(folder)
-
-    atomic_folder(final, write)
+    atomic_folder(final, lambda folder: _save_model_folder(actor, folder))
     return WeightPayload("checkpoint", actor.policy_version, path=str(final), nbytes=folder_bytes(final))
 
 
 def _export_lora(actor: Any, run_dir: Path) -> WeightPayload:
     require_lora_actor(actor)
     final = version_dir(run_dir, actor.policy_version, "lora")
-    atomic_folder(final, lambda folder: actor.model.save_pretrained(folder))  # a PeftModel saves the adapter only
+    atomic_folder(final, lambda folder: _save_adapter(actor, folder))
     return WeightPayload("lora", actor.policy_version, path=str(final), nbytes=folder_bytes(final))
 
 

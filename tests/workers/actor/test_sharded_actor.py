@@ -79,7 +79,7 @@ def test_steps_that_do_not_split_across_the_ranks_are_refused():
     [
         ({"backend": "modal", "modal_actor_gpu_count": 1}, "actor_num_processes/modal_actor_gpu_count: "),
         ({"backend": "ray", "ray_actor_gpus": 1}, "actor_num_processes/ray_actor_gpus: "),
-        ({"rollout_engine": "vllm"}, "actor_num_processes/rollout_engine: "),
+        ({"rollout_engine": "vllm", "device": "cuda"}, "actor_num_processes/vllm_mode/device: "),
     ],
 )
 def test_backends_that_cannot_give_the_ranks_are_refused_naming_the_fields(fields, message):

@@ -2,6 +2,8 @@
 the transformers engines go on it, TRL's use_cpu and bf16 follow the actor, and vLLM engines are placed
 by vllm_mode. Checked here without a GPU; benchmarks/gpu.py checks where each worker ran on one."""
 
+import sys
+
 import pytest
 import torch
 
@@ -63,6 +65,25 @@ def test_vllm_engines_are_placed_by_vllm_mode_and_kept_off_a_gpu_the_run_does_no
     run = config(rollout_engine="vllm", vllm_mode=mode)
     vllm_env.local_engine(run, "unused-model-path", 1, threads=1, log_dir=None, gpu=gpu)
     assert seen["gpu"] is gpu and seen["env"].get("CUDA_VISIBLE_DEVICES") == expected
+
+
+def test_vllm_engines_beside_an_actor_of_several_ranks(monkeypatch, tmp_path):
+    """Server mode: engine i on GPU N + i, past the N ranks' GPUs, and a machine with fewer is refused; colocated
+    with the ranks on a GPU machine (device auto) is refused as the config refuses device cuda."""
+    monkeypatch.setattr(vllm_env, "has_cuda", lambda: True)
+    monkeypatch.setattr(vllm_env, "cuda_device_count", lambda: 3)
+    seen = {}
+    monkeypatch.setattr(vllm_env, "engine_process", lambda *args: seen.update(env=args[6]))
+    run = config(rollout_engine="vllm", vllm_mode="server", actor_num_processes=2, vllm_python=sys.executable)
+    vllm_env.local_engine(run, "unused-model-path", 1, threads=1, log_dir=None, gpu=True)
+    assert seen["env"] == {"CUDA_VISIBLE_DEVICES": "3"}
+    vllm_env.check_vllm_ready(run.model_copy(update={"num_rollout_workers": 1}))  # GPUs 0-1 the ranks, 2 the engine
+    with pytest.raises(vllm_env.VLLMNotReady, match=r"^vllm_mode server: 2 engines and the actor's 2 rank\(s\) need 4"):
+        vllm_env.check_vllm_ready(run)
+    colocated = run.model_copy(update={"vllm_mode": "colocate"})
+    with pytest.raises(vllm_env.VLLMNotReady, match=r"^actor_num_processes/vllm_mode: vllm_mode 'colocate' on CUDA"):
+        vllm_env.check_vllm_ready(colocated)
+    vllm_env.check_vllm_ready(colocated.model_copy(update={"device": "cpu"}))  # an engine process beside the ranks
 
 
 def test_the_device_does_not_change_what_a_run_computes_for_resume():
