@@ -923,10 +923,11 @@ class GRPOFlowConfig(BaseModel):
                 f"actor_num_processes ({processes}) needs one GPU a rank; modal_actor_gpu_count is "
                 f"{self.modal_actor_gpu_count}",
             )
-        if processes > 1 and self.backend == "ray" and self.ray_actor_gpus not in (None, processes):
+        if processes > 1 and self.backend == "ray" and self.ray_actor_gpus not in (None, 0, processes):
             raise FieldRuleError(
                 ("actor_num_processes", "ray_actor_gpus"),
-                f"actor_num_processes ({processes}) needs one GPU a rank; ray_actor_gpus is {self.ray_actor_gpus}",
+                f"actor_num_processes ({processes}) needs one GPU a rank (or 0: CPU ranks); ray_actor_gpus is "
+                f"{self.ray_actor_gpus}",
             )
 
     @property

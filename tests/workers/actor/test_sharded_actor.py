@@ -88,6 +88,22 @@ def test_backends_that_cannot_give_the_ranks_are_refused_naming_the_fields(field
     config(actor_num_processes=1, **fields)  # one process: what runs today
 
 
+def test_on_ray_the_actor_bundle_holds_a_gpu_a_rank_on_one_node():
+    """The actor's Ray actor starts its ranks as child processes: its bundle takes a GPU a rank (none on a CPU
+    cluster: gloo ranks), and a cluster with no node of that many GPUs is refused naming the field."""
+    from grpo_flow.workers.backends.ray_backend import RayNotReadyError, check_resources, plan_bundles
+
+    ray = config(backend="ray", actor_num_processes=2)
+    assert plan_bundles(ray, cluster_gpus=8)[0]["GPU"] == 2
+    assert "GPU" not in plan_bundles(ray, cluster_gpus=0)[0]
+    assert "GPU" not in plan_bundles(config(backend="ray", actor_num_processes=2, ray_actor_gpus=0), 8)[0]
+    check_resources(ray, [{"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 1}], "here")  # the actor on the first node
+    with pytest.raises(
+        RayNotReadyError, match=r"^actor_num_processes: the actor's 2 ranks run on one node, a GPU each"
+    ):
+        check_resources(ray, [{"CPU": 8, "GPU": 1}] * 4, "here")  # 4 GPUs, but none with another on its node
+
+
 def test_more_ranks_than_cuda_gpus_are_refused_before_anything_loads(monkeypatch):
     monkeypatch.setattr(vllm_env, "has_cuda", lambda: True)
     monkeypatch.setattr(vllm_env, "cuda_device_count", lambda: 1)
