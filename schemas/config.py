@@ -723,7 +723,8 @@ class GRPOFlowConfig(BaseModel):
     ray_actor_gpus: float | None = Field(
         default=None,
         ge=0,
-        description="GPUs of the actor's Ray actor (fractions share a GPU). None: 1 on a cluster with GPUs, else 0.",
+        description="GPUs of the actor's Ray actor (fractions share a GPU). None: actor_num_processes (a GPU a rank) on "
+        "a cluster with GPUs, else 0.",
         json_schema_extra=RAY,
     )
     ray_rollout_gpus: float | None = Field(

@@ -204,7 +204,7 @@ def serve_rank(
     while True:
         try:
             verb, args = pipe.recv()
-        except EOFError:  # the group's process is gone (a Ray actor or a container killed): end with it
+        except (EOFError, ConnectionResetError):  # the group's process is gone (a Ray actor killed): end with it
             break
         if verb == "close":
             break
@@ -265,7 +265,7 @@ class ActorGroup:
                 if isinstance(ready, Connection):
                     try:
                         replies[pipes[ready]] = ready.recv()
-                    except EOFError:
+                    except (EOFError, ConnectionResetError):  # reset: it died with our call unread
                         self._lost(pipes[ready], verb)
                 elif sentinels[ready] not in replies and not self.pipes[sentinels[ready]].poll():  # no reply left
                     self._lost(sentinels[ready], verb)

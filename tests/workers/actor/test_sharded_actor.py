@@ -5,7 +5,9 @@ refusals of actor_num_processes a run cannot have."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 import pyarrow as pa
 import pytest
@@ -15,7 +17,7 @@ from grpo_flow.flows import checks
 from grpo_flow.flows.checks import StartCheckError, check_device
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.actor.actor import Actor
-from grpo_flow.workers.actor.sharded import ActorGroup
+from grpo_flow.workers.actor.sharded import ActorGroup, RankExited
 from grpo_flow.workers.backends import vllm_env
 from linear_updates import assert_same_update, use_sgd  # tests/linear_updates.py
 
@@ -67,6 +69,25 @@ def test_two_ranks_step_as_one_process(model_path, monkeypatch, loss_type, use_l
     initial = Actor(config(use_lora=use_lora), model_path)
     initial.load()
     assert_same_update(initial.published_weights(), expected_weights, weights)
+
+
+def test_a_rank_that_died_between_calls_fails_the_next_one_naming_it_and_a_new_group_answers(model_path, monkeypatch):
+    """Rank 0 SIGKILLed while the group is idle: the next call cannot reach it, ends rank 1 and starts two new
+    ranks on the initial model (what `Workers` heals by restore and replay: tests/flows/test_actor_processes_flow.py
+    kills a rank mid-step)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    group = ActorGroup(config(actor_num_processes=2), model_path)
+    group.load()
+    try:
+        group.step(0, rollouts())
+        dead, survivor = group.processes
+        os.kill(dead.pid, signal.SIGKILL)
+        with pytest.raises(RankExited, match=rf"^actor rank 0 exited \(code {-signal.SIGKILL}\) under 'step'"):
+            group.step(1, rollouts())
+        assert not survivor.is_alive() and len(group.processes) == 2 and group.policy_version == 0
+        assert group.step(0, rollouts())["loss"] != 0
+    finally:
+        group.close()
 
 
 def test_steps_that_do_not_split_across_the_ranks_are_refused():
