@@ -732,7 +732,8 @@ class GRPOFlowConfig(BaseModel):
     ray_actor_gpus: float | None = Field(
         default=None,
         ge=0,
-        description="GPUs of the actor's Ray actor (fractions share a GPU). None: 1 on a cluster with GPUs, else 0.",
+        description="GPUs of the actor's Ray actor (fractions share a GPU). None: actor_num_processes (a GPU a rank) on "
+        "a cluster with GPUs, else 0.",
         json_schema_extra=RAY,
     )
     ray_rollout_gpus: float | None = Field(
@@ -928,10 +929,11 @@ class GRPOFlowConfig(BaseModel):
                 f"actor_num_processes ({processes}) needs one GPU a rank; modal_actor_gpu_count is "
                 f"{self.modal_actor_gpu_count}",
             )
-        if processes > 1 and self.backend == "ray" and self.ray_actor_gpus not in (None, processes):
+        if processes > 1 and self.backend == "ray" and self.ray_actor_gpus not in (None, 0, processes):
             raise FieldRuleError(
                 ("actor_num_processes", "ray_actor_gpus"),
-                f"actor_num_processes ({processes}) needs one GPU a rank; ray_actor_gpus is {self.ray_actor_gpus}",
+                f"actor_num_processes ({processes}) needs one GPU a rank (or 0: CPU ranks); ray_actor_gpus is "
+                f"{self.ray_actor_gpus}",
             )
 
     @property

@@ -1,12 +1,21 @@
 """A run whose actor is 2 ranks (actor_num_processes=2, the local backend, gloo on CPU) through the unchanged
-flow: it completes, samples what the one-process run samples, and ends with its weights."""
+flow: it completes, samples what the one-process run samples, and ends with its weights; and a run whose rank 1
+is SIGKILLed mid-step heals (a new group, the logged steps replayed) and ends with the unbroken 2-rank run's."""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import os
+import signal
+
+import pytest
+import torch
 from safetensors.torch import load_file
 
 from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.actor.sharded import ActorGroup
 from grpo_flow.workers.backends import release
 from grpo_flow.workers.state.storage import RunStorage
 from linear_updates import assert_same_update, use_sgd  # tests/linear_updates.py
@@ -14,10 +23,10 @@ from linear_updates import assert_same_update, use_sgd  # tests/linear_updates.p
 STEPS = 3
 
 
-def run(storage_root, processes: int) -> RunStorage:
+def run(storage_root, processes: int, name: str = "", **fields) -> RunStorage:
     config = preset_config(
         "tiny",
-        run_id=f"actor-processes-{processes}",
+        run_id=f"actor-processes-{processes}{name}",
         storage_root=str(storage_root),
         max_steps=STEPS,
         prompts_per_step=4,
@@ -25,6 +34,7 @@ def run(storage_root, processes: int) -> RunStorage:
         save_steps=STEPS,
         eval_prompts=0,
         actor_num_processes=processes,
+        **fields,
     )
     try:
         assert grpo(config)["status"] == "completed"
@@ -33,14 +43,80 @@ def run(storage_root, processes: int) -> RunStorage:
     return RunStorage(storage_root, config.run_id)
 
 
+def final_weights(storage: RunStorage) -> dict[str, torch.Tensor]:
+    return load_file(storage.checkpoint_dir(STEPS) / "model" / "model.safetensors")
+
+
+def calm(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # each rank one thread: the machine is shared
+
+
+@pytest.fixture(scope="module")
+def unbroken(prefect_server, storage_root):
+    """The 2-rank run with its own optimizer (AdamW), which the ranks of another backend or a healed group use."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calm(monkeypatch)
+        return run(storage_root, 2, "-unbroken")
+
+
+def assert_same_run(got: RunStorage, expected: RunStorage) -> None:
+    """The same completions sampled and the same final weights, bit for bit."""
+    assert got.read_rollouts(columns=["completion"]).equals(expected.read_rollouts(columns=["completion"]))
+    weights = final_weights(expected)
+    for name, tensor in final_weights(got).items():
+        assert torch.equal(tensor, weights[name]), name
+
+
 def test_a_two_rank_actor_runs_the_flow_and_ends_with_the_one_process_weights(
     prefect_server, storage_root, monkeypatch
 ):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # each rank one thread: the machine is shared
+    calm(monkeypatch)
     use_sgd(monkeypatch)  # the runs' updates compared as tests/workers/actor/test_sharded_actor.py does
     one, two = run(storage_root, 1), run(storage_root, 2)
     assert two.complete_checkpoints() == [STEPS]
     assert two.read_rollouts(columns=["completion"]).equals(one.read_rollouts(columns=["completion"]))
-    weights = [load_file(run.checkpoint_dir(STEPS) / "model" / "model.safetensors") for run in (one, two)]
     initial = load_file(storage_root / "models" / "tiny-qwen2" / "model.safetensors")
-    assert_same_update(initial, weights[0], weights[1])
+    assert_same_update(initial, final_weights(one), final_weights(two))
+
+
+def test_a_rank_killed_mid_step_heals_and_the_run_ends_with_the_unbroken_weights(
+    unbroken, storage_root, monkeypatch, caplog
+):
+    """Rank 1 SIGKILLed once the ranks have the second step: rank 0 would wait on it in the step's collectives.
+    The group notices, ends rank 0, starts two new ranks and refuses the step (RankExited); Workers heals the
+    actor (no checkpoint yet: the initial model, then step 1 replayed from its logged rollouts) and the step
+    runs again. Bitwise equal to the unbroken run: the same ranks run the same steps on the same rollouts,
+    each rank's share and gloo's reduction order unchanged, so the replay repeats every operation."""
+    calm(monkeypatch)
+    killed: list[int] = []
+    steps = []
+    answer = ActorGroup._answer
+
+    def killing_answer(self, verb):
+        steps.append(verb == "step")
+        if sum(steps) == 2 and verb == "step" and not killed:
+            killed.append(self.processes[1].pid)
+            os.kill(killed[0], signal.SIGKILL)
+        return answer(self, verb)
+
+    monkeypatch.setattr(ActorGroup, "_answer", killing_answer)
+    with caplog.at_level(logging.WARNING, logger="grpo_flow.workers"):
+        healed = run(storage_root, 2, "-rank-killed")
+    assert killed
+    assert f"actor rank 1 exited (code {-signal.SIGKILL}) under 'step'" in caplog.text
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("actor-rank-")]
+    assert_same_run(healed, unbroken)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_on_ray_the_actor_server_runs_its_two_ranks_and_ends_with_the_local_weights(
+    unbroken, storage_root, ray_cluster, monkeypatch
+):
+    """The actor's Ray actor starts its 2 ranks as child processes on its node (gloo on a CPU cluster): the run
+    samples what the local 2-rank run samples and ends with its weights, bit for bit (the same ranks' steps); its
+    Ray actors end with the run."""
+    calm(monkeypatch)
+    ray = dict(backend="ray", ray_address=ray_cluster.address, ray_actor_cpus=1.0, ray_rollout_cpus=0.5)
+    assert_same_run(run(storage_root, 2, "-ray", **ray), unbroken)
+    assert not ray_cluster.named_actors("grpo-flow/actor-processes-2-ray/")

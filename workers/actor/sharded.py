@@ -35,7 +35,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, cast
 
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_flow.schemas.config import GRPOFlowConfig
-from grpo_flow.workers.actor.actor import OPTIMIZER_SHARDS_DIR, Actor, even_micro_batches
+from grpo_flow.workers.actor.actor import OPTIMIZER_SHARDS_DIR, Actor, StaleActorError, even_micro_batches
 
 # A rank's answer summed over the ranks (each rank's loss is its share of the whole batch's; each rank's
 # throughput is its own); every other metric is the mean of the ranks'.
@@ -202,19 +202,27 @@ def serve_rank(
 
     answer("load", ())
     while True:
-        verb, args = pipe.recv()
+        try:
+            verb, args = pipe.recv()
+        except (EOFError, ConnectionResetError):  # the group's process is gone (a Ray actor killed): end with it
+            break
         if verb == "close":
             break
         answer(verb, args)
     dist.destroy_process_group()
 
 
-class RankExited(RuntimeError):
-    """An actor rank's process ended under a call."""
+class RankExited(StaleActorError):
+    """An actor rank's process ended under a call: the group was started again (the initial model), so
+    `Workers` heals it as a restarted actor (the newest checkpoint, the logged steps since)."""
 
 
 class ActorGroup:
-    """The actor as `config.actor_num_processes` rank processes (ShardedActor each); rank 0 answers."""
+    """The actor as `config.actor_num_processes` rank processes (ShardedActor each); rank 0 answers.
+
+    A call waits on every rank's pipe and process at once: a rank that dies (killed, out of memory) is seen
+    when it ends, while the others may wait in a collective for it that never comes. Then every rank is ended
+    and a new group started, and the call raises `RankExited` naming the rank and its exit code."""
 
     def __init__(self, config: GRPOFlowConfig, model_path: str | Path, device: str = "cpu"):
         self.config, self.model_path, self.device = config, str(model_path), device
@@ -245,25 +253,46 @@ class ActorGroup:
             theirs.close()
             self.processes.append(process)
             self.pipes.append(ours)
-        self._answer()
+        self._answer("load")
 
-    def _answer(self) -> Any:
-        replies = []
-        for rank, pipe in enumerate(self.pipes):
-            try:
-                replies.append(pipe.recv())
-            except EOFError as error:
-                raise RankExited(f"actor rank {rank} exited (code {self.processes[rank].exitcode})") from error
-        failed = next((reply for reply in replies if not reply[0]), None)
+    def _answer(self, verb: str) -> Any:
+        """Every rank's reply to `verb`, rank 0's returned; a rank's error raised."""
+        replies: dict[int, Any] = {}
+        while len(replies) < len(self.pipes):
+            pipes = {self.pipes[r]: r for r in range(len(self.pipes)) if r not in replies}
+            sentinels = {self.processes[r].sentinel: r for r in pipes.values()}
+            for ready in wait([*pipes, *sentinels]):
+                if isinstance(ready, Connection):
+                    try:
+                        replies[pipes[ready]] = ready.recv()
+                    except (EOFError, ConnectionResetError):  # reset: it died with our call unread
+                        self._lost(pipes[ready], verb)
+                elif sentinels[ready] not in replies and not self.pipes[sentinels[ready]].poll():  # no reply left
+                    self._lost(sentinels[ready], verb)
+        failed = next((replies[rank] for rank in sorted(replies) if not replies[rank][0]), None)
         if failed is not None:
             raise failed[1]
         self.policy_version = replies[0][2]
         return replies[0][1]
 
+    def _lost(self, rank: int, verb: str) -> None:
+        """Rank `rank` ended under `verb`: every rank is ended (the others may wait on it in a collective) and,
+        unless it was loading, a new group started; RankExited says which rank and its exit code."""
+        self.processes[rank].join()
+        message = f"actor rank {rank} exited (code {self.processes[rank].exitcode}) under {verb!r}"
+        self.close(wait=False)
+        if verb == "load":
+            raise RuntimeError(message)
+        self.load()
+        raise RankExited(f"{message}; its {len(self.processes)} ranks were started again on the initial model")
+
     def call(self, verb: str, *args: Any) -> Any:
         for pipe in self.pipes:
-            pipe.send((verb, args))
-        return self._answer()
+            try:
+                pipe.send((verb, args))
+            except OSError:  # its process is gone: _answer sees it end
+                break
+        return self._answer(verb)
 
     def step(self, expected_version: int, rollouts: pa.Table) -> dict[str, float]:
         return self.call("step", expected_version, rollouts)
@@ -286,15 +315,19 @@ class ActorGroup:
     def published_weights(self) -> dict[str, torch.Tensor]:
         return self.call("published_weights")
 
-    def close(self) -> None:
-        """End the ranks (each leaves the process group first)."""
-        for pipe in self.pipes:
+    def close(self, wait: bool = True) -> None:
+        """End the ranks: each leaves the process group first, unless `wait` is False (one died: the others are
+        killed, as they may be waiting on it)."""
+        for pipe in self.pipes if wait else ():
             with contextlib.suppress(OSError):
                 pipe.send(("close", ()))
         for process in self.processes:
-            process.join(timeout=30)
+            process.join(timeout=30 if wait else 0)
             if process.is_alive():
                 process.kill()
+                process.join()
+        for pipe in self.pipes:
+            pipe.close()
         self.processes, self.pipes = [], []
         if self.rendezvous:
             shutil.rmtree(self.rendezvous, ignore_errors=True)

@@ -225,6 +225,10 @@ class ActorWorker:
         volume = VolumeSync(config.modal_volume, self.storage_root)
         self.server = ActorServer(self.config_json, self.model_path, self.device, self.storage_root, volume)
 
+    @modal.exit()
+    def stop(self) -> None:
+        self.server.close()  # its rank processes (actor_num_processes > 1) leave the process group
+
     @modal.method()
     def ready(self, marker: Any = None) -> Any:
         return self.server.ready(marker)

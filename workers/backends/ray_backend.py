@@ -174,9 +174,10 @@ def connect(config: GRPOFlowConfig) -> Any:
 
 # -- resources -----------------------------------------------------------------------------------------
 def resolved_gpus(config: GRPOFlowConfig, cluster_gpus: float) -> tuple[float, float]:
-    """(ray_actor_gpus, ray_rollout_gpus): None means one GPU each on a cluster that has GPUs, none otherwise."""
+    """(ray_actor_gpus, ray_rollout_gpus): None means one GPU each (the actor one a rank) on a cluster that has
+    GPUs, none otherwise."""
     default = 1.0 if cluster_gpus > 0 else 0.0
-    actor = default if config.ray_actor_gpus is None else config.ray_actor_gpus
+    actor = default * config.actor_num_processes if config.ray_actor_gpus is None else config.ray_actor_gpus
     rollout = default if config.ray_rollout_gpus is None else config.ray_rollout_gpus
     return actor, rollout
 
@@ -222,6 +223,11 @@ def check_resources(config: GRPOFlowConfig, nodes: list[dict[str, float]], where
                 f"{totals[name]:g} {name} in all"
             )
         largest = max((node.get(name, 0.0) for node in nodes), default=0.0)
+        if name == "GPU" and config.actor_num_processes > 1 and actor > largest + 1e-9:
+            raise RayNotReadyError(
+                f"actor_num_processes: the actor's {config.actor_num_processes} ranks run on one node, a GPU each, "
+                f"but no node of the Ray cluster at {where} has more than {largest:g} GPU"
+            )
         for field, amount in ((actor_field, actor), (rollout_field, each)):
             if amount > largest + 1e-9:
                 raise RayNotReadyError(

@@ -100,6 +100,11 @@ class ActorServer:
     def ready(self, marker: str | None = None) -> dict[str, Any]:
         return {"policy_version": self.actor.policy_version, **where(marker)}
 
+    def close(self) -> None:
+        """End the actor's rank processes (actor_num_processes > 1), each leaving the process group first."""
+        if isinstance(self.actor, ActorGroup):
+            self.actor.close()
+
     def _expect(self, version: int) -> None:
         if self.actor.policy_version != version:
             raise StaleActorError(f"actor holds policy version {self.actor.policy_version}, caller expects {version}")

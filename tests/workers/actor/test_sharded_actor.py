@@ -5,7 +5,9 @@ refusals of actor_num_processes a run cannot have."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 import pyarrow as pa
 import pytest
@@ -15,7 +17,7 @@ from grpo_flow.flows import checks
 from grpo_flow.flows.checks import StartCheckError, check_device
 from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.actor.actor import Actor
-from grpo_flow.workers.actor.sharded import ActorGroup
+from grpo_flow.workers.actor.sharded import ActorGroup, RankExited
 from grpo_flow.workers.backends import vllm_env
 from linear_updates import assert_same_update, use_sgd  # tests/linear_updates.py
 
@@ -69,6 +71,25 @@ def test_two_ranks_step_as_one_process(model_path, monkeypatch, loss_type, use_l
     assert_same_update(initial.published_weights(), expected_weights, weights)
 
 
+def test_a_rank_that_died_between_calls_fails_the_next_one_naming_it_and_a_new_group_answers(model_path, monkeypatch):
+    """Rank 0 SIGKILLed while the group is idle: the next call cannot reach it, ends rank 1 and starts two new
+    ranks on the initial model (what `Workers` heals by restore and replay: tests/flows/test_actor_processes_flow.py
+    kills a rank mid-step)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    group = ActorGroup(config(actor_num_processes=2), model_path)
+    group.load()
+    try:
+        group.step(0, rollouts())
+        dead, survivor = group.processes
+        os.kill(dead.pid, signal.SIGKILL)
+        with pytest.raises(RankExited, match=rf"^actor rank 0 exited \(code {-signal.SIGKILL}\) under 'step'"):
+            group.step(1, rollouts())
+        assert not survivor.is_alive() and len(group.processes) == 2 and group.policy_version == 0
+        assert group.step(0, rollouts())["loss"] != 0
+    finally:
+        group.close()
+
+
 def test_steps_that_do_not_split_across_the_ranks_are_refused():
     with pytest.raises(ValueError, match=r"actor_num_processes/prompts_per_step/num_generations: completions_per_step"):
         config(prompts_per_step=1, num_generations=3, actor_num_processes=2)
@@ -86,6 +107,22 @@ def test_backends_that_cannot_give_the_ranks_are_refused_naming_the_fields(field
     with pytest.raises(ValueError, match=message):
         config(actor_num_processes=2, **fields)
     config(actor_num_processes=1, **fields)  # one process: what runs today
+
+
+def test_on_ray_the_actor_bundle_holds_a_gpu_a_rank_on_one_node():
+    """The actor's Ray actor starts its ranks as child processes: its bundle takes a GPU a rank (none on a CPU
+    cluster: gloo ranks), and a cluster with no node of that many GPUs is refused naming the field."""
+    from grpo_flow.workers.backends.ray_backend import RayNotReadyError, check_resources, plan_bundles
+
+    ray = config(backend="ray", actor_num_processes=2)
+    assert plan_bundles(ray, cluster_gpus=8)[0]["GPU"] == 2
+    assert "GPU" not in plan_bundles(ray, cluster_gpus=0)[0]
+    assert "GPU" not in plan_bundles(config(backend="ray", actor_num_processes=2, ray_actor_gpus=0), 8)[0]
+    check_resources(ray, [{"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 1}], "here")  # the actor on the first node
+    with pytest.raises(
+        RayNotReadyError, match=r"^actor_num_processes: the actor's 2 ranks run on one node, a GPU each"
+    ):
+        check_resources(ray, [{"CPU": 8, "GPU": 1}] * 4, "here")  # 4 GPUs, but none with another on its node
 
 
 def test_more_ranks_than_cuda_gpus_are_refused_before_anything_loads(monkeypatch):
