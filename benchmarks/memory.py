@@ -38,6 +38,9 @@ instead: N = 1 is the one-process actor; N > 1 the ranks `actor_num_processes` s
 one's peak read when the group has ended (`RUSAGE_CHILDREN`: the largest of the reaped ranks'). Beside each
 peak, the parameters, gradients and AdamW states a rank holds: FSDP2 shards each tensor evenly over the ranks,
 so 16 bytes a parameter over N. Target (issue 37): the per-rank peak at N = 2 within 0.6 x the one process's.
+`--max-tokens-per-microbatch` sets both sides' micro-batch budget. glibc keeps freed blocks under its mmap
+threshold in a fragmented heap, which FSDP2's per-layer gathers leave a rank with; run it under
+`MALLOC_MMAP_THRESHOLD_=1048576` to measure what the ranks hold rather than the heap (docs/benchmarks.md).
 
 Each measurement is a fresh Python process that loads the project's `Actor` (fp32, AdamW from
 TRL's trainer, TRL's loss) from the folder, as the local backend does, and applies one step

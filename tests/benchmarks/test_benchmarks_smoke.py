@@ -132,3 +132,24 @@ def test_memory_sums_a_process_trees_resident_memory():
     finally:
         child.kill()
         child.wait()
+
+
+def test_memory_refuses_actor_processes_that_are_not_rank_counts(capsys):
+    from benchmarks.memory import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--models", "smollm2-135m", "--actor-processes", "1,two"])
+    assert exited.value.code == 2
+    assert "--actor-processes: '1,two' is not a list of rank counts" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_memory_measures_each_rank_of_a_two_rank_step(storage_root, monkeypatch):
+    from benchmarks.memory import measure_ranks
+    from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    result = measure_ranks(str(ensure_tiny_model(storage_root)), 2, 8, 7, 2, 0)
+    assert result["processes"] == 2 and result["micro_batches"] >= 1
+    assert result["states_bytes_per_rank"] == 16 * result["parameters"] // 2 > 0
+    assert result["peak_bytes"] >= result["loaded_peak_bytes"] > 0
