@@ -132,8 +132,8 @@ def main(
         parser.error(problem)
     started = time.perf_counter()
     result = measure(args)
+    if args.json:  # before the report: a report that fails keeps what was measured
+        write_record(args.json, Path(inspect.getfile(measure)).stem, result, time.perf_counter() - started)
     if report is not None:
         report(result, args)
-    if args.json:
-        write_record(args.json, Path(inspect.getfile(measure)).stem, result, time.perf_counter() - started)
     return result

@@ -772,10 +772,10 @@ def print_real_report(result: dict[str, Any]) -> None:
         ("trl_batching", "trl_batching"),
     ):
         if f"ratio_{key}" in result:
-            target = f" (target <= {goals[key]}: {'met' if result[f'ratio_{key}'] <= goals[key] else 'NOT met'})"
+            ratio, goal = result[f"ratio_{key}"], goals.get(key)
+            target = "" if goal is None else f" (target <= {goal}: {'met' if ratio <= goal else 'NOT met'})"
             print(
-                f"{REAL_LABELS[side]} / {REAL_LABELS['trl']}: step x{result[f'ratio_{key}']:.2f}"
-                f"{target if key in goals else ''}, generation tokens/s "
+                f"{REAL_LABELS[side]} / {REAL_LABELS['trl']}: step x{ratio:.2f}{target}, generation tokens/s "
                 f"x{result[f'generate_tokens_per_s_ratio_{key}']:.2f}"
             )
     print(f"same prompts on every side at every step: {'yes' if result['same_prompts_every_step'] else 'NO'}")

@@ -66,3 +66,16 @@ def test_the_actor_breakdown_reads_every_phase_the_actor_logs():
 def test_the_report_holds_each_shape_to_its_own_target():
     assert vs_trl.targets({"max_completion_length": 16}) == {"transformers": 1.0, "vllm": 1.0}
     assert vs_trl.targets({"max_completion_length": 128}) == {"vllm": 0.8}
+
+
+def test_the_report_prints_a_target_only_for_the_sides_the_shape_has_one_for(capsys):
+    work = {"prompts_per_step": 4, "num_generations": 8, "max_completion_length": 128, "learning_rate": 5e-4}
+    work |= {"loss_type": "dapo", "seed": 7}
+    result = {"work": work, "sides": {}, "steps": 6, "trl_generation": "transformers generate"}
+    result |= {"same_prompts_every_step": True, "config_differences": []}
+    for key, ratio in (("transformers", 0.87), ("vllm", 0.92)):
+        result |= {f"ratio_{key}": ratio, f"generate_tokens_per_s_ratio_{key}": 1.0}
+    vs_trl.print_real_report(result)
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("grpo-flow, transformers / ") and "target" not in line for line in lines)
+    assert any(line.startswith("grpo-flow, vLLM / ") and "(target <= 0.8: NOT met)" in line for line in lines)
