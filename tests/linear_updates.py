@@ -6,8 +6,10 @@ whether it flips depends on the processor's summation kernels."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
+import pyarrow as pa
 import torch
 
 from grpo_flow.workers.actor import sharded, trl_objective
@@ -51,3 +53,16 @@ def assert_same_update(before: dict[str, torch.Tensor], a: dict[str, torch.Tenso
     assert largest > 100 * WEIGHT_RTOL * scale, f"the step barely moved the weights ({largest})"
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=UPDATE_RTOL * largest, rtol=WEIGHT_RTOL, msg=name)
+
+
+def rollouts(rows: int = 8) -> pa.Table:
+    """A step's rows for two ways of computing it: prompts and completions of different lengths (padding on both
+    sides), advantages of both signs."""
+    rng = random.Random(0)
+    return pa.table(
+        {
+            "prompt_token_ids": [[rng.randrange(3, 20) for _ in range(rng.randrange(2, 6))] for _ in range(rows)],
+            "completion_token_ids": [[rng.randrange(3, 20) for _ in range(rng.randrange(1, 5))] for _ in range(rows)],
+            "advantage": [rng.uniform(-1, 1) for _ in range(rows)],
+        }
+    )

@@ -6,7 +6,6 @@ refusals of actor_num_processes a run cannot have."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 
 import pyarrow as pa
@@ -19,7 +18,7 @@ from grpo_flow.schemas.config import GRPOFlowConfig
 from grpo_flow.workers.actor.actor import Actor
 from grpo_flow.workers.actor.sharded import ActorGroup, RankExited
 from grpo_flow.workers.backends import vllm_env
-from linear_updates import assert_same_update, use_sgd  # tests/linear_updates.py
+from linear_updates import assert_same_update, rollouts, use_sgd  # tests/linear_updates.py
 
 LEARNING_RATE = 1e-3
 # The two sides sum the same terms in another order (each rank's share, then across ranks): the loss agrees to
@@ -27,18 +26,6 @@ LEARNING_RATE = 1e-3
 # the loss by the ratio of the normalisers. The loss sums terms of order 1 that nearly cancel (advantages of both
 # signs), so its rounding is absolute too (seen: 7.5e-9 on a loss of -1.2e-4).
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-7
-
-
-def rollouts(rows: int = 8) -> pa.Table:
-    """Prompts and completions of different lengths (padding on both sides), advantages of both signs."""
-    rng = random.Random(0)
-    return pa.table(
-        {
-            "prompt_token_ids": [[rng.randrange(3, 20) for _ in range(rng.randrange(2, 6))] for _ in range(rows)],
-            "completion_token_ids": [[rng.randrange(3, 20) for _ in range(rng.randrange(1, 5))] for _ in range(rows)],
-            "advantage": [rng.uniform(-1, 1) for _ in range(rows)],
-        }
-    )
 
 
 def config(**fields) -> GRPOFlowConfig:

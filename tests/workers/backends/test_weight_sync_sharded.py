@@ -4,9 +4,7 @@ tests/workers/actor/test_sharded_actor.py compares the updates, under SGD), the 
 
 from __future__ import annotations
 
-import random
 
-import pyarrow as pa
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from grpo_flow.workers.actor.sharded import ActorGroup
 from grpo_flow.workers.backends.weight_sync import METHODS, sync_weights
 from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
-from linear_updates import assert_same_update, use_sgd  # tests/linear_updates.py
+from linear_updates import assert_same_update, rollouts, use_sgd  # tests/linear_updates.py
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +30,6 @@ def config(**fields) -> GRPOFlowConfig:
         num_generations=4,
         max_completion_length=4,
         **fields,
-    )
-
-
-def rollouts(rows: int = 8) -> pa.Table:
-    rng = random.Random(0)
-    return pa.table(
-        {
-            "prompt_token_ids": [[rng.randrange(3, 20) for _ in range(rng.randrange(2, 6))] for _ in range(rows)],
-            "completion_token_ids": [[rng.randrange(3, 20) for _ in range(rng.randrange(1, 5))] for _ in range(rows)],
-            "advantage": [rng.uniform(-1, 1) for _ in range(rows)],
-        }
     )
 
 
