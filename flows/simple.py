@@ -27,7 +27,6 @@ from grpo_flow.tasks.run import finish_run, prepare_run
 from grpo_flow.workers.rewards.task import run_task
 from grpo_flow.workers.rewards.functions import resolve_reward_funcs
 from grpo_flow.workers.state.phase import shown_phases
-from grpo_flow.workers.state.storage import RunStorage
 
 
 @task(name="trl-train", cache_policy=NO_CACHE)
@@ -56,7 +55,7 @@ def grpo_simple(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
     assert config.run_id is not None
-    if RunStorage(config.storage_root, config.run_id).exists():
+    if config.storage.exists():
         raise ValueError(f"run_id: run {config.run_id!r} exists; simple mode does not resume, choose a new run id")
     with shown_phases(sys.stderr if show_progress else None):  # building or fetching the model
         plan = prepare_run(config, mode="simple")
@@ -67,7 +66,7 @@ def grpo_simple(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str
         summary.update(status="failed", error=f"{type(error).__name__}: {error}", steps_completed=0)
         finish_run(config, plan, summary)
         raise
-    storage = RunStorage(plan.storage_root, plan.run_id)
+    storage = plan.storage
     rows = storage.read_metrics().to_pylist()
     recent = rows[-5:]
     summary.update(
