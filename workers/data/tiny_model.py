@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 
 from grpo_flow.workers.data.models import BUILTIN_MODELS
 from grpo_flow.workers.state.location import models_root
+from grpo_flow.workers.state.storage import build_once
 
 TINY_MODEL_NAME = "tiny"
 # Model names the project builds itself -> (folder under <storage_root>/models, the task whose answer
@@ -128,21 +128,18 @@ def tiny_model_path(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME
 
 def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:
     """The folder of tiny model `name` (a TINY_MODELS key), building it (once, atomically) if it is not there yet."""
+    return build_once(tiny_model_path(storage_root, name), lambda folder: build_tiny_model(name, folder))
+
+
+def build_tiny_model(name: str, folder: Path) -> dict[str, Any]:
+    """Tiny model `name` warm-started into `folder`; its build info."""
     from grpo_flow.workers.data.loaders import load_task
     from grpo_flow.workers.state.phase import say
     from grpo_flow.workers.rollout.heldout import heldout_accuracy
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
-    from grpo_flow.workers.state.storage import clean_stale_temps, give_default_modes, staging_folder
-
-    folder, task_name = TINY_MODELS[name]
-    final = tiny_model_path(storage_root, name)
-    if final.parent.is_dir():
-        clean_stale_temps([final.parent])  # builds killed midway (their pid is in the folder's name)
-    if (final / "build_info.json").exists():
-        return final
-    say(f"building the tiny model {name!r} into {final.parent} (once: a warm start on {task_name})")
-    staging = staging_folder(final.parent, folder)  # the umask's mode, not mkdtemp's 0700, once renamed
+    task_name = TINY_MODELS[name][1]
+    say(f"building the tiny model {name!r} into {folder.parent} (once: a warm start on {task_name})")
     task = load_task(task_name)
     assert task.format_answer is not None, f"{task_name} has no format_answer for a warm start"
     tokenizer = build_tokenizer()
@@ -151,16 +148,16 @@ def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NA
     answer_tokens = max(len(answer) for answer in task.heldout["answer"]) + 1
 
     def accuracy() -> float:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        engine = TransformersRolloutEngine(staging)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        engine = TransformersRolloutEngine(folder)
         engine.load()
         return heldout_accuracy(engine, task, limit=200, max_tokens=answer_tokens)
 
     before = accuracy()
     warm_start_loss = format_warm_start(model, tokenizer, task.train["prompt"], task.format_answer)
     after = accuracy()
-    info = {
+    return {
         "architecture": "Qwen2ForCausalLM",
         "parameters": sum(p.numel() for p in model.parameters()),
         "warm_start_task": task_name,
@@ -168,13 +165,6 @@ def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NA
         "heldout_accuracy_after_warm_start": after,
         "warm_start_loss": warm_start_loss,
     }
-    (staging / "build_info.json").write_text(json.dumps(info, indent=2))
-    give_default_modes(staging)  # safetensors writes model.safetensors 0600
-    try:
-        os.replace(staging, final)
-    except OSError:  # another process built it first; theirs is as good as ours
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def read_build_info(model_path: str | os.PathLike) -> dict[str, Any]:

@@ -25,13 +25,12 @@ it was reset with.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from grpo_flow.workers.state.storage import build_once
 
 TASK_NAME = "digit_lookup"
 MODEL_NAME = "tiny-tools"
@@ -241,36 +240,26 @@ def build_tools_model(tokenizer: Any, seed: int = 0) -> Any:
 def ensure_tiny_tools_model(folder: str | os.PathLike) -> Path:
     """The `tiny-tools` model in `folder`, built (once, atomically) if it is not there yet, with its
     warm start's held-out accuracy with the tool and with it disabled in build_info.json."""
-    from grpo_flow.workers.state.phase import say
-    from grpo_flow.workers.state.storage import clean_stale_temps, temp_prefix
+    return build_once(Path(folder), build_tiny_tools_model)
 
-    final = Path(folder)
-    if final.parent.is_dir():
-        clean_stale_temps([final.parent])  # builds killed midway (their pid is in the folder's name)
-    if (final / "build_info.json").exists():
-        return final
-    say(f"building the tiny model 'tiny-tools' into {final.parent} (once: a warm start on digit_lookup)")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(final.name), suffix=".tmp"))
+
+def build_tiny_tools_model(folder: Path) -> dict[str, Any]:
+    from grpo_flow.workers.state.phase import say
+
+    say(f"building the tiny model 'tiny-tools' into {folder.parent} (once: a warm start on digit_lookup)")
     task = build_digit_lookup()
     tokenizer = build_tools_tokenizer()
     model = build_tools_model(tokenizer)
     loss = tools_warm_start(model, tokenizer, list(task.train))
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    info = {
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return {
         "architecture": "Qwen2ForCausalLM",
         "parameters": sum(p.numel() for p in model.parameters()),
         "warm_start_task": TASK_NAME,
         "warm_start_loss": loss,
-        **warm_start_accuracy(staging, task),
+        **warm_start_accuracy(folder, task),
     }
-    (staging / "build_info.json").write_text(json.dumps(info, indent=2))
-    try:
-        os.replace(staging, final)
-    except OSError:  # another process built it first; theirs is as good as ours
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def warm_start_accuracy(folder: Path, task: Any, limit: int = 200) -> dict[str, float]:
