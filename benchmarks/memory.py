@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
+from benchmarks.harness import REAL_MODEL
 from benchmarks.steps import default_tiny_model, save_random_model
 
 QWEN_05B_SHAPE = {
@@ -84,7 +85,6 @@ QWEN_05B_SHAPE = {
     "tie_word_embeddings": True,
 }
 GIB = 1024**3
-REAL_MODEL = "smollm2-135m"
 MODELS = ("tiny", "qwen0.5b", REAL_MODEL)
 LIMIT_GIB = 16
 
@@ -362,11 +362,7 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models", default="tiny,qwen0.5b", help=f"comma-separated: {', '.join(MODELS)} (default: tiny,qwen0.5b)"
     )
-    parser.add_argument(
-        "--storage-root",
-        default=None,
-        help=f"where {REAL_MODEL} is found or fetched (models/); default: $GRPO_FLOW_STORAGE or grpo-storage",
-    )
+    harness.storage_root_option(parser)
     parser.add_argument("--rows", type=int, default=8, help="qwen0.5b: completions in the step (default 8)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="qwen0.5b: prompt tokens per row (default 64)")
     parser.add_argument("--completion-tokens", type=int, default=32, help="qwen0.5b: completion tokens (default 32)")
@@ -438,9 +434,7 @@ def measure_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
         path = tiny_model(workdir, args.tiny_model)
         shape = (256, 7, 2)  # 32 x 8, `35060=` + 2
     elif name == REAL_MODEL:
-        from grpo_flow.workers.data.models import resolve_model_path
-
-        path = resolve_model_path(REAL_MODEL, harness.storage_root(args.storage_root))
+        path = harness.real_model_path(args)
         if args.completions:
             return {"completions": completions_sweep(path, [int(c) for c in args.completions.split(",")], args.timeout)}
         if args.vllm_step:
