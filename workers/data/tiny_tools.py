@@ -33,7 +33,6 @@ from typing import Any
 from grpo_flow.workers.state.storage import build_once
 
 TASK_NAME = "digit_lookup"
-MODEL_NAME = "tiny-tools"
 DIGIT_LOOKUP_SEED = 20261126  # fixed: the data set is the same for every run, whatever the run's seed
 CONTEXT = 128  # positions: the longest conversation is about 60 tokens
 # GLM-4's one-token role markers (a role is one token, so the tool's answer sits right before the model's
