@@ -831,15 +831,16 @@ class RunStorage:
         local = self.local_run_dir / "checkpoints" / final.name
         if (local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == manifest:
             return local
-        staging = staging_folder(local.parent, local.name)
-        fs = remote_fs(final)
-        for name in json.loads(manifest)["files"]:
-            (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(remote_key(final / name), str(staging / name))
-        (staging / MANIFEST).write_bytes(manifest)
         if local.exists():
-            shutil.rmtree(local)
-        os.replace(staging, local)
+            shutil.rmtree(local)  # the copy of a checkpoint of this step committed before this one
+
+        def download(staging: Path) -> None:
+            for name in json.loads(manifest)["files"]:
+                (staging / name).parent.mkdir(parents=True, exist_ok=True)
+                remote_fs(final).get_file(remote_key(final / name), str(staging / name))
+            (staging / MANIFEST).write_bytes(manifest)
+
+        atomic_folder(local, download)
         return local
 
     def complete_checkpoints(self) -> list[int]:
