@@ -98,22 +98,38 @@ def format_warm_start(
     """Supervised steps on `prompt -> format_answer(prompt), <eos>`: a random answer in the task's
     format (for last_digit, one of the prompt's digits), so the format, not the answer."""
     rng = random.Random(seed)
+
+    def batch() -> list[tuple[list[int], list[int]]]:
+        chosen = rng.sample(prompts, 64)
+        rows = []
+        for prompt, text in [(p, p + format_answer(p, rng)) for p in chosen]:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            start = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            rows.append((ids, [0] * start + [1] * (len(ids) - start)))
+        return rows
+
+    return supervised_steps(model, tokenizer, batch, steps)
+
+
+def supervised_steps(
+    model: Any, tokenizer: Any, batches: Callable[[], list[tuple[list[int], list[int]]]], steps: int
+) -> float:
+    """`steps` AdamW steps on `batches()`, each row its token ids and a loss mask (1: a token the loss
+    counts), right-padded; returns the last step's loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        batch = rng.sample(prompts, 64)
-        texts = [p + format_answer(p, rng) for p in batch]
-        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
-        prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in batch]
-        width = max(map(len, ids))
-        input_ids = torch.full((len(ids), width), tokenizer.pad_token_id)
-        labels = torch.full((len(ids), width), -100)
-        attention = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, (row, plen) in enumerate(zip(ids, prompt_lengths, strict=True)):
-            input_ids[i, : len(row)] = torch.tensor(row)
-            attention[i, : len(row)] = 1
-            labels[i, plen : len(row)] = torch.tensor(row[plen:])
+        batch = batches()
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (ids, mask) in enumerate(batch):
+            row = torch.tensor(ids)
+            input_ids[i, : len(ids)] = row
+            attention[i, : len(ids)] = 1
+            labels[i, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row, -100)
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         optimizer.step()

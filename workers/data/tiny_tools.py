@@ -197,7 +197,7 @@ def tools_warm_start(
 ) -> float:
     """Supervised steps on conversations in the format (`warm_start_conversation`), loss on the model's turns;
     batches drawn from `pool` conversations rendered once."""
-    import torch
+    from grpo_flow.workers.data.tiny_model import supervised_steps
 
     rng = random.Random(seed)
     tools = [DigitTable().lookup]
@@ -205,26 +205,7 @@ def tools_warm_start(
         assistant_spans(tokenizer, row["prompt"] + warm_start_conversation(row, rng), tools)
         for row in (rng.choice(rows) for _ in range(pool))
     ]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    loss = torch.tensor(0.0)
-    for _ in range(steps):
-        batch = rng.sample(rendered, batch_size)
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (ids, mask) in enumerate(batch):
-            row_ids = torch.tensor(ids)
-            input_ids[i, : len(ids)] = row_ids
-            attention[i, : len(ids)] = 1
-            labels[i, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row_ids, -100)
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-    return float(loss.detach())
+    return supervised_steps(model, tokenizer, lambda: rng.sample(rendered, batch_size), steps)
 
 
 def build_tools_model(tokenizer: Any, seed: int = 0) -> Any:
