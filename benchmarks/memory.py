@@ -56,7 +56,6 @@ checkpointing (which saves activations) changes little; longer completions
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -70,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
+from benchmarks.harness import REAL_MODEL
 from benchmarks.steps import default_tiny_model, save_random_model
 
 QWEN_05B_SHAPE = {
@@ -85,7 +85,6 @@ QWEN_05B_SHAPE = {
     "tie_word_embeddings": True,
 }
 GIB = 1024**3
-REAL_MODEL = "smollm2-135m"
 MODELS = ("tiny", "qwen0.5b", REAL_MODEL)
 LIMIT_GIB = 16
 
@@ -100,7 +99,6 @@ def supports_gradient_checkpointing() -> bool:
     return "gradient_checkpointing" in GRPOFlowConfig.model_fields
 
 
-# -- child processes -----------------------------------------------------------------------------
 def rollouts_table(rows: int, prompt_tokens: int, completion_tokens: int, vocab: int, seed: int = 0) -> Any:
     """A step's logged rows as the actor reads them (the columns `Actor.step` uses)."""
     import pyarrow as pa
@@ -261,53 +259,9 @@ def measure_ranks(
     }
 
 
-def child_main(args: argparse.Namespace) -> None:
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
-    if args.child == "build":  # Qwen2.5-0.5B's shape, random weights (token ids are random anyway)
-        result = {"parameters": save_random_model(Path(args.model_path), shape=QWEN_05B_SHAPE, seed=0)}
-    elif args.child == "run":
-        result = measure_run(args.model_path, args.workdir)
-    elif args.child == "ranks":
-        result = measure_ranks(
-            args.model_path,
-            args.processes,
-            args.rows,
-            args.prompt_tokens,
-            args.completion_tokens,
-            args.microbatch_tokens,
-        )
-    else:
-        result = measure_step(
-            args.model_path,
-            args.rows,
-            args.prompt_tokens,
-            args.completion_tokens,
-            args.checkpointing,
-            args.preset,
-        )
-    print("RESULT " + json.dumps(result), flush=True)
-
-
-# -- parent -------------------------------------------------------------------------------------------
-def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.memory", *argv],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, **harness.QUIET_ENV},
-            cwd=harness.ROOT,
-        )
-    except subprocess.TimeoutExpired:  # the other measurements are kept
-        return {"error": f"not done in --timeout {timeout:.0f} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        killed = " (killed: out of memory?)" if done.returncode in (-9, 137) else ""
-        return {"error": f"exit status {done.returncode}{killed}: {done.stderr.strip()[-2000:]}"}
-    return json.loads(lines[-1][len("RESULT ") :])
+def build_qwen_shape(path: str) -> dict[str, Any]:
+    """Qwen2.5-0.5B's shape with random weights (token ids are random anyway), saved to `path`."""
+    return {"parameters": save_random_model(Path(path), shape=QWEN_05B_SHAPE, seed=0)}
 
 
 def tree_rss_bytes(process: Any) -> int:
@@ -357,9 +311,9 @@ def vllm_step(storage_root: str, prompts: int, generations: int, timeout: float)
     return result
 
 
-def real_model_shape(model_path: str) -> list[str]:
-    """The smol-math preset's step: 4 prompts x 8 completions of 16 tokens after smol_math's longest
-    chat-rendered prompt."""
+def real_model_shape(model_path: str) -> tuple[int, int, int]:
+    """The smol-math preset's step (rows, prompt tokens, completion tokens): 4 prompts x 8 completions of 16
+    tokens after smol_math's longest chat-rendered prompt."""
     from transformers import AutoTokenizer
 
     from grpo_flow.schemas.presets import preset_config
@@ -372,27 +326,16 @@ def real_model_shape(model_path: str) -> list[str]:
         len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
         for p in prompts
     )
-    rows = config.prompts_per_step * config.num_generations
-    return [
-        "--rows",
-        str(rows),
-        "--prompt-tokens",
-        str(longest),
-        "--completion-tokens",
-        str(config.max_completion_length),
-    ]
+    return config.prompts_per_step * config.num_generations, longest, config.max_completion_length
 
 
 def completions_sweep(path: str, counts: list[int], timeout: float) -> dict[str, Any]:
     """The smol-math preset's actor step (LoRA, the default micro-batch budget) at each number of completions
     per step, each in a fresh process: the peak flattens once a step is more than one micro-batch."""
-    shape = real_model_shape(path)
-    prompt_tokens, completion_tokens = shape[shape.index("--prompt-tokens") + 1], shape[-1]
+    _, prompt_tokens, completion_tokens = real_model_shape(path)
     return {
-        str(count): run_child(
-            ["--child", "step", "--model-path", path, "--preset", "smol-math", "--rows", str(count)]
-            + ["--prompt-tokens", prompt_tokens, "--completion-tokens", completion_tokens],
-            timeout,
+        str(count): harness.side_or_error(
+            measure_step, path, count, prompt_tokens, completion_tokens, False, "smol-math", timeout=timeout
         )
         for count in counts
     }
@@ -400,9 +343,9 @@ def completions_sweep(path: str, counts: list[int], timeout: float) -> dict[str,
 
 def actor_ranks(path: str, counts: list[int], microbatch_tokens: int, timeout: float) -> dict[str, Any]:
     """smol-math's step as a full fine-tune under each number of actor ranks, each in a fresh process."""
-    shape = [*real_model_shape(path), "--max-tokens-per-microbatch", str(microbatch_tokens)]
+    shape = real_model_shape(path)
     return {
-        str(count): run_child(["--child", "ranks", "--model-path", path, "--processes", str(count), *shape], timeout)
+        str(count): harness.side_or_error(measure_ranks, path, count, *shape, microbatch_tokens, timeout=timeout)
         for count in counts
     }
 
@@ -419,11 +362,7 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models", default="tiny,qwen0.5b", help=f"comma-separated: {', '.join(MODELS)} (default: tiny,qwen0.5b)"
     )
-    parser.add_argument(
-        "--storage-root",
-        default=None,
-        help=f"where {REAL_MODEL} is found or fetched (models/); default: $GRPO_FLOW_STORAGE or grpo-storage",
-    )
+    harness.storage_root_option(parser)
     parser.add_argument("--rows", type=int, default=8, help="qwen0.5b: completions in the step (default 8)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="qwen0.5b: prompt tokens per row (default 64)")
     parser.add_argument("--completion-tokens", type=int, default=32, help="qwen0.5b: completion tokens (default 32)")
@@ -446,14 +385,7 @@ def options(parser: argparse.ArgumentParser) -> None:
         help=f"{REAL_MODEL} only: instead, smol-math's step as a full fine-tune under each of these numbers of "
         "actor ranks (e.g. 1,2), the peak of a rank",
     )
-    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed each child process")
-    # internal: one measurement in this (fresh) process
-    parser.add_argument("--child", choices=("build", "step", "run", "ranks"), help=argparse.SUPPRESS)
-    parser.add_argument("--model-path", help=argparse.SUPPRESS)
-    parser.add_argument("--checkpointing", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--preset", default="tiny", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed each measurement's process")
     parser.add_argument(
         "--max-tokens-per-microbatch",
         dest="microbatch_tokens",
@@ -479,9 +411,6 @@ def models_of(args: argparse.Namespace) -> list[str]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    if args.child:
-        child_main(args)
-        return {}
     results: dict[str, Any] = {"gradient_checkpointing_supported": supports_gradient_checkpointing(), "models": {}}
     with tempfile.TemporaryDirectory(prefix="grpo-flow-memory-") as tmp:
         for name in models_of(args):
@@ -500,13 +429,12 @@ def measure_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
     """One model's steps without and with gradient checkpointing, each in a fresh process (and for the real
     model, the flow's step; or with --completions, the sweep instead)."""
     built: dict[str, Any] = {}
+    preset = "tiny"
     if name == "tiny":
         path = tiny_model(workdir, args.tiny_model)
-        shape = ["--rows", "256", "--prompt-tokens", "7", "--completion-tokens", "2"]  # 32 x 8, `35060=` + 2
+        shape = (256, 7, 2)  # 32 x 8, `35060=` + 2
     elif name == REAL_MODEL:
-        from grpo_flow.workers.data.models import resolve_model_path
-
-        path = resolve_model_path(REAL_MODEL, harness.storage_root(args.storage_root))
+        path = harness.real_model_path(args)
         if args.completions:
             return {"completions": completions_sweep(path, [int(c) for c in args.completions.split(",")], args.timeout)}
         if args.vllm_step:
@@ -516,27 +444,24 @@ def measure_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
         if args.actor_processes:
             counts = [int(n) for n in args.actor_processes.split(",")]
             return {"ranks": actor_ranks(path, counts, args.microbatch_tokens, args.timeout)}
-        shape = [*real_model_shape(path), "--preset", "smol-math"]
-        built = {"run": run_child(["--child", "run", "--model-path", path, "--workdir", str(workdir)], args.timeout)}
+        shape, preset = real_model_shape(path), "smol-math"
+        built = {"run": harness.side_or_error(measure_run, path, str(workdir), timeout=args.timeout)}
     else:
         path = str(workdir / "qwen2.5-0.5b-shape")
-        built = run_child(["--child", "build", "--model-path", path], args.timeout)
+        built = harness.side_or_error(build_qwen_shape, path, timeout=args.timeout)
         if "error" in built:
             return {"error": "building the model: " + built["error"]}
-        shape = ["--rows", str(args.rows), "--prompt-tokens", str(args.prompt_tokens)]
-        shape += ["--completion-tokens", str(args.completion_tokens)]
+        shape = (args.rows, args.prompt_tokens, args.completion_tokens)
     runs = {
-        "with_gc" if checkpointing else "without_gc": run_child(
-            ["--child", "step", "--model-path", path, "--checkpointing", str(checkpointing), *shape], args.timeout
+        "with_gc" if checkpointing else "without_gc": harness.side_or_error(
+            measure_step, path, *shape, checkpointing, preset, timeout=args.timeout
         )
-        for checkpointing in (0, 1)
+        for checkpointing in (False, True)
     }
     return {**built, **runs}
 
 
 def print_report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    if args.child:
-        return
     print("\nPeak resident memory of the actor process, one step on CPU (fp32, AdamW), a fresh process each\n")
     print(
         f"{'model':<14}{'params':>9}{'batch (rows x prompt+completion)':>34}{'grad ckpt':>11}"

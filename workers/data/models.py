@@ -24,7 +24,6 @@ import functools
 import hashlib
 import importlib.util
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -146,6 +145,8 @@ def with_chat_template(model_path: str, template: str, storage_root: str | os.Pa
     (atomically) and found again by the model's path and the template's text."""
     from transformers import AutoTokenizer
 
+    from grpo_flow.workers.state.storage import atomic_folder
+
     source = Path(model_path).expanduser()
     if not source.is_dir():  # a hub id: its download, where the template goes beside it
         from huggingface_hub import snapshot_download
@@ -154,18 +155,14 @@ def with_chat_template(model_path: str, template: str, storage_root: str | os.Pa
     source = source.resolve()
     key = hashlib.sha256(f"{source}\n{template}".encode()).hexdigest()[:16]
     folder = models_dir(storage_root) / f"templated-{key}"
-    if folder.is_dir():
-        return folder
-    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    tokenizer.chat_template = template
-    tokenizer.save_pretrained(partial)
-    for entry in source.iterdir():  # the weights and config, linked rather than copied
-        if not (partial / entry.name).exists():
-            (partial / entry.name).symlink_to(entry)
-    try:
-        partial.rename(folder)
-    except OSError:  # another process made it first
-        shutil.rmtree(partial, ignore_errors=True)
+
+    def write(staging: Path) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(staging)
+        for entry in source.iterdir():  # the weights and config, linked rather than copied
+            if not (staging / entry.name).exists():
+                (staging / entry.name).symlink_to(entry)
+
+    atomic_folder(folder, write)
     return folder

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 
 from grpo_flow.workers.data.models import BUILTIN_MODELS
 from grpo_flow.workers.state.location import models_root
+from grpo_flow.workers.state.storage import build_once
 
 TINY_MODEL_NAME = "tiny"
 # Model names the project builds itself -> (folder under <storage_root>/models, the task whose answer
@@ -98,22 +98,38 @@ def format_warm_start(
     """Supervised steps on `prompt -> format_answer(prompt), <eos>`: a random answer in the task's
     format (for last_digit, one of the prompt's digits), so the format, not the answer."""
     rng = random.Random(seed)
+
+    def batch() -> list[tuple[list[int], list[int]]]:
+        chosen = rng.sample(prompts, 64)
+        rows = []
+        for prompt, text in [(p, p + format_answer(p, rng)) for p in chosen]:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            start = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            rows.append((ids, [0] * start + [1] * (len(ids) - start)))
+        return rows
+
+    return supervised_steps(model, tokenizer, batch, steps)
+
+
+def supervised_steps(
+    model: Any, tokenizer: Any, batches: Callable[[], list[tuple[list[int], list[int]]]], steps: int
+) -> float:
+    """`steps` AdamW steps on `batches()`, each row its token ids and a loss mask (1: a token the loss
+    counts), right-padded; returns the last step's loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        batch = rng.sample(prompts, 64)
-        texts = [p + format_answer(p, rng) for p in batch]
-        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
-        prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in batch]
-        width = max(map(len, ids))
-        input_ids = torch.full((len(ids), width), tokenizer.pad_token_id)
-        labels = torch.full((len(ids), width), -100)
-        attention = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, (row, plen) in enumerate(zip(ids, prompt_lengths, strict=True)):
-            input_ids[i, : len(row)] = torch.tensor(row)
-            attention[i, : len(row)] = 1
-            labels[i, plen : len(row)] = torch.tensor(row[plen:])
+        batch = batches()
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (ids, mask) in enumerate(batch):
+            row = torch.tensor(ids)
+            input_ids[i, : len(ids)] = row
+            attention[i, : len(ids)] = 1
+            labels[i, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row, -100)
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         optimizer.step()
@@ -128,21 +144,18 @@ def tiny_model_path(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME
 
 def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:
     """The folder of tiny model `name` (a TINY_MODELS key), building it (once, atomically) if it is not there yet."""
+    return build_once(tiny_model_path(storage_root, name), lambda folder: build_tiny_model(name, folder))
+
+
+def build_tiny_model(name: str, folder: Path) -> dict[str, Any]:
+    """Tiny model `name` warm-started into `folder`; its build info."""
     from grpo_flow.workers.data.loaders import load_task
     from grpo_flow.workers.state.phase import say
     from grpo_flow.workers.rollout.heldout import heldout_accuracy
     from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
-    from grpo_flow.workers.state.storage import clean_stale_temps, give_default_modes, staging_folder
-
-    folder, task_name = TINY_MODELS[name]
-    final = tiny_model_path(storage_root, name)
-    if final.parent.is_dir():
-        clean_stale_temps([final.parent])  # builds killed midway (their pid is in the folder's name)
-    if (final / "build_info.json").exists():
-        return final
-    say(f"building the tiny model {name!r} into {final.parent} (once: a warm start on {task_name})")
-    staging = staging_folder(final.parent, folder)  # the umask's mode, not mkdtemp's 0700, once renamed
+    task_name = TINY_MODELS[name][1]
+    say(f"building the tiny model {name!r} into {folder.parent} (once: a warm start on {task_name})")
     task = load_task(task_name)
     assert task.format_answer is not None, f"{task_name} has no format_answer for a warm start"
     tokenizer = build_tokenizer()
@@ -151,16 +164,16 @@ def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NA
     answer_tokens = max(len(answer) for answer in task.heldout["answer"]) + 1
 
     def accuracy() -> float:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        engine = TransformersRolloutEngine(staging)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        engine = TransformersRolloutEngine(folder)
         engine.load()
         return heldout_accuracy(engine, task, limit=200, max_tokens=answer_tokens)
 
     before = accuracy()
     warm_start_loss = format_warm_start(model, tokenizer, task.train["prompt"], task.format_answer)
     after = accuracy()
-    info = {
+    return {
         "architecture": "Qwen2ForCausalLM",
         "parameters": sum(p.numel() for p in model.parameters()),
         "warm_start_task": task_name,
@@ -168,13 +181,6 @@ def ensure_tiny_model(storage_root: str | os.PathLike, name: str = TINY_MODEL_NA
         "heldout_accuracy_after_warm_start": after,
         "warm_start_loss": warm_start_loss,
     }
-    (staging / "build_info.json").write_text(json.dumps(info, indent=2))
-    give_default_modes(staging)  # safetensors writes model.safetensors 0600
-    try:
-        os.replace(staging, final)
-    except OSError:  # another process built it first; theirs is as good as ours
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def read_build_info(model_path: str | os.PathLike) -> dict[str, Any]:

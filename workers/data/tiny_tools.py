@@ -25,16 +25,14 @@ it was reset with.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from grpo_flow.workers.state.storage import build_once
+
 TASK_NAME = "digit_lookup"
-MODEL_NAME = "tiny-tools"
 DIGIT_LOOKUP_SEED = 20261126  # fixed: the data set is the same for every run, whatever the run's seed
 CONTEXT = 128  # positions: the longest conversation is about 60 tokens
 # GLM-4's one-token role markers (a role is one token, so the tool's answer sits right before the model's
@@ -199,7 +197,7 @@ def tools_warm_start(
 ) -> float:
     """Supervised steps on conversations in the format (`warm_start_conversation`), loss on the model's turns;
     batches drawn from `pool` conversations rendered once."""
-    import torch
+    from grpo_flow.workers.data.tiny_model import supervised_steps
 
     rng = random.Random(seed)
     tools = [DigitTable().lookup]
@@ -207,26 +205,7 @@ def tools_warm_start(
         assistant_spans(tokenizer, row["prompt"] + warm_start_conversation(row, rng), tools)
         for row in (rng.choice(rows) for _ in range(pool))
     ]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    loss = torch.tensor(0.0)
-    for _ in range(steps):
-        batch = rng.sample(rendered, batch_size)
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (ids, mask) in enumerate(batch):
-            row_ids = torch.tensor(ids)
-            input_ids[i, : len(ids)] = row_ids
-            attention[i, : len(ids)] = 1
-            labels[i, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row_ids, -100)
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-    return float(loss.detach())
+    return supervised_steps(model, tokenizer, lambda: rng.sample(rendered, batch_size), steps)
 
 
 def build_tools_model(tokenizer: Any, seed: int = 0) -> Any:
@@ -241,36 +220,26 @@ def build_tools_model(tokenizer: Any, seed: int = 0) -> Any:
 def ensure_tiny_tools_model(folder: str | os.PathLike) -> Path:
     """The `tiny-tools` model in `folder`, built (once, atomically) if it is not there yet, with its
     warm start's held-out accuracy with the tool and with it disabled in build_info.json."""
-    from grpo_flow.workers.state.phase import say
-    from grpo_flow.workers.state.storage import clean_stale_temps, temp_prefix
+    return build_once(Path(folder), build_tiny_tools_model)
 
-    final = Path(folder)
-    if final.parent.is_dir():
-        clean_stale_temps([final.parent])  # builds killed midway (their pid is in the folder's name)
-    if (final / "build_info.json").exists():
-        return final
-    say(f"building the tiny model 'tiny-tools' into {final.parent} (once: a warm start on digit_lookup)")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(final.name), suffix=".tmp"))
+
+def build_tiny_tools_model(folder: Path) -> dict[str, Any]:
+    from grpo_flow.workers.state.phase import say
+
+    say(f"building the tiny model 'tiny-tools' into {folder.parent} (once: a warm start on digit_lookup)")
     task = build_digit_lookup()
     tokenizer = build_tools_tokenizer()
     model = build_tools_model(tokenizer)
     loss = tools_warm_start(model, tokenizer, list(task.train))
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    info = {
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return {
         "architecture": "Qwen2ForCausalLM",
         "parameters": sum(p.numel() for p in model.parameters()),
         "warm_start_task": TASK_NAME,
         "warm_start_loss": loss,
-        **warm_start_accuracy(staging, task),
+        **warm_start_accuracy(folder, task),
     }
-    (staging / "build_info.json").write_text(json.dumps(info, indent=2))
-    try:
-        os.replace(staging, final)
-    except OSError:  # another process built it first; theirs is as good as ours
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def warm_start_accuracy(folder: Path, task: Any, limit: int = 200) -> dict[str, float]:

@@ -146,17 +146,13 @@ def read_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     path = lock_path(run_dir)
     for _ in range(5):  # the holder rewrites its record in place: a read may fall between truncate and write
         try:
-            text = path.read_text()
+            record = _parse(path.read_bytes())
         except FileNotFoundError:
             return None
         except OSError:
-            text = ""
-        try:
-            record = json.loads(text)
-            if isinstance(record, dict):
-                return record
-        except ValueError:
-            pass
+            record = None
+        if record is not None:
+            return record
         time.sleep(0.02)
     return None
 
@@ -223,7 +219,7 @@ def _remove(run_dir: Any, key: str) -> None:
 def live_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The process writing the run now, or None (read only: `grpo runs`, `grpo verify`)."""
     holder = read_holder(run_dir)
-    return holder if holder is not None and holder_alive(holder) else None
+    return holder if _alive(holder) else None
 
 
 def locked_error(run_dir: Path, holder: dict[str, Any] | None) -> RunLockedError:
@@ -492,12 +488,7 @@ class RunLock:
 
     @staticmethod
     def _read_fd(fd: int) -> dict[str, Any] | None:
-        data = os.pread(fd, 1 << 16, 0)
-        try:
-            record = json.loads(data)
-        except ValueError:
-            return None
-        return record if isinstance(record, dict) else None
+        return _parse(os.pread(fd, 1 << 16, 0))
 
     def _write(self, fd: int, now: float) -> None:
         data = self._payload(now)

@@ -75,6 +75,7 @@ from grpo_flow.workers.state.lock import live_holder, pid_alive, this_host
 
 MANIFEST = "manifest.json"
 STEP_MANIFEST = "_manifest.json"
+BUILD_INFO = "build_info.json"
 EVAL_METADATA_KEY = b"grpo_flow.eval"
 # A temporary file whose writer cannot be told alive (written on another host, or named before
 # names carried the writer) is a leftover once it is this old; no write of a run takes a day.
@@ -280,23 +281,36 @@ def move(path: Path, target: Path) -> None:
 
 def atomic_folder(final: Path, write: Callable[[Path], None]) -> bool:
     """`write(staging folder)`, then the folder renamed into place; False (nothing written) if it is there
-    already, or another writer put it there meanwhile (a retried call: the same content)."""
+    already, or another writer put it there meanwhile (a retried call, or another process building the same
+    folder: the same content)."""
     if final.exists():
         return False
     staging = staging_folder(final.parent, final.name)
     try:
         write(staging)
-        give_default_modes(staging)
+        give_default_modes(staging)  # libraries write some files private (safetensors: 0600)
         os.replace(staging, final)
     except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
         if final.exists():
             return False
         raise
-    except BaseException:
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
     return True
+
+
+def build_once(final: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
+    """The folder `final`, built the first time by `build(staging folder)`, whose returned build info is
+    written beside what it built as build_info.json; builds killed midway (their pid is in the staging
+    folder's name) are removed first."""
+    if final.parent.is_dir():
+        clean_stale_temps([final.parent])
+
+    def write(staging: Path) -> None:
+        (staging / BUILD_INFO).write_text(json.dumps(build(staging), indent=2))
+
+    atomic_folder(final, write)
+    return final
 
 
 def give_default_modes(folder: Path) -> None:
@@ -817,15 +831,16 @@ class RunStorage:
         local = self.local_run_dir / "checkpoints" / final.name
         if (local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == manifest:
             return local
-        staging = staging_folder(local.parent, local.name)
-        fs = remote_fs(final)
-        for name in json.loads(manifest)["files"]:
-            (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(remote_key(final / name), str(staging / name))
-        (staging / MANIFEST).write_bytes(manifest)
         if local.exists():
-            shutil.rmtree(local)
-        os.replace(staging, local)
+            shutil.rmtree(local)  # the copy of a checkpoint of this step committed before this one
+
+        def download(staging: Path) -> None:
+            for name in json.loads(manifest)["files"]:
+                (staging / name).parent.mkdir(parents=True, exist_ok=True)
+                remote_fs(final).get_file(remote_key(final / name), str(staging / name))
+            (staging / MANIFEST).write_bytes(manifest)
+
+        atomic_folder(local, download)
         return local
 
     def complete_checkpoints(self) -> list[int]:

@@ -336,7 +336,7 @@ from pathlib import Path
 import pyarrow as pa, torch
 from safetensors.torch import save_file
 from grpo_flow.schemas.records import metrics_table
-from grpo_flow.workers.data.gguf_model import build_atomically
+from grpo_flow.workers.state.storage import build_once
 from grpo_flow.workers.state.lock import hold_run_lock
 from grpo_flow.workers.state.storage import RunStorage
 
@@ -356,7 +356,7 @@ def build(folder):
     save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
     return {}
 
-build_atomically(root / "models" / "built", build)
+build_once(root / "models" / "built", build)
 modes = {str(p.relative_to(root)): oct(p.stat().st_mode & 0o777) for p in sorted(root.rglob("*"))}
 print(json.dumps(modes))
 """
