@@ -249,8 +249,9 @@ def train_run(config: GRPOFlowConfig, args: argparse.Namespace, log_path: Any) -
     """The grpo flow on a thread, Ctrl-C and SIGTERM handled (flows/interrupt.py); the outcome in a few lines."""
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.flows.interrupt import exit_status, resume_command, run_until_signalled, stop_signal_number
+    from grpo_flow.workers.state.storage import RunStorage
 
-    storage = config.storage
+    storage = RunStorage.of(config)
     try:
         try:
             state = run_until_signalled(
@@ -319,8 +320,9 @@ def hold_cli_lock(config: GRPOFlowConfig) -> None:
     """One writer per run, taken before Prefect starts, so a second process is refused (exit 2) in
     about a second. The flow finds it held (re-entrant in-process) and gives it back when it ends."""
     from grpo_flow.workers.state.lock import LockWriteError, RunLockedError, hold_run_lock, release_run_lock
+    from grpo_flow.workers.state.storage import RunStorage
 
-    run_dir = config.storage.run_dir
+    run_dir = RunStorage.of(config).run_dir
     try:
         hold_run_lock(run_dir)
     except RunLockedError as error:
@@ -334,8 +336,9 @@ def give_back_cli_lock(config: GRPOFlowConfig) -> None:
     """Release the writer lock of a run that never started; the lock's release removes the run folder
     if it is empty, and this the `runs/` folder if that is empty too."""
     from grpo_flow.workers.state.lock import release_run_lock
+    from grpo_flow.workers.state.storage import RunStorage
 
-    run_dir = config.storage.run_dir
+    run_dir = RunStorage.of(config).run_dir
     release_run_lock(run_dir)
     try:
         run_dir.parent.rmdir()

@@ -51,6 +51,7 @@ from grpo_flow.tasks.train import actor_step, log_metrics, save_checkpoint, star
 from grpo_flow.workers import backends
 from grpo_flow.workers.state.phase import say, shown_phases
 from grpo_flow.workers.state.faults import fail_at
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def grpo_run_name() -> str:
@@ -155,7 +156,7 @@ def run_step(
     steps (one-step-off); `rollout_stats` are then this step's, handed over from the step before.
     """
     started = time.perf_counter()
-    logged = plan.storage.rollouts_committed
+    logged = RunStorage.of(plan).rollouts_committed
     samples = None  # the artifact's three completions; None: read back from the logged rollouts
     if not logged(step):
         rollout_stats, samples = produce_rollouts(config, plan, step, rollout_version)

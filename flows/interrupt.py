@@ -188,8 +188,9 @@ def record_stopped_at_once(config: Any) -> None:
     """A run stopped in the middle of a step: recorded as interrupted (or cancelled) after its last
     logged step, from what is on disk, and its workers' processes ended."""
     from grpo_flow.workers import backends
+    from grpo_flow.workers.state.storage import RunStorage
 
-    storage = config.storage
+    storage = RunStorage.of(config)
     if storage.exists():
         previous = storage.read_summary()
         steps = storage.logged_steps()

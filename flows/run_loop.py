@@ -58,6 +58,7 @@ from grpo_flow.tasks.observability import (
 )
 from grpo_flow.tasks.run import finish_run
 from grpo_flow.workers.state.location import absolute_root
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def step_subflow(run_step: Callable[..., Any]) -> Any:
@@ -253,7 +254,7 @@ class RunLoop:
         plan, step = self.plan, row["step"]
         events.step_completed(plan.run_id, row, self.config.guard_max_kl)
         if step % self.config.save_steps == 0 or step == plan.total_steps:
-            path = plan.storage.checkpoint_dir(step)
+            path = RunStorage.of(plan).checkpoint_dir(step)
             payload = {"step": step, "path": str(path), "policy_version": row["policy_version"]}
             payload |= {
                 "run_id": plan.run_id,
@@ -296,7 +297,7 @@ class RunLoop:
             get_run_logger().info(message)  # the UI's log tab; `grpo train` prints its own line
             self.result = Cancelled(message=f"{message}; resume with: {resume_command(plan.run_id, plan.storage_root)}")
             return
-        storage = plan.storage
+        storage = RunStorage.of(plan)
         recent = [storage.read_step_metrics(s) for s in range(max(1, plan.total_steps - 4), plan.total_steps + 1)]
         summary.update(
             status="completed",

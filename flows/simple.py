@@ -27,6 +27,7 @@ from grpo_flow.tasks.run import finish_run, prepare_run
 from grpo_flow.workers.rewards.task import run_task
 from grpo_flow.workers.rewards.functions import resolve_reward_funcs
 from grpo_flow.workers.state.phase import shown_phases
+from grpo_flow.workers.state.storage import RunStorage
 
 
 @task(name="trl-train", cache_policy=NO_CACHE)
@@ -55,7 +56,7 @@ def grpo_simple(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
     assert config.run_id is not None
-    if config.storage.exists():
+    if RunStorage.of(config).exists():
         raise ValueError(f"run_id: run {config.run_id!r} exists; simple mode does not resume, choose a new run id")
     with shown_phases(sys.stderr if show_progress else None):  # building or fetching the model
         plan = prepare_run(config, mode="simple")
@@ -66,7 +67,7 @@ def grpo_simple(config: GRPOFlowConfig, show_progress: bool = False) -> dict[str
         summary.update(status="failed", error=f"{type(error).__name__}: {error}", steps_completed=0)
         finish_run(config, plan, summary)
         raise
-    storage = plan.storage
+    storage = RunStorage.of(plan)
     rows = storage.read_metrics().to_pylist()
     recent = rows[-5:]
     summary.update(

@@ -18,12 +18,9 @@ import uuid
 from pathlib import Path
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-if TYPE_CHECKING:
-    from grpo_flow.workers.state.storage import RunStorage
 
 # Every loss TRL 1.16's GRPOTrainer implements; the actor delegates the objective to TRL.
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
@@ -978,13 +975,6 @@ class GRPOFlowConfig(BaseModel):
     @property
     def completions_per_step(self) -> int:
         return self.prompts_per_step * self.num_generations
-
-    @property
-    def storage(self) -> RunStorage:
-        """The run's storage handle (`run_id` unset: the storage root's own runs folder)."""
-        from grpo_flow.workers.state.storage import RunStorage
-
-        return RunStorage(self.storage_root, self.run_id or "")
 
     def total_steps(self, num_train_prompts: int) -> int:
         """max_steps, or the steps that `num_train_epochs` passes over the prompts take (TRL's rule)."""

@@ -11,12 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
-
-if TYPE_CHECKING:
-    from grpo_flow.workers.state.storage import RunStorage
 
 REWARD_PREFIX = "reward_"
 
@@ -300,13 +297,6 @@ class RunPlan:
     @property
     def cache_scope(self) -> str:
         return f"{self.run_uid}-{self.session or f'r{self.resumes}'}"
-
-    @property
-    def storage(self) -> RunStorage:
-        """The run's storage handle (paths only: cheap to make, so it is not kept in the pickled plan)."""
-        from grpo_flow.workers.state.storage import RunStorage
-
-        return RunStorage(self.storage_root, self.run_id)
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,9 @@ def rollout_rows(
             return []
         import pyarrow.dataset as ds
 
-        from grpo_flow.workers.state.storage import arrow_source
+        from grpo_flow.workers.state.storage import RunStorage, arrow_source
 
-        storage = plan_or_run_id.storage
+        storage = RunStorage.of(plan_or_run_id)
         # Only what the artifact shows: token ids and logprobs are most of a step's bytes.
         source = arrow_source(storage.rollout_dir(step))
         names = ds.dataset(source.pop("source"), format="parquet", exclude_invalid_files=True, **source).schema.names

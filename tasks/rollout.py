@@ -31,6 +31,7 @@ from grpo_flow.workers.rewards.functions import (
     score_batch,
 )
 from grpo_flow.workers.rollout.base import SamplingParams
+from grpo_flow.workers.state.storage import RunStorage
 
 
 def step_seed(seed: int, step: int, shard: int = 0, refill_round: int = 0) -> int:
@@ -199,7 +200,7 @@ def check_rewards_given(config: GRPOFlowConfig, plan: RunPlan, step: int, stats:
     `max_no_reward_steps`-th in a row (the earlier ones are counted from their logged metrics)."""
     if not math.isnan(stats["reward"]):
         return
-    storage = plan.storage
+    storage = RunStorage.of(plan)
     streak = 1
     while (
         streak < config.max_no_reward_steps
@@ -333,7 +334,7 @@ def refuse_metric_clashes(logged: Collection[str], taken: Collection[str], whose
 @task(name="read-logged-rollouts", cache_policy=NO_CACHE)
 def logged_reward_stats(config: GRPOFlowConfig, plan: RunPlan, step: int) -> tuple[int, dict[str, float]]:
     """A replayed step's completion count and reward statistics, from its logged rollouts."""
-    table = plan.storage.read_rollouts(step)
+    table = RunStorage.of(plan).read_rollouts(step)
     needed = [*STATS_COLUMNS, *(REWARD_PREFIX + name for name in plan.reward_names)]
     columns = table.select([c for c in needed if c in table.column_names]).to_pydict()
     return table.num_rows, step_reward_stats(config, plan.reward_names, columns)[1]
@@ -347,12 +348,12 @@ def write_rollouts(config: GRPOFlowConfig, plan: RunPlan, batch: RolloutBatch, s
         features = run_task(config).train.features.arrow_schema
         extra_types = {c: features.field(c).type for c in plan.extra_columns}
     table = batch.to_table(rollout_schema(list(plan.reward_names), extra_types))
-    return str(plan.storage.write_rollouts(batch.step, shard, table))
+    return str(RunStorage.of(plan).write_rollouts(batch.step, shard, table))
 
 
 def commit_rollouts(config: GRPOFlowConfig, plan: RunPlan, step: int) -> str:
     """Publish the step's staged shards as one logged step (a step already committed is left as it is)."""
-    return str(plan.storage.commit_rollouts(step, config.num_rollout_workers))
+    return str(RunStorage.of(plan).commit_rollouts(step, config.num_rollout_workers))
 
 
 # One task run for three stages of the design: none of them has a reason to be retried or shown
@@ -381,7 +382,7 @@ def log_rollouts(
     scored, stats = compute_advantages(config, batches)
     check_rewards_given(config, plan, step, stats)  # before the step is logged: a fixed function re-scores it
     advantages_done = time.perf_counter()
-    storage = plan.storage
+    storage = RunStorage.of(plan)
     if not storage.rollouts_committed(step):
         for shard, batch in enumerate(scored):
             write_rollouts(config, plan, batch, shard)

@@ -44,7 +44,7 @@ def check_run_start(config: GRPOFlowConfig, allow_config_change: bool = False) -
 
     Reads only: safe to call from the command line before the flow starts.
     """
-    storage = config.storage
+    storage = RunStorage.of(config)
     if storage.exists():
         check_resumable(storage)
         check_config_change(storage, config, allow_config_change)
@@ -58,7 +58,7 @@ def prepare_run(config: GRPOFlowConfig, allow_config_change: bool = False, mode:
     # One writer per run: raises RunLockedError naming a live holder. Released by finish_run, or by
     # the flow's state hooks (release_flow_run_locks) when the run fails before it gets there.
     use_storage_options(config.storage_root, config.storage_options)
-    hold_run_lock(config.storage.run_dir, owner=current_flow_run.get_id())
+    hold_run_lock(RunStorage.of(config).run_dir, owner=current_flow_run.get_id())
     storage = check_run_start(config, allow_config_change)
     backends.check_backend_ready(config)
     task_data = run_task(config)
@@ -133,7 +133,7 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
     The initial figure is recorded once (eval/initial.json); a resumed run reads it back
     rather than measuring a policy that has already trained.
     """
-    storage = plan.storage
+    storage = RunStorage.of(plan)
     if initial and (recorded := storage.read_initial_eval()) is not None:
         return recorded
     trained = plan.resume_checkpoint is not None or bool(plan.replay_steps)
@@ -190,7 +190,7 @@ def check_lora_targets(model_path: str | Path, targets: list[str]) -> None:
 def completed_summary(plan: RunPlan) -> dict[str, Any] | None:
     """A resumed run with nothing left to train: its summary as it stands (not written again, no model
     loaded, nothing evaluated again), flagged `already_completed`, and its writer lock released."""
-    storage = plan.storage
+    storage = RunStorage.of(plan)
     summary = storage.read_summary() if plan.resumes and plan.first_step > plan.total_steps else None
     if not summary or summary.get("status") != "completed" or summary.get("steps_completed") != plan.total_steps:
         return None
@@ -213,7 +213,7 @@ def finish_run(config: GRPOFlowConfig, plan: RunPlan, summary: dict[str, Any]) -
     summary = {**summary, **model_figures(config, plan.model_path)}
     if config.report_to == "wandb":  # each step's row delivered, or counted here
         summary["wandb_steps_not_delivered"] = undelivered(plan.run_id)
-    plan.storage.write_summary(summary)
+    RunStorage.of(plan).write_summary(summary)
     create_markdown_artifact(
         key=re.sub(r"[^a-z0-9-]", "-", f"grpo-summary-{plan.run_id}".lower()),
         markdown="## grpo-flow run `" + plan.run_id + "`\n\n```json\n" + json.dumps(summary, indent=2) + "\n```",
@@ -221,7 +221,7 @@ def finish_run(config: GRPOFlowConfig, plan: RunPlan, summary: dict[str, Any]) -
     )
     wandb_finish(plan.run_id)
     backends.release(plan.run_id)
-    release_run_lock(plan.storage.run_dir)
+    release_run_lock(RunStorage.of(plan).run_dir)
     return summary
 
 

@@ -15,7 +15,7 @@ from grpo_flow.tasks.caching import STEP_STAGE
 from grpo_flow.tasks.observability import publish, step_artifact
 from grpo_flow.workers import backends
 from grpo_flow.workers.state.faults import maybe_fail
-from grpo_flow.workers.state.storage import StorageFullError, is_disk_full
+from grpo_flow.workers.state.storage import RunStorage, StorageFullError, is_disk_full
 
 
 @task(name="start-workers", cache_policy=NO_CACHE)
@@ -25,7 +25,7 @@ def start_workers(config: GRPOFlowConfig, plan: RunPlan) -> int:
     workers = backends.start_workers(config, plan.model_path)
     if not plan.resumes:
         return 0
-    return workers.restore(plan.storage, plan.resume_checkpoint)
+    return workers.restore(RunStorage.of(plan), plan.resume_checkpoint)
 
 
 @task(name="actor-step", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
@@ -36,7 +36,7 @@ def actor_step(config: GRPOFlowConfig, plan: RunPlan, step: int, expected_versio
     of a step that already applied returns that step's metrics without a second update.
     """
     maybe_fail("actor", step)
-    rollouts = plan.storage.read_rollouts(step)
+    rollouts = RunStorage.of(plan).read_rollouts(step)
     started = time.perf_counter()
     metrics = backends.run_workers(config).actor_step(expected_version, rollouts)
     return {**metrics, "time/actor_s": time.perf_counter() - started}
@@ -73,7 +73,7 @@ def save_checkpoint(config: GRPOFlowConfig, plan: RunPlan, step: int) -> dict[st
     written and committed by the actor itself (manifest last); this task checks the manifest and prunes
     old checkpoints."""
     started = time.perf_counter()
-    storage = plan.storage
+    storage = RunStorage.of(plan)
     if storage.checkpoint_committed(step):  # a retry after the commit: the checkpoint is done
         storage.verify_checkpoint(step)
         return {"time/checkpoint_s": time.perf_counter() - started}
@@ -118,7 +118,7 @@ def log_metrics(
     three completions: `samples`, or read back from the logged rollouts when None). A replayed
     step's row stays as first logged."""
     maybe_fail("metrics", step)
-    storage = plan.storage
+    storage = RunStorage.of(plan)
     path = storage.metrics_path(step)
     if not path.exists():
         path = storage.write_metrics(step, metrics_table(row))

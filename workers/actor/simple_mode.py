@@ -112,7 +112,7 @@ def train_with_trl(
     from grpo_flow.workers.rollout.base import load_generation_tokenizer
     from grpo_flow.workers.actor.trl_objective import grpo_args, lora_config
 
-    storage = plan.storage
+    storage = RunStorage.of(plan)
     # The run's own storage holds what it logs; TRL's output_dir (save_strategy "no") holds nothing kept.
     output_dir = tempfile.TemporaryDirectory(prefix="grpo-flow-simple-")
     args = grpo_args(config, output_dir.name)

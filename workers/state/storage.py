@@ -64,7 +64,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -72,6 +72,10 @@ import pyarrow.parquet as pq
 from grpo_flow.workers.state.faults import maybe_fail
 from grpo_flow.workers.state.location import is_remote, is_url, local_root, root_path
 from grpo_flow.workers.state.lock import live_holder, pid_alive, this_host
+
+if TYPE_CHECKING:
+    from grpo_flow.schemas.config import GRPOFlowConfig
+    from grpo_flow.schemas.records import RunPlan
 
 MANIFEST = "manifest.json"
 STEP_MANIFEST = "_manifest.json"
@@ -415,6 +419,11 @@ class RunStorage:
         self.run_dir = self.root / "runs" / run_id
         # Where files are written before upload and checkpoints downloaded to: the run folder itself locally.
         self.local_run_dir = local_root(root) / "runs" / run_id if self.remote else self.run_dir
+
+    @classmethod
+    def of(cls, run: RunPlan | GRPOFlowConfig) -> RunStorage:
+        """A run's storage from its plan or config (a config without a run_id: the root's runs folder)."""
+        return cls(run.storage_root, run.run_id or "")
 
     # -- layout -----------------------------------------------------------------------------
     @property
