@@ -98,6 +98,7 @@ def test_gpu_benchmark_refuses_without_cuda():
     assert "needs a CUDA GPU" in done.stderr
 
 
+@pytest.mark.slow
 def test_quickstart_times_a_checkouts_grpo_train_and_refuses_a_folder_that_is_not_one(tmp_path, storage_root):
     from benchmarks import harness
     from benchmarks.quickstart import check, timed_run

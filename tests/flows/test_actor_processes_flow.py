@@ -23,6 +23,8 @@ from linear_updates import assert_same_update, use_sgd  # tests/linear_updates.p
 from train_cli import assert_same_weights, train_cli as cli  # tests/flows/train_cli.py
 from train_cli import final_weights as final_weights_of
 
+pytestmark = pytest.mark.slow  # ranks, each a process of its own, and whole runs
+
 STEPS = 3
 
 

@@ -49,6 +49,7 @@ def unbroken(prefect_server, on_modal, s3_root):
     return RunStorage(s3_root, config.run_id)
 
 
+@pytest.mark.slow
 def test_a_modal_run_on_s3_keeps_every_file_in_the_bucket_and_none_in_a_local_folder(unbroken, s3_root, on_modal):
     assert unbroken.rollout_steps() == unbroken.logged_steps() == [1, 2, 3, 4]
     assert unbroken.complete_checkpoints() == [2, 4]
@@ -76,6 +77,7 @@ def test_a_modal_run_on_s3_keeps_every_file_in_the_bucket_and_none_in_a_local_fo
     assert os.listdir(on_modal) == []  # no `s3:` folder, no ./grpo-storage
 
 
+@pytest.mark.slow
 def test_a_failed_modal_run_on_s3_resumes_from_the_actors_checkpoint_to_the_unbroken_runs_weights(
     unbroken, s3_root, on_modal
 ):
@@ -128,6 +130,7 @@ def test_an_actor_container_without_the_buckets_credentials_stops_at_its_start_n
         s3fs.S3FileSystem.clear_instance_cache()
 
 
+@pytest.mark.slow
 def test_a_modal_run_on_s3_moves_to_the_local_backend_at_its_resume(unbroken, s3_root, on_modal):
     """The bucket holds the whole run: started on Modal, resumed here, it ends with the unbroken Modal run's
     weights within 1e-5 (a bias off by 3e-6), not bitwise: the Modal backend corrects for its engines' log-probs (importance

@@ -65,12 +65,13 @@ def uninterrupted(prefect_server, storage_root):
 @pytest.mark.parametrize(
     "fail_at, resumes_from",
     [
-        ("generate@5:kill", 3),  # during generation (the fast tier's kill test)
-        pytest.param("actor@5:kill", 3, marks=pytest.mark.slow),  # rollouts of step 5 logged, the actor has not stepped
-        pytest.param("checkpoint@6:kill", 3, marks=pytest.mark.slow),  # checkpoint files staged, not committed
-        pytest.param("checkpointed@6:kill", 6, marks=pytest.mark.slow),  # just after a checkpoint
+        ("generate@5:kill", 3),  # during generation
+        ("actor@5:kill", 3),  # rollouts of step 5 logged, the actor has not stepped
+        ("checkpoint@6:kill", 3),  # checkpoint files staged, not committed
+        ("checkpointed@6:kill", 6),  # just after a checkpoint
     ],
 )
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_same_weights_and_rows(uninterrupted, storage_root, fail_at, resumes_from):
     run_id = "kill-" + fail_at.split(":")[0].replace("@", "-")
     killed = cli(storage_root, run_id, *KILL_RUN, fail_at=fail_at)
@@ -309,6 +310,7 @@ def damaged_copy(uninterrupted, storage_root, tmp_path):
     return storage, f"rollouts/step-000002/shard-01.parquet: {size // 2} bytes, its manifest says {size}"
 
 
+@pytest.mark.slow
 def test_a_damaged_earlier_step_is_named_by_every_reader_and_set_aside_by_verify(damaged_copy):
     import pandas as pd
 
@@ -355,6 +357,7 @@ def test_a_resume_sets_a_damaged_earlier_step_aside_and_cleans_killed_writers_fi
     assert storage.logged_steps()[-1] == 9 and not leftover.exists()
 
 
+@pytest.mark.slow
 def test_a_resume_to_fewer_steps_than_the_run_has_is_refused_everywhere(uninterrupted, six_steps, storage_root):
     """Reported: `--resume --max-steps 5` on a finished 30-step run rewrote its summary as "5 / 5"."""
     from grpo_flow.deployments.grpo import DeploymentConfigError, resolve_config

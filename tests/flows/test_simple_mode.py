@@ -71,6 +71,7 @@ def test_simple_mode_refuses_an_existing_run_before_starting(tmp_path, capsys):
     assert "--simple-mode: run 'taken' exists" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_simple_mode_with_lora_keeps_the_adapter_and_warns_when_no_group_differs(storage_root, tmp_path):
     """TRL's loop gets the run's LoRA (peft), its checkpoints hold the adapter as the `grpo` flow's do, and a
     reward that ties every group gets the same one-line warning as in the `grpo` flow."""

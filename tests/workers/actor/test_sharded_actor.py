@@ -33,8 +33,15 @@ def config(**fields) -> GRPOFlowConfig:
     return GRPOFlowConfig(run_id="sharded", learning_rate=LEARNING_RATE, **{**defaults, **fields})
 
 
-@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize(
+    "loss_type, use_lora",
+    [
+        pytest.param(loss, lora, id=f"{loss}-{'lora' if lora else 'full'}", marks=[] if case == 0 else pytest.mark.slow)
+        for case, (loss, lora) in enumerate(
+            (loss, lora) for lora in (False, True) for loss in ("dapo", "grpo", "dr_grpo")
+        )
+    ],
+)  # dapo-full in the fast tier
 def test_two_ranks_step_as_one_process(model_path, monkeypatch, loss_type, use_lora):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # each rank one thread: the machine is shared
     use_sgd(monkeypatch)
@@ -58,6 +65,7 @@ def test_two_ranks_step_as_one_process(model_path, monkeypatch, loss_type, use_l
     assert_same_update(initial.published_weights(), expected_weights, weights)
 
 
+@pytest.mark.slow
 def test_a_rank_that_died_between_calls_fails_the_next_one_naming_it_and_a_new_group_answers(model_path, monkeypatch):
     """Rank 0 SIGKILLed while the group is idle: the next call cannot reach it, ends rank 1 and starts two new
     ranks on the initial model (what `Workers` heals by restore and replay: tests/flows/test_actor_processes_flow.py
@@ -144,6 +152,7 @@ def assert_same_step_bitwise(got: tuple[dict, dict], expected: tuple[dict, dict]
         assert torch.equal(weights[name], tensor), name
 
 
+@pytest.mark.slow
 def test_checkpoints_resume_under_either_number_of_processes(model_path, tmp_path, monkeypatch):
     """2 ranks write the optimizer state a shard per rank (torch.distributed.checkpoint) and the weights gathered
     (a transformers folder, as one process writes them): a checkpoint written by 2 ranks resumes under 1 and under 2 (bitwise as the unbroken
@@ -183,6 +192,7 @@ def test_checkpoints_resume_under_either_number_of_processes(model_path, tmp_pat
     assert_same_step(before, (resumed.step(1, second_batch()), resumed.published_weights()), unbroken)
 
 
+@pytest.mark.slow
 def test_ranks_with_unequal_micro_batches_step_as_one_process(model_path, monkeypatch):
     """Rank 0's rows are long and split into a micro-batch each under the token budget; rank 1's short rows fit
     in one, so it splits them to as many (every forward and backward meets the other rank's collectives).
@@ -212,6 +222,7 @@ def test_ranks_with_unequal_micro_batches_step_as_one_process(model_path, monkey
     assert_same_step(before, got, expected)
 
 
+@pytest.mark.slow
 def test_rows_that_do_not_split_evenly_step_as_one_process(model_path, monkeypatch):
     """A step dynamic sampling could not fill may hold rows that do not split across the ranks: shares a row
     apart, and the loss still the whole batch's (counts all-reduced, gradients summed)."""

@@ -20,6 +20,7 @@ def rank_processes() -> list[multiprocessing.Process]:
     return [p for p in multiprocessing.active_children() if p.name.startswith("actor-rank-")]
 
 
+@pytest.mark.slow
 def test_the_two_gpu_actor_class_runs_two_ranks_in_its_container(storage_root, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # each rank one thread: the machine is shared
     model_path = str(ensure_tiny_model(storage_root))  # the session's tiny model

@@ -16,6 +16,8 @@ from grpo_flow.workers.data.tiny_model import ensure_tiny_model
 from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 from linear_updates import assert_same_update, rollouts, use_sgd  # tests/linear_updates.py
 
+pytestmark = pytest.mark.slow  # ranks, each a process of its own, and whole runs
+
 
 @pytest.fixture(scope="module")
 def model_path(storage_root):

@@ -1,5 +1,7 @@
 """The tiny models' format warm start: it teaches the answer's format, not the answer."""
 
+import pytest
+
 from grpo_flow.workers.data.loaders import load_task
 from grpo_flow.workers.data.models import resolve_model_path
 from grpo_flow.workers.data.tiny_model import TINY_MODELS, read_build_info, tiny_model_path
@@ -7,6 +9,7 @@ from grpo_flow.workers.rollout.base import SamplingParams
 from grpo_flow.workers.rollout.transformers_engine import TransformersRolloutEngine
 
 
+@pytest.mark.slow
 def test_tiny_reverse_learns_the_answer_format_but_answers_at_chance(storage_root):
     path = resolve_model_path("tiny-reverse", storage_root)  # built on first use, like `tiny`
     assert path == str(tiny_model_path(storage_root, "tiny-reverse")) != str(tiny_model_path(storage_root))
