@@ -1,0 +1,265 @@
+"""User code (reward functions, reward environments, tools, environments' methods) under a deadline, in a
+long-lived process that can be killed.
+
+    with user_code(funcs) as worker:                        # one process per set of callables, reused
+        value = worker.call(0, timeout_s, *args, **kwargs)  # funcs[0](*args, **kwargs); DeadlineExceeded past it
+        value = worker.call(func, timeout_s, **kwargs)       # a callable sent with this call only
+
+The process is started on the first call from a fresh interpreter (never a fork of this threaded
+process), and the callables are sent to it once, with cloudpickle: a lambda, a closure or a function
+defined in a script travels by value, a module's function by reference. They are then called by index,
+so a function that keeps state in its own objects keeps it from call to call. A callable that cannot
+be sent (it holds a lock, a socket, a CUDA model) is refused at the first call (Unsendable). Arguments
+and values travel pickled both ways; an async callable is awaited there. Past the deadline the process
+is killed (SIGKILL), whatever the call is doing (a Python loop, a sleep or socket read in C, an
+`except BaseException` that swallows everything), and the next call starts a fresh one from the
+callables as first sent: their state restarts. Calls that overlap (scoring several shards at once) each
+get a process of their own. The processes end with this one: at exit, and, if it is killed, on their own.
+
+Only the standard library is imported at module level: the sandbox imports workers/tools/calls.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import functools
+import inspect
+import io
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import types
+from collections import ChainMap, OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+from typing import Any
+
+START_TIMEOUT_S = 120.0  # for a fresh process to load the callables (slow where the machine is busy)
+KEPT_SETS = 8  # sets of callables whose idle processes are kept; the least recently used beyond go
+PROGRAM = "import sys; sys.path[:0] = {paths!r}; from grpo_flow.workers.deadline import serve; serve({fd}, {parent})"
+
+
+class DeadlineExceeded(Exception):
+    """The call did not return within its timeout; its process was killed."""
+
+
+class CallProcessDied(RuntimeError):
+    """The call's process ended without an answer (os._exit, a crash, a signal)."""
+
+
+class Unsendable(ValueError):
+    """A callable that cannot be sent to (or loaded in) the process: `index` says which, `reason` why."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"callable {index} cannot be sent to its process: {reason}")
+        self.index, self.reason = index, reason
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in the call's process, set as its cause."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def import_paths() -> list[str]:
+    """This process's import path, absolute, for another process to import user code as this one does."""
+    return [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
+
+
+class UserCode:
+    """One process holding `funcs`, started at the first call and again after a kill."""
+
+    def __init__(self, funcs: Sequence[Callable[..., Any]]):
+        self.funcs = list(funcs)
+        self._payload: bytes | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._connection: Connection | None = None
+
+    def call(self, target: int | Callable[..., Any], timeout_s: float, /, *args: Any, **kwargs: Any) -> Any:
+        """`funcs[target](*args, **kwargs)` (or `target(...)`), awaited, in the process: its value, or its
+        exception raised here with the process's traceback as the cause."""
+        connection = self._started()
+        connection.send_bytes(dumps((target, args, kwargs)))
+        if not connection.poll(timeout_s):
+            self.close()
+            raise DeadlineExceeded(f"did not return within {timeout_s:g} s")
+        return _value(self._answer(connection))
+
+    def close(self) -> None:
+        """Kill the process, if any; the next call starts a fresh one."""
+        if self._connection is not None:
+            self._connection.close()
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+        self._process = self._connection = None
+
+    def _started(self) -> Connection:
+        if self._connection is not None and self._process is not None and self._process.poll() is None:
+            return self._connection
+        self.close()
+        ours, theirs = Pipe()
+        program = PROGRAM.format(paths=import_paths(), fd=theirs.fileno(), parent=os.getpid())
+        self._process = subprocess.Popen([sys.executable, "-c", program], pass_fds=[theirs.fileno()])
+        theirs.close()
+        self._connection = ours
+        ours.send_bytes(self.payload())
+        if not ours.poll(START_TIMEOUT_S):
+            self.close()
+            raise CallProcessDied(f"its process did not start within {START_TIMEOUT_S:g} s")
+        loaded = self._answer(ours)
+        if not loaded[0]:
+            self.close()
+            raise Unsendable(loaded[1], loaded[2])
+        return ours
+
+    def payload(self) -> bytes:
+        """The callables, cloudpickled once; Unsendable names the first that cannot be."""
+        if self._payload is None:
+            pickled = []
+            for index, func in enumerate(self.funcs):
+                try:
+                    pickled.append(dumps(func))
+                except Exception as error:
+                    raise Unsendable(index, f"{type(error).__name__}: {error}") from None
+            self._payload = pickle.dumps(pickled)
+        return self._payload
+
+    def _answer(self, connection: Connection) -> Any:
+        try:
+            return pickle.loads(connection.recv_bytes())
+        except EOFError:
+            code = self._process.wait() if self._process is not None else None
+            self.close()
+            ended = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exit status {code}"
+            raise CallProcessDied(f"its process ended without an answer ({ended})") from None
+
+
+def dumps(value: Any) -> bytes:
+    """`value` cloudpickled, a function sent by value keeping the name of the file it was written in (which
+    cloudpickle drops), so that a traceback from the process shows its lines."""
+    buffer = io.BytesIO()
+    _pickler()(buffer).dump(value)
+    return buffer.getvalue()
+
+
+@functools.cache
+def _pickler() -> type:
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap({types.CodeType: _code_with_its_file}, cloudpickle.Pickler.dispatch_table)
+
+    return Pickler
+
+
+def _code_with_its_file(code: types.CodeType) -> tuple[Any, ...]:
+    import cloudpickle.cloudpickle as cloudpickle_module
+
+    rebuild, args = cloudpickle_module._code_reduce(code)
+    return rebuild, tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+
+
+def _value(answer: tuple[bool, Any, str]) -> Any:
+    ok, value, trace = answer
+    if ok:
+        return value
+    value.__cause__ = RemoteTraceback(trace)
+    raise value
+
+
+# -- processes by the callables they hold ----------------------------------------------------------
+_IDLE: OrderedDict[Hashable, list[UserCode]] = OrderedDict()
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def user_code(funcs: Sequence[Callable[..., Any]], key: Hashable | None = None) -> Iterator[UserCode]:
+    """An idle process holding `funcs` (the same set: same `key`, by default the functions themselves), or
+    a new one; it goes back to the idle ones after the block."""
+    key = tuple(funcs) if key is None else key
+    with _LOCK:
+        idle = _IDLE.setdefault(key, [])
+        _IDLE.move_to_end(key)
+        worker = idle.pop() if idle else UserCode(funcs)
+    try:
+        yield worker
+    finally:
+        with _LOCK:
+            _IDLE.setdefault(key, []).append(worker)
+            _IDLE.move_to_end(key)
+            while len(_IDLE) > KEPT_SETS:
+                for old in _IDLE.popitem(last=False)[1]:
+                    old.close()
+
+
+@atexit.register
+def close_all() -> None:
+    """End every idle process (a run's end: the next call starts fresh ones)."""
+    with _LOCK:
+        workers = [worker for idle in _IDLE.values() for worker in idle]
+        _IDLE.clear()
+    for worker in workers:
+        worker.close()
+
+
+# -- in the process --------------------------------------------------------------------------------
+def serve(fd: int, parent: int) -> None:
+    """The process's loop: load the callables, then answer each call, until the parent goes."""
+    import cloudpickle
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    connection = Connection(fd)
+    funcs = []
+    for index, pickled in enumerate(pickle.loads(connection.recv_bytes())):
+        try:
+            funcs.append(cloudpickle.loads(pickled))
+        except Exception as error:  # a module this process cannot import, say
+            connection.send_bytes(pickle.dumps((False, index, f"loading it raised {type(error).__name__}: {error}")))
+            return
+    connection.send_bytes(pickle.dumps((True, len(funcs), "")))
+    while True:
+        try:
+            target, args, kwargs = cloudpickle.loads(connection.recv_bytes())
+        except EOFError:
+            return
+        func = funcs[target] if isinstance(target, int) else target
+        connection.send_bytes(_answered(lambda: func(*args, **kwargs)))  # noqa: B023  (called at once)
+
+
+def _exit_with(parent: int) -> None:
+    """End this process when its parent has (killed, or gone without closing it)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _answered(call: Callable[[], Any]) -> bytes:
+    """(ok, value or exception, traceback text), pickled; what cannot make the way back is said in a
+    RuntimeError."""
+    try:
+        value = call()
+        answer = (True, asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value, "")
+    except BaseException as error:  # SystemExit too: the caller names it
+        answer = (False, error, traceback.format_exc())
+    try:
+        data = dumps(answer)
+        pickle.loads(data)  # an exception whose __init__ takes other arguments than its args pickles, then fails
+        return data
+    except Exception as error:
+        what = f"{'value' if answer[0] else 'exception'} of type {type(answer[1]).__name__}"
+        return pickle.dumps((False, RuntimeError(f"the call's {what} cannot be sent back: {error}"), answer[2]))
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
