@@ -56,11 +56,11 @@ class CallProcessDied(RuntimeError):
 
 
 class Unsendable(ValueError):
-    """A callable that cannot be sent to (or loaded in) the process: `index` says which, `reason` why."""
+    """A callable (or a call's arguments) that cannot be sent to, or loaded in, the process: `reason` says why."""
 
-    def __init__(self, index: int, reason: str):
-        super().__init__(f"callable {index} cannot be sent to its process: {reason}")
-        self.index, self.reason = index, reason
+    def __init__(self, reason: str):
+        super().__init__(f"cannot be sent to its process: {reason}")
+        self.reason = reason
 
 
 class RemoteTraceback(Exception):
@@ -87,8 +87,12 @@ class UserCode:
     def call(self, target: int | Callable[..., Any], timeout_s: float, /, *args: Any, **kwargs: Any) -> Any:
         """`funcs[target](*args, **kwargs)` (or `target(...)`), awaited, in the process: its value, or its
         exception raised here with the process's traceback as the cause."""
+        try:
+            message = dumps((target, args, kwargs))
+        except Exception as error:
+            raise Unsendable(f"the call's arguments cannot be pickled: {type(error).__name__}: {error}") from None
         connection = self._started()
-        connection.send_bytes(dumps((target, args, kwargs)))
+        connection.send_bytes(message)
         if not connection.poll(timeout_s):
             self.close()
             raise DeadlineExceeded(f"did not return within {timeout_s:g} s")
@@ -119,18 +123,18 @@ class UserCode:
         loaded = self._answer(ours)
         if not loaded[0]:
             self.close()
-            raise Unsendable(loaded[1], loaded[2])
+            raise Unsendable(loaded[2])
         return ours
 
     def payload(self) -> bytes:
         """The callables, cloudpickled once; Unsendable names the first that cannot be."""
         if self._payload is None:
             pickled = []
-            for index, func in enumerate(self.funcs):
+            for func in self.funcs:
                 try:
                     pickled.append(dumps(func))
                 except Exception as error:
-                    raise Unsendable(index, f"{type(error).__name__}: {error}") from None
+                    raise Unsendable(f"{type(error).__name__}: {error}") from None
             self._payload = pickle.dumps(pickled)
         return self._payload
 
@@ -221,11 +225,11 @@ def serve(fd: int, parent: int) -> None:
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     connection = Connection(fd)
     funcs = []
-    for index, pickled in enumerate(pickle.loads(connection.recv_bytes())):
+    for pickled in pickle.loads(connection.recv_bytes()):
         try:
             funcs.append(cloudpickle.loads(pickled))
         except Exception as error:  # a module this process cannot import, say
-            connection.send_bytes(pickle.dumps((False, index, f"loading it raised {type(error).__name__}: {error}")))
+            connection.send_bytes(pickle.dumps((False, None, f"loading it raised {type(error).__name__}: {error}")))
             return
     connection.send_bytes(pickle.dumps((True, len(funcs), "")))
     while True:
