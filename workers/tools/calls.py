@@ -26,7 +26,6 @@ import asyncio
 import functools
 import inspect
 import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,8 +138,9 @@ def call_in_process(name: str, func: Callable[..., Any], arguments: dict[str, An
     except Exception as error:
         return ToolResult(name, error_content(str(error) or type(error).__name__), failed=True)
     if state is not None:
-        vars(func.__self__).clear()
-        vars(func.__self__).update(state)
+        attributes: dict[str, Any] = func.__self__.__dict__  # type: ignore[attr-defined]
+        attributes.clear()
+        attributes.update(state)
     return ToolResult(name, content)
 
 
