@@ -27,11 +27,12 @@ import time
 import traceback
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from grpo_flow.schemas.records import REWARD_CALL_NAMES, RolloutBatch
-from grpo_flow.workers.data.loaders import extract_final_number
 from grpo_flow.workers.deadline import DeadlineExceeded, Unsendable, user_code
+
+if TYPE_CHECKING:  # the process that runs a reward under its deadline imports this module: no pandas, no datasets
+    from grpo_flow.schemas.records import RolloutBatch
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
@@ -69,6 +70,8 @@ def final_answer(completions: list[Any], answer: list[str], **kwargs: Any) -> li
 
 def gsm8k_accuracy(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
     """1.0 when the completion's final number equals the reference answer."""
+    from grpo_flow.workers.data.loaders import extract_final_number
+
     scores = []
     for completion, expected in zip(completions, answer, strict=True):
         text = completion if isinstance(completion, str) else completion[-1]["content"]
@@ -167,6 +170,8 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
 def columns_read(func: RewardFunc) -> list[str]:
     """The keyword parameters `func` requires (no default) beyond the ones every reward is called with
     (prompts, completions, ...): the data set columns it cannot run without."""
+    from grpo_flow.schemas.records import REWARD_CALL_NAMES
+
     try:
         parameters = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):  # a callable without a signature Python can read
