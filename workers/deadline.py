@@ -1,7 +1,7 @@
 """User code (reward functions, reward environments, tools, environments' methods) under a deadline, in a
 long-lived process that can be killed.
 
-    with user_code(funcs) as worker:                        # one process per set of callables, reused
+    with user_code(funcs, key) as worker:                   # one process per set of callables, reused
         value = worker.call(0, timeout_s, *args, **kwargs)  # funcs[0](*args, **kwargs); DeadlineExceeded past it
         value = worker.call(func, timeout_s, **kwargs)       # a callable sent with this call only
 
@@ -187,10 +187,9 @@ _LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def user_code(funcs: Sequence[Callable[..., Any]], key: Hashable | None = None) -> Iterator[UserCode]:
-    """An idle process holding `funcs` (the same set: same `key`, by default the functions themselves), or
-    a new one; it goes back to the idle ones after the block."""
-    key = tuple(funcs) if key is None else key
+def user_code(funcs: Sequence[Callable[..., Any]], key: Hashable) -> Iterator[UserCode]:
+    """An idle process holding `funcs` (the same callables have the same `key`), or a new one; it goes back
+    to the idle ones after the block."""
     with _LOCK:
         idle = _IDLE.setdefault(key, [])
         _IDLE.move_to_end(key)

@@ -344,13 +344,15 @@ def scores_and_logs(func: RewardFunc, logs: Logs | None = None, /, **kwargs: Any
 
 
 def same_function(func: RewardFunc) -> Hashable:
-    """What stays the same for the same reward from call to call: a reward environment's wrapper, and an
-    environment's reward (`environment_reward`), are made anew each time they are resolved."""
+    """What stays the same for the same reward from call to call: a reward environment's wrapper and a bound
+    method are made anew each time they are resolved. The process holding the function keeps what these
+    ids name alive, so none is reused while it is a key."""
     environment = getattr(func, "environment", None)
     if environment is not None:
         return ("environment", id(environment))
-    cells = getattr(func, "__closure__", None) or ()
-    return (getattr(func, "__code__", func), *(id(cell.cell_contents) for cell in cells))
+    if inspect.ismethod(func):
+        return ("method", id(func.__self__), id(func.__func__))
+    return id(func)
 
 
 def _failing_sample(

@@ -114,6 +114,21 @@ def test_a_stateful_reward_keeps_its_state_from_call_to_call():
     assert funcs["counter"].calls == 0  # counted in its process, not in this one
 
 
+class Scale:
+    def __init__(self, factor):
+        self.factor = factor
+
+    def score(self, completions, **kwargs):
+        return [self.factor] * len(completions)
+
+
+def test_methods_of_two_instances_are_two_rewards_each_in_its_own_process():
+    funcs = {"once": Scale(1.0).score, "twice": Scale(2.0).score}  # one function, two instances
+    for _ in range(2):
+        scored = score_batch(batch(["0"], ["0"]), funcs, None, timeout_s=30)
+        assert scored.rewards == {"once": [1.0], "twice": [2.0]}
+
+
 def test_a_reward_that_cannot_be_sent_to_its_process_is_refused_in_one_line():
     lock = threading.Lock()
 
