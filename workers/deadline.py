@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 START_TIMEOUT_S = 120.0  # for a fresh process to load the callables (slow where the machine is busy)
-KEPT_SETS = 8  # sets of callables whose idle processes are kept; the least recently used beyond go
+KEPT_SETS = 32  # sets of callables whose idle processes are kept; the least recently used beyond go
 PROGRAM = "import sys; sys.path[:0] = {paths!r}; from grpo_flow.workers.deadline import serve; serve({fd}, {parent})"
 
 
@@ -72,7 +72,7 @@ class RemoteTraceback(Exception):
 
 def import_paths() -> list[str]:
     """This process's import path, absolute, for another process to import user code as this one does."""
-    return [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
+    return list(dict.fromkeys(os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")))
 
 
 class UserCode:
@@ -92,11 +92,15 @@ class UserCode:
         except Exception as error:
             raise Unsendable(f"the call's arguments cannot be pickled: {type(error).__name__}: {error}") from None
         connection = self._started()
-        connection.send_bytes(message)
-        if not connection.poll(timeout_s):
+        try:
+            connection.send_bytes(message)
+            if not connection.poll(timeout_s):
+                raise DeadlineExceeded(f"did not return within {timeout_s:g} s")
+            answer = self._answer(connection)
+        except BaseException:  # past the deadline, or this process interrupted: no answer may be left pending
             self.close()
-            raise DeadlineExceeded(f"did not return within {timeout_s:g} s")
-        return _value(self._answer(connection))
+            raise
+        return _value(answer)
 
     def close(self) -> None:
         """Kill the process, if any; the next call starts a fresh one."""
@@ -111,23 +115,26 @@ class UserCode:
         if self._connection is not None and self._process is not None and self._process.poll() is None:
             return self._connection
         self.close()
+        payload = self.payload()
         ours, theirs = Pipe()
         program = PROGRAM.format(paths=import_paths(), fd=theirs.fileno(), parent=os.getpid())
         self._process = subprocess.Popen([sys.executable, "-c", program], pass_fds=[theirs.fileno()])
         theirs.close()
         self._connection = ours
-        ours.send_bytes(self.payload())
-        if not ours.poll(START_TIMEOUT_S):
+        try:
+            ours.send_bytes(payload)
+            if not ours.poll(START_TIMEOUT_S):
+                raise CallProcessDied(f"its process did not start within {START_TIMEOUT_S:g} s")
+            loaded, _, reason = self._answer(ours)
+            if not loaded:
+                raise Unsendable(reason)
+        except BaseException:
             self.close()
-            raise CallProcessDied(f"its process did not start within {START_TIMEOUT_S:g} s")
-        loaded = self._answer(ours)
-        if not loaded[0]:
-            self.close()
-            raise Unsendable(loaded[2])
+            raise
         return ours
 
     def payload(self) -> bytes:
-        """The callables, cloudpickled once; Unsendable names the first that cannot be."""
+        """The callables, cloudpickled once; Unsendable says why one cannot be."""
         if self._payload is None:
             pickled = []
             for func in self.funcs:
@@ -233,11 +240,18 @@ def serve(fd: int, parent: int) -> None:
     connection.send_bytes(pickle.dumps((True, len(funcs), "")))
     while True:
         try:
-            target, args, kwargs = cloudpickle.loads(connection.recv_bytes())
+            message = connection.recv_bytes()
         except EOFError:
             return
-        func = funcs[target] if isinstance(target, int) else target
-        connection.send_bytes(_answered(lambda: func(*args, **kwargs)))  # noqa: B023  (called at once)
+        connection.send_bytes(_answered(functools.partial(_called, funcs, message)))
+
+
+def _called(funcs: list[Callable[..., Any]], message: bytes) -> Any:
+    """The call `message` asks for: (index into `funcs` or a callable, args, kwargs)."""
+    import cloudpickle
+
+    target, args, kwargs = cloudpickle.loads(message)
+    return (funcs[target] if isinstance(target, int) else target)(*args, **kwargs)
 
 
 def _exit_with(parent: int) -> None:
