@@ -1,9 +1,9 @@
 """User code (reward functions, reward environments, tools, environments' methods) under a deadline, in a
 long-lived process that can be killed.
 
-    with user_code(funcs, key) as worker:                   # one process per set of callables, reused
-        value = worker.call(0, timeout_s, *args, **kwargs)  # funcs[0](*args, **kwargs); DeadlineExceeded past it
-        value = worker.call(func, timeout_s, **kwargs)       # a callable sent with this call only
+    worker = user_code(funcs, key)                      # one process per set of callables, kept
+    value = worker.call(0, timeout_s, *args, **kwargs)  # funcs[0](*args, **kwargs); DeadlineExceeded past it
+    value = worker.call(func, timeout_s, **kwargs)      # a callable sent with this call only
 
 The process is started on the first call from a fresh interpreter (never a fork of this threaded
 process), and the callables are sent to it once, with cloudpickle: a lambda, a closure or a function
@@ -13,8 +13,9 @@ be sent (it holds a lock, a socket, a CUDA model) is refused at the first call (
 and values travel pickled both ways; an async callable is awaited there. Past the deadline the process
 is killed (SIGKILL), whatever the call is doing (a Python loop, a sleep or socket read in C, an
 `except BaseException` that swallows everything), and the next call starts a fresh one from the
-callables as first sent: their state restarts. Calls that overlap (scoring several shards at once) each
-get a process of their own. The processes end with this one: at exit, and, if it is killed, on their own.
+callables as first sent: their state restarts. Calls that overlap (scoring several shards at once) run
+on threads of their own in the same process, sharing its state as they would here; a kill ends them all.
+The processes end with this one: at exit, and, if it is killed, on their own.
 
 Only the standard library is imported at module level: the sandbox imports workers/tools/calls.py.
 """
@@ -23,10 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import functools
 import inspect
 import io
+import itertools
 import os
 import pickle
 import signal
@@ -37,13 +38,14 @@ import time
 import traceback
 import types
 from collections import ChainMap, OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
 START_TIMEOUT_S = 120.0  # for a fresh process to load the callables (slow where the machine is busy)
-KEPT_SETS = 32  # sets of callables whose idle processes are kept; the least recently used beyond go
+KEPT_SETS = 32  # sets of callables whose processes are kept; the least recently used beyond go
 PROGRAM = "import sys; sys.path[:0] = {paths!r}; from grpo_flow.workers.deadline import serve; serve({fd}, {parent})"
 
 
@@ -75,14 +77,56 @@ def import_paths() -> list[str]:
     return list(dict.fromkeys(os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")))
 
 
+@dataclass
+class _Waiting:
+    """A call waiting for its answer: (ok, value or exception, traceback text)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: tuple[bool, Any, str] | None = None
+
+    def give(self, answer: tuple[bool, Any, str]) -> None:
+        self.answer = answer
+        self.done.set()
+
+
+@dataclass
+class _Process:
+    """One started process, its connection and the calls waiting on it; a thread hands out its answers."""
+
+    popen: subprocess.Popen[bytes]
+    connection: Connection
+    waiting: dict[int, _Waiting] = field(default_factory=dict)
+
+    def read_answers(self) -> None:
+        while True:
+            try:
+                call_id, answer = pickle.loads(self.connection.recv_bytes())
+            except (EOFError, OSError):
+                break
+            waiting = self.waiting.pop(call_id, None)
+            if waiting is not None:
+                waiting.give(pickle.loads(answer))
+        self.connection.close()
+        code = self.popen.wait()
+        ended = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        for waiting in list(self.waiting.values()):  # calls that were running when it ended
+            waiting.give((False, CallProcessDied(f"its process ended without an answer ({ended})"), ""))
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait()
+
+
 class UserCode:
-    """One process holding `funcs`, started at the first call and again after a kill."""
+    """One process holding `funcs`, started at the first call and again after a kill. Calls may overlap:
+    each runs on a thread of its own there, as it would here."""
 
     def __init__(self, funcs: Sequence[Callable[..., Any]]):
         self.funcs = list(funcs)
         self._payload: bytes | None = None
-        self._process: subprocess.Popen[bytes] | None = None
-        self._connection: Connection | None = None
+        self._process: _Process | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
 
     def call(self, target: int | Callable[..., Any], timeout_s: float, /, *args: Any, **kwargs: Any) -> Any:
         """`funcs[target](*args, **kwargs)` (or `target(...)`), awaited, in the process: its value, or its
@@ -91,47 +135,56 @@ class UserCode:
             message = dumps((target, args, kwargs))
         except Exception as error:
             raise Unsendable(f"the call's arguments cannot be pickled: {type(error).__name__}: {error}") from None
-        connection = self._started()
+        waiting, call_id = _Waiting(), next(self._ids)
+        with self._lock:
+            process = self._started()
+            process.waiting[call_id] = waiting
+            process.connection.send_bytes(pickle.dumps((call_id, message)))
         try:
-            connection.send_bytes(message)
-            if not connection.poll(timeout_s):
+            if not waiting.done.wait(timeout_s):
                 raise DeadlineExceeded(f"did not return within {timeout_s:g} s")
-            answer = self._answer(connection)
-        except BaseException:  # past the deadline, or this process interrupted: no answer may be left pending
-            self.close()
+        except BaseException:  # past the deadline, or this process interrupted: the call is killed
+            self._kill(process)
             raise
-        return _value(answer)
+        assert waiting.answer is not None
+        return _value(waiting.answer)
 
     def close(self) -> None:
         """Kill the process, if any; the next call starts a fresh one."""
-        if self._connection is not None:
-            self._connection.close()
         if self._process is not None:
-            self._process.kill()
-            self._process.wait()
-        self._process = self._connection = None
+            self._kill(self._process)
 
-    def _started(self) -> Connection:
-        if self._connection is not None and self._process is not None and self._process.poll() is None:
-            return self._connection
-        self.close()
+    def _kill(self, process: _Process) -> None:
+        with self._lock:
+            if self._process is process:
+                self._process = None
+        process.kill()
+
+    def _started(self) -> _Process:
+        if self._process is not None and self._process.popen.poll() is None:
+            return self._process
         payload = self.payload()
         ours, theirs = Pipe()
         program = PROGRAM.format(paths=import_paths(), fd=theirs.fileno(), parent=os.getpid())
-        self._process = subprocess.Popen([sys.executable, "-c", program], pass_fds=[theirs.fileno()])
+        popen = subprocess.Popen([sys.executable, "-c", program], pass_fds=[theirs.fileno()])
         theirs.close()
-        self._connection = ours
         try:
             ours.send_bytes(payload)
             if not ours.poll(START_TIMEOUT_S):
                 raise CallProcessDied(f"its process did not start within {START_TIMEOUT_S:g} s")
-            loaded, _, reason = self._answer(ours)
+            loaded, reason = pickle.loads(ours.recv_bytes())
             if not loaded:
                 raise Unsendable(reason)
-        except BaseException:
-            self.close()
+        except BaseException as error:
+            popen.kill()
+            popen.wait()
+            ours.close()
+            if isinstance(error, EOFError):
+                raise CallProcessDied(f"its process ended while loading (exit status {popen.returncode})") from None
             raise
-        return ours
+        self._process = _Process(popen, ours)
+        threading.Thread(target=self._process.read_answers, name="grpo-flow-user-code", daemon=True).start()
+        return self._process
 
     def payload(self) -> bytes:
         """The callables, cloudpickled once; Unsendable says why one cannot be."""
@@ -144,15 +197,6 @@ class UserCode:
                     raise Unsendable(f"{type(error).__name__}: {error}") from None
             self._payload = pickle.dumps(pickled)
         return self._payload
-
-    def _answer(self, connection: Connection) -> Any:
-        try:
-            return pickle.loads(connection.recv_bytes())
-        except EOFError:
-            code = self._process.wait() if self._process is not None else None
-            self.close()
-            ended = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exit status {code}"
-            raise CallProcessDied(f"its process ended without an answer ({ended})") from None
 
 
 def dumps(value: Any) -> bytes:
@@ -189,35 +233,29 @@ def _value(answer: tuple[bool, Any, str]) -> Any:
 
 
 # -- processes by the callables they hold ----------------------------------------------------------
-_IDLE: OrderedDict[Hashable, list[UserCode]] = OrderedDict()
-_LOCK = threading.Lock()
+_KEPT: OrderedDict[Hashable, UserCode] = OrderedDict()
+_KEPT_LOCK = threading.Lock()
 
 
-@contextlib.contextmanager
-def user_code(funcs: Sequence[Callable[..., Any]], key: Hashable) -> Iterator[UserCode]:
-    """An idle process holding `funcs` (the same callables have the same `key`), or a new one; it goes back
-    to the idle ones after the block."""
-    with _LOCK:
-        idle = _IDLE.setdefault(key, [])
-        _IDLE.move_to_end(key)
-        worker = idle.pop() if idle else UserCode(funcs)
-    try:
-        yield worker
-    finally:
-        with _LOCK:
-            _IDLE.setdefault(key, []).append(worker)
-            _IDLE.move_to_end(key)
-            while len(_IDLE) > KEPT_SETS:
-                for old in _IDLE.popitem(last=False)[1]:
-                    old.close()
+def user_code(funcs: Sequence[Callable[..., Any]], key: Hashable) -> UserCode:
+    """The process holding `funcs` (the same callables have the same `key`), made at the first call."""
+    with _KEPT_LOCK:
+        worker = _KEPT.get(key)
+        if worker is None:
+            worker = _KEPT[key] = UserCode(funcs)
+        _KEPT.move_to_end(key)
+        evicted = [_KEPT.popitem(last=False)[1] for _ in range(len(_KEPT) - KEPT_SETS)]
+    for old in evicted:
+        old.close()
+    return worker
 
 
 @atexit.register
 def close_all() -> None:
-    """End every idle process (a run's end: the next call starts fresh ones)."""
-    with _LOCK:
-        workers = [worker for idle in _IDLE.values() for worker in idle]
-        _IDLE.clear()
+    """End every process (a run's end: the next call starts fresh ones)."""
+    with _KEPT_LOCK:
+        workers = list(_KEPT.values())
+        _KEPT.clear()
     for worker in workers:
         worker.close()
 
@@ -235,15 +273,23 @@ def serve(fd: int, parent: int) -> None:
         try:
             funcs.append(cloudpickle.loads(pickled))
         except Exception as error:  # a module this process cannot import, say
-            connection.send_bytes(pickle.dumps((False, None, f"loading it raised {type(error).__name__}: {error}")))
+            connection.send_bytes(pickle.dumps((False, f"loading it raised {type(error).__name__}: {error}")))
             return
-    connection.send_bytes(pickle.dumps((True, len(funcs), "")))
+    connection.send_bytes(pickle.dumps((True, "")))
+    sending = threading.Lock()
     while True:
         try:
-            message = connection.recv_bytes()
+            call_id, message = pickle.loads(connection.recv_bytes())
         except EOFError:
             return
-        connection.send_bytes(_answered(functools.partial(_called, funcs, message)))
+        args = (connection, sending, call_id, functools.partial(_called, funcs, message))
+        threading.Thread(target=_answer, args=args, daemon=True).start()
+
+
+def _answer(connection: Connection, sending: threading.Lock, call_id: int, call: Callable[[], Any]) -> None:
+    answer = _answered(call)
+    with sending:
+        connection.send_bytes(pickle.dumps((call_id, answer)))
 
 
 def _called(funcs: list[Callable[..., Any]], message: bytes) -> Any:

@@ -4,7 +4,9 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -29,8 +31,7 @@ async def doubled(x):
 
 
 def test_an_async_callable_is_awaited_in_the_process_and_close_all_ends_it():
-    with user_code([doubled], key="doubled") as worker:
-        value, pid = worker.call(0, 30, 21)
+    value, pid = user_code([doubled], key="doubled").call(0, 30, 21)
     assert value == 42 and pid != os.getpid()
     close_all()
     assert gone(pid)
@@ -40,11 +41,11 @@ PARENT = """
 import os, sys, threading, time
 sys.path[:0] = {paths!r}
 from grpo_flow.workers.deadline import user_code
-with user_code([os.getpid, time.sleep], key="owned") as worker:
-    print(worker.call(0, 30), flush=True)
-    threading.Thread(target=worker.call, args=(1, 3600, 3600), daemon=True).start()  # busy in C
-    time.sleep(1)
-    os._exit(0)  # gone without closing it: no exit handlers run
+worker = user_code([os.getpid, time.sleep], key="owned")
+print(worker.call(0, 30), flush=True)
+threading.Thread(target=worker.call, args=(1, 3600, 3600), daemon=True).start()  # busy in C
+time.sleep(1)
+os._exit(0)  # gone without closing it: no exit handlers run
 """
 
 
@@ -56,3 +57,18 @@ def test_a_busy_process_ends_when_its_owner_does(how):
     owner = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     child = int(owner.stdout.strip())
     assert gone(child)
+
+
+MEETING = threading.Barrier(2, timeout=60)  # in the process that holds `meet`: its own copy of this module
+
+
+def meet():
+    MEETING.wait()  # returns only when two calls are in here at once
+    return os.getpid()
+
+
+def test_overlapping_calls_run_at_once_in_one_process():
+    worker = user_code([meet], key="meet")
+    with ThreadPoolExecutor(2) as pool:
+        pids = list(pool.map(lambda _: worker.call(0, 60), range(2)))
+    assert pids[0] == pids[1] != os.getpid()

@@ -321,8 +321,8 @@ def _call(func: RewardFunc, timeout: float | None, kwargs: dict[str, Any], logs:
     if timeout is None:
         return scores_and_logs(func, logs, **kwargs)[0]
     sent = {key: value for key, value in kwargs.items() if key not in ("log_extra", "log_metric")}
-    with user_code([functools.partial(scores_and_logs, func)], key=same_function(func)) as worker:
-        scores, (extra, metrics) = worker.call(0, timeout, **sent)
+    worker = user_code([functools.partial(scores_and_logs, func)], key=same_function(func))
+    scores, (extra, metrics) = worker.call(0, timeout, **sent)
     for column, values in extra.items():
         logs[0].setdefault(column, []).extend(values)
     for name, values in metrics.items():

@@ -126,10 +126,10 @@ def call_in_process(name: str, func: Callable[..., Any], arguments: dict[str, An
     method = inspect.ismethod(func)
     held = [] if method else [functools.partial(tool_message, func)]
     try:
-        with user_code(held, key=("tool", None if method else id(func))) as worker:
-            if not method:
-                return ToolResult(name, worker.call(0, timeout_s, **arguments)[0])
-            content, state = worker.call(tool_message, timeout_s, func, **arguments)
+        worker = user_code(held, key=("tool", None if method else id(func)))
+        if not method:
+            return ToolResult(name, worker.call(0, timeout_s, **arguments)[0])
+        content, state = worker.call(tool_message, timeout_s, func, **arguments)
     except DeadlineExceeded:
         return ToolResult(name, error_content(f"Tool {name} did not return within {timeout_s:g} s"), failed=True)
     except Unsendable as refused:
