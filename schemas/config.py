@@ -264,9 +264,10 @@ class GRPOFlowConfig(BaseModel):
     tool_timeout_s: float = Field(
         default=10.0,
         gt=0,
-        description="Longest one tool call may take; past it the call ends and the model gets a tool message saying "
-        "so (never a failed step). A sandboxed call is killed; one in this process is stopped at its next Python "
-        "instruction, or left on a daemon thread if blocked in C.",
+        description="Longest one tool call may take; past it the call is killed with its process and the model gets "
+        "a tool message saying so (never a failed step). A tool not sandboxed runs in a long-lived process of its "
+        "own, sent there once (cloudpickle), and restarts from that copy after a kill; an environment's method "
+        "travels with its instance, whose attributes come back after each call, so they must pickle.",
         json_schema_extra=TOOLS,
     )
     sandbox_tools: bool = Field(
@@ -657,10 +658,12 @@ class GRPOFlowConfig(BaseModel):
         default=600.0,
         gt=0,
         description="Longest one call of a reward function may take (one call scores a rollout shard); past it "
-        "the step fails naming the function and is not retried. An async function is cancelled; a sync one runs "
-        "on its own thread, which is stopped at its next Python instruction, or, if it is blocked inside a C call "
-        "(a socket read, a sleep), left behind as a daemon thread that cannot keep the process alive. Code that "
-        "must be killable belongs in the sandbox (execute_in_sandbox). None: no limit.",
+        "the step fails naming the function and is not retried. Each function runs in a long-lived process of its "
+        "own, sent there once (cloudpickle: it must pickle), where it keeps its state from call to call; past the "
+        "deadline that process is killed, whatever the call is doing, and the next call starts a fresh one from "
+        "the function as first sent (its state restarts). Only the scores and log_extra/log_metric values come "
+        "back: changes it makes to its arguments or globals stay there. None: no limit, called in the flow's "
+        "process, as TRL does.",
         json_schema_extra=RETRIES,
     )
     max_no_reward_steps: int = Field(

@@ -10,12 +10,10 @@ from grpo_flow.flows.trainer import GRPOFlowTrainer
 from grpo_flow.workers.rewards.environments import RewardEnvironment
 from grpo_flow.workers.state.storage import RunStorage
 
-SEEN_STATES: list[int] = []
 
-
-def exact_digit(prompts, completions, answer, trainer_state, **kwargs):
+def exact_digit(prompts, completions, answer, trainer_state, log_metric, **kwargs):
     """A module-level function: the config names it `module:function`, usable from any process."""
-    SEEN_STATES.append(trainer_state.global_step)
+    log_metric("seen_global_step", trainer_state.global_step)  # it runs in a process of its own (reward_timeout_s)
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
@@ -47,7 +45,6 @@ SMALL = dict(
 
 
 def test_train_runs_the_flow_with_functions_async_functions_and_environments(prefect_server, storage_root):
-    SEEN_STATES.clear()
     trainer = GRPOFlowTrainer(
         model="tiny",
         reward_funcs=[exact_digit, only_odd_answers, IsDigit()],
@@ -64,7 +61,6 @@ def test_train_runs_the_flow_with_functions_async_functions_and_environments(pre
     ]
     summary = trainer.train()
     assert summary["status"] == "completed" and summary["steps_completed"] == 2
-    assert sorted(set(SEEN_STATES)) == [0, 1]  # trainer_state.global_step per step, as TRL passes it
 
     rows = RunStorage(storage_root, "api-run").read_rollouts().to_pylist()
     assert len(rows) == 2 * 4 * 4
@@ -76,6 +72,7 @@ def test_train_runs_the_flow_with_functions_async_functions_and_environments(pre
         assert json.loads(row["logged_extra"]) == {"parity": "odd" if odd else "even"}
     metrics = RunStorage(storage_root, "api-run").read_metrics().to_pylist()
     assert all(m["time/reward/is_digit_s"] >= 0 and "rewards/exact_digit/std" in m for m in metrics)
+    assert [m["seen_global_step"] for m in metrics] == [0, 1]  # trainer_state.global_step per step, as TRL passes it
 
 
 def test_bad_api_input_is_refused_before_anything_loads(tmp_path):

@@ -221,9 +221,6 @@ def as_reward_function(env: Any, name: str | None = None) -> RewardFunc:
 
     reward.__name__ = reward.__qualname__ = name or snake_case(type(env).__name__)
     reward.environment = env  # type: ignore[attr-defined]
-    # What a timed reward call uses instead (workers/rewards/functions.py), so that asyncio can cancel
-    # an async environment's coroutine at the deadline rather than wait on a loop it cannot reach.
-    reward.scores_or_awaitable = scores_or_awaitable  # type: ignore[attr-defined]
     return reward
 
 

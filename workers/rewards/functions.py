@@ -5,34 +5,34 @@ completion_ids=..., **dataset_columns)` and returns one float (or None: "does no
 per completion. The total reward is the weighted sum of the functions that apply
 (TRL's nansum rule).
 
-With a timeout (the config's `reward_timeout_s`), each call runs on a thread of its own, so the
-caller can stop waiting: an async function (or reward environment) is cancelled at the deadline
-by asyncio; a sync one gets an exception raised in its thread, which stops it at its next Python
-instruction; one blocked inside a C call (a sleep, a socket read) cannot be stopped from Python and
-is left on its daemon thread, which cannot keep the process alive. The step fails either way with a
-RewardTimeoutError naming the function and the step.
+With a timeout (the config's `reward_timeout_s`), each function runs in a long-lived process of its
+own (workers/deadline.py), sent there once, so it keeps the state it holds in its objects from call to
+call; past the deadline that process is killed, whatever the call is doing, the step fails with a
+RewardTimeoutError naming the function and the step, and the next call starts a fresh process (the
+function's state restarts). The scores and what it gives log_extra/log_metric come back; other changes
+it makes (to its `environments`, to a global) stay in that process. Without a timeout it is called in
+this process, as TRL does.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import ctypes
+import functools
 import importlib
 import inspect
 import json
 import math
 import os
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from grpo_flow.schemas.records import REWARD_CALL_NAMES, RolloutBatch
-from grpo_flow.workers.data.loaders import extract_final_number
+from grpo_flow.workers.deadline import DeadlineExceeded, Unsendable, user_code
+
+if TYPE_CHECKING:  # the process that runs a reward under its deadline imports this module: no pandas, no datasets
+    from grpo_flow.schemas.records import RolloutBatch
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
@@ -70,6 +70,8 @@ def final_answer(completions: list[Any], answer: list[str], **kwargs: Any) -> li
 
 def gsm8k_accuracy(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
     """1.0 when the completion's final number equals the reference answer."""
+    from grpo_flow.workers.data.loaders import extract_final_number
+
     scores = []
     for completion, expected in zip(completions, answer, strict=True):
         text = completion if isinstance(completion, str) else completion[-1]["content"]
@@ -168,6 +170,8 @@ def resolve_reward_funcs(names: Sequence[str], run_id: str | None = None) -> dic
 def columns_read(func: RewardFunc) -> list[str]:
     """The keyword parameters `func` requires (no default) beyond the ones every reward is called with
     (prompts, completions, ...): the data set columns it cannot run without."""
+    from grpo_flow.schemas.records import REWARD_CALL_NAMES
+
     try:
         parameters = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):  # a callable without a signature Python can read
@@ -290,8 +294,12 @@ class RewardFunctionError(RuntimeError):
 
 
 class RewardTimeoutError(RewardFunctionError):
-    """A reward function did not return within reward_timeout_s: names the function, the step and
-    what became of the call (cancelled, stopped, or left running on a daemon thread)."""
+    """A reward function did not return within reward_timeout_s: names the function and the step."""
+
+
+class RewardRefusedError(RewardOutputError):
+    """A reward function that cannot be sent to the process that runs it under reward_timeout_s (it holds
+    a lock, a socket, a CUDA model): the same on every attempt, so `score` does not retry it."""
 
 
 @dataclass(frozen=True)
@@ -304,92 +312,58 @@ class RewardTrainerState:
     epoch: float
 
 
-def _call(func: RewardFunc, timeout: float | None, /, **kwargs: Any) -> Any:
+Logs = tuple[dict[str, list[Any]], dict[str, list[float]]]  # (log_extra's columns, log_metric's values)
+
+
+def _call(func: RewardFunc, timeout: float | None, kwargs: dict[str, Any], logs: Logs) -> Any:
+    """`func(**kwargs)`, awaited; with a timeout, in the process that holds the function (the module
+    docstring), from which the scores and what it gave log_extra/log_metric come back into `logs`."""
+    if timeout is None:
+        return scores_and_logs(func, logs, **kwargs)[0]
+    sent = {key: value for key, value in kwargs.items() if key not in ("log_extra", "log_metric")}
+    worker = user_code([functools.partial(scores_and_logs, func)], key=same_function(func))
+    scores, (extra, metrics) = worker.call(0, timeout, **sent)
+    for column, values in extra.items():
+        logs[0].setdefault(column, []).extend(values)
+    for name, values in metrics.items():
+        logs[1].setdefault(name, []).extend(values)
+    return scores
+
+
+def scores_and_logs(func: RewardFunc, logs: Logs | None = None, /, **kwargs: Any) -> tuple[Any, Logs]:
+    """`func(**kwargs)` awaited, a generator made a list, with log_extra/log_metric writing to `logs` (new
+    ones in the process that holds the function, which sends them back)."""
     from grpo_flow.workers.rewards.environments import run_coroutine
 
-    if timeout is not None:
-        return _call_with_timeout(func, timeout, kwargs)
+    extra, metrics = logs if logs is not None else ({}, {})
+    kwargs["log_extra"] = lambda column, values: extra.setdefault(str(column), []).extend(values)
+    kwargs["log_metric"] = lambda name, value: metrics.setdefault(str(name), []).append(float(value))
     result = func(**kwargs)
-    return run_coroutine(result) if inspect.isawaitable(result) else result
+    result = run_coroutine(result) if inspect.isawaitable(result) else result
+    return (list(result) if isinstance(result, Iterator) else result), (extra, metrics)
 
 
-class _CallTimedOut(Exception):
-    """A reward call past its deadline; `outcome` says what became of it."""
-
-    def __init__(self, outcome: str):
-        super().__init__(outcome)
-        self.outcome = outcome
-
-
-class _StopReward(BaseException):
-    """Raised inside a reward call's thread past its deadline. A BaseException, so that the function's
-    own `except Exception` (a retry loop, say) does not swallow it."""
-
-
-# How long a call that was told to stop (cancelled, or sent _StopReward) gets to end before it is
-# left behind.
-STOP_GRACE_S = 2.0
-
-
-def _call_with_timeout(func: RewardFunc, timeout: float, kwargs: dict[str, Any]) -> Any:
-    """`func(**kwargs)` on its own daemon thread; raises _CallTimedOut past `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    # A reward environment's wrapper hands over its coroutine (if it has one) so asyncio can cancel it.
-    target = getattr(func, "scores_or_awaitable", func)
-    outcome: dict[str, Any] = {}
-    done = threading.Event()
-
-    async def until_deadline(awaitable: Any) -> Any:
-        return await asyncio.wait_for(_awaited(awaitable), max(0.0, deadline - time.monotonic()))
-
-    def body() -> None:
-        try:
-            result = target(**kwargs)
-            if inspect.isawaitable(result):
-                outcome["async"] = True
-                result = asyncio.run(until_deadline(result))
-            outcome["value"] = result
-        except BaseException as error:  # handed to the caller below
-            outcome["error"] = error
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(body,), name="grpo-flow-reward", daemon=True)
-    thread.start()
-    if not done.wait(timeout) and outcome.get("async"):
-        done.wait(STOP_GRACE_S)  # asyncio cancels the coroutine at the same deadline
-    if done.is_set():
-        error = outcome.get("error")
-        if outcome.get("async") and isinstance(error, asyncio.TimeoutError):
-            raise _CallTimedOut("it was cancelled")
-        if error is not None:
-            raise error
-        return outcome["value"]
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0), ctypes.py_object(_StopReward))
-    if done.wait(STOP_GRACE_S):
-        if "value" in outcome:  # it returned just as the deadline passed
-            return outcome["value"]
-        raise _CallTimedOut("its thread was stopped")
-    raise _CallTimedOut(
-        "it is blocked in a call Python cannot interrupt (a sleep, a socket read), so its thread was left "
-        "running as a daemon thread, which cannot keep the process alive; code that must be killable "
-        "belongs in the sandbox (execute_in_sandbox)"
-    )
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
+def same_function(func: RewardFunc) -> Hashable:
+    """What stays the same for the same reward from call to call: a reward environment's wrapper and a bound
+    method are made anew each time they are resolved. The process holding the function keeps what these
+    ids name alive, so none is reused while it is a key."""
+    environment = getattr(func, "environment", None)
+    if environment is not None:
+        return ("environment", id(environment))
+    if inspect.ismethod(func):
+        return ("method", id(func.__self__), id(func.__func__))
+    return id(func)
 
 
 def _failing_sample(
-    func: RewardFunc, kwargs: dict[str, Any], n: int, timeout: float | None = None
+    func: RewardFunc, kwargs: dict[str, Any], n: int, timeout: float | None, logs: Logs
 ) -> tuple[int, str] | None:
     """Call the function one sample at a time to find the first sample it fails on."""
     for i in range(n):
         one = {k: fresh_copy([v[i]]) if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
         try:
-            _call(func, timeout, **one)
-        except _CallTimedOut:
+            _call(func, timeout, one, logs)
+        except DeadlineExceeded:
             return None
         except (Exception, SystemExit):
             return i, traceback.format_exc()
@@ -464,9 +438,8 @@ def score_batch(
         "completion_ids": batch.completion_token_ids,
         **batch.extra_columns,
         "trainer_state": state,
-        "log_extra": lambda column, values: logged_extra.setdefault(str(column), []).extend(values),
-        "log_metric": lambda name, value: logged_metrics.setdefault(str(name), []).append(float(value)),
     }
+    logs = (logged_extra, logged_metrics)
     if batch.environments:  # each rollout's environment instance, as TRL passes them (environment_factory)
         kwargs["environments"] = batch.environments
     per_func: dict[str, list[float]] = {}
@@ -474,14 +447,19 @@ def score_batch(
     for name, func in funcs.items():
         func_started = time.perf_counter()
         try:
-            raw = _call(func, timeout_s, **{key: fresh_copy(value) for key, value in kwargs.items()})
-        except _CallTimedOut as timed_out:
+            raw = _call(func, timeout_s, {key: fresh_copy(value) for key, value in kwargs.items()}, logs)
+        except DeadlineExceeded:
             raise RewardTimeoutError(
                 f"reward function {name!r} did not return within reward_timeout_s={timeout_s:g} s on step "
-                f"{batch.step} ({len(batch)} completions); {timed_out.outcome}"
+                f"{batch.step} ({len(batch)} completions); its process was killed"
+            ) from None
+        except Unsendable as refused:
+            raise RewardRefusedError(
+                f"reward function {name!r} cannot be sent to the process that runs it under reward_timeout_s "
+                f"({refused.reason}); reward_timeout_s=None runs it in the flow's process"
             ) from None
         except (Exception, SystemExit) as error:  # sys.exit() in a reward ended the run with no word
-            found = _failing_sample(func, kwargs, len(batch), timeout_s)
+            found = _failing_sample(func, kwargs, len(batch), timeout_s, logs)
             where = f"sample {found[0]} (prompt_id {batch.prompt_id[found[0]]!r})" if found else "the batch"
             trace = found[1] if found else traceback.format_exc()
             if isinstance(error, SystemExit):

@@ -11,10 +11,11 @@ Where a call runs: a tool given as a `module:function` path runs, with `sandbox`
 (workers/rewards/sandbox.py: a fresh isolated process per call, no network, a read-only file system,
 killed at the timeout), because tool code, like reward code, is untrusted; it cannot keep state
 between calls, which TRL's plain tools do not either. A tool given as a Python object (the Python
-API's lambdas and closures, which no other process can import) and every environment method run in
-this process: an environment's state lives in its instance for the whole episode. Such a call runs on
-a thread of its own: past the timeout it is stopped at its next Python instruction, or, blocked in a C
-call (a sleep, a socket read), left behind on a daemon thread.
+API's lambdas and closures), a path tool without `sandbox`, and every environment method run in
+a long-lived process (workers/deadline.py: a plain tool sent to its own once, methods to another), killed
+at the timeout whatever the call is doing; the next call starts a fresh one. An environment's state lives
+in its instance for the whole episode: its method travels with each call, its instance with it, and the
+instance's attributes come back, so an environment keeps what can be pickled in its attributes.
 
 Only the standard library is imported at module level: the sandbox imports this module to run a tool.
 """
@@ -22,18 +23,14 @@ Only the standard library is imported at module level: the sandbox imports this 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import ctypes
+import functools
 import inspect
 import json
-import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 RESULT_MARKER = "\x1egrpo-flow-tool-result\x1e"  # the sandboxed program's answer follows it on stdout
-STOP_GRACE_S = 1.0  # how long a call told to stop gets to end before it is left behind
 
 
 @dataclass(frozen=True)
@@ -119,42 +116,41 @@ def run_tool_calls(requests: Sequence[ToolRequest], timeout_s: float, sandbox: b
     return [result for result in results if result is not None]
 
 
-# -- in this process ------------------------------------------------------------------------------
-class _StopTool(BaseException):
-    """Raised inside a tool call's thread past its deadline; a BaseException, so the tool's own
-    `except Exception` does not swallow it."""
-
-
+# -- in a process of their own ---------------------------------------------------------------------
 def call_in_process(name: str, func: Callable[..., Any], arguments: dict[str, Any], timeout_s: float) -> ToolResult:
-    """`func(**arguments)` (awaited if async) on a daemon thread of its own, at most `timeout_s` seconds."""
-    outcome: dict[str, Any] = {}
-    done = threading.Event()
+    """`func(**arguments)` (awaited if async) in a process of its own (workers/deadline.py), at most
+    `timeout_s` seconds. A plain tool is sent to its process once; an environment's method travels with
+    each call, its instance with it, and the instance's attributes come back: its state for the episode."""
+    from grpo_flow.workers.deadline import DeadlineExceeded, Unsendable, user_code
 
-    def body() -> None:
-        try:
-            value = func(**arguments)
-            if inspect.isawaitable(value):
-                value = asyncio.run(asyncio.wait_for(_awaited(value), timeout_s))
-            outcome["content"] = tool_content(value)
-        except BaseException as error:  # reported as the tool's message below
-            outcome["error"] = error
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(body,), name=f"tool-{name}", daemon=True)
-    thread.start()
-    if not done.wait(timeout_s):
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0), ctypes.py_object(_StopTool))
-        done.wait(STOP_GRACE_S)
-        if "content" in outcome:  # it returned just as the deadline passed
-            return ToolResult(name, outcome["content"])
+    method = inspect.ismethod(func)
+    held = [] if method else [functools.partial(tool_message, func)]
+    try:
+        worker = user_code(held, key=("tool", None if method else id(func)))
+        if not method:
+            return ToolResult(name, worker.call(0, timeout_s, **arguments)[0])
+        content, state = worker.call(tool_message, timeout_s, func, **arguments)
+    except DeadlineExceeded:
         return ToolResult(name, error_content(f"Tool {name} did not return within {timeout_s:g} s"), failed=True)
-    error = outcome.get("error")
-    if isinstance(error, asyncio.TimeoutError):
-        return ToolResult(name, error_content(f"Tool {name} did not return within {timeout_s:g} s"), failed=True)
-    if error is not None:
+    except Unsendable as refused:
+        message = f"Tool {name} cannot be sent to the process that runs it: {refused.reason}"
+        return ToolResult(name, error_content(message), failed=True)
+    except Exception as error:
         return ToolResult(name, error_content(str(error) or type(error).__name__), failed=True)
-    return ToolResult(name, outcome["content"])
+    if state is not None:
+        attributes: dict[str, Any] = func.__self__.__dict__  # type: ignore[attr-defined]
+        attributes.clear()
+        attributes.update(state)
+    return ToolResult(name, content)
+
+
+def tool_message(func: Callable[..., Any], /, **arguments: Any) -> tuple[str, dict[str, Any] | None]:
+    """The tool message of `func(**arguments)`, awaited, and the attributes of its instance (a method's)."""
+    value = func(**arguments)
+    if inspect.isawaitable(value):
+        value = asyncio.run(_awaited(value))
+    instance = func.__self__ if inspect.ismethod(func) else None
+    return tool_content(value), getattr(instance, "__dict__", None)
 
 
 async def _awaited(awaitable: Any) -> Any:
@@ -181,19 +177,13 @@ sys.stdout.write(RESULT_MARKER + json.dumps(answer))
 """
 
 
-def sandbox_paths() -> list[str]:
-    """This process's import path, for the sandboxed program to import tools as this process does."""
-    import os
-
-    return [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
-
-
 def call_in_sandbox(calls: Sequence[tuple[str, dict[str, Any]]], timeout_s: float) -> list[tuple[str, bool]]:
     """(content, failed) for each (path, arguments), each call a sandboxed program of its own."""
+    from grpo_flow.workers.deadline import import_paths
     from grpo_flow.workers.rewards.sandbox import LocalSandbox, SandboxLimits
     from grpo_flow.workers.state.source import package_files
 
-    paths = sandbox_paths()
+    paths = import_paths()
     # What the program imports from stays visible, read-only, where the sandbox hides the home and temp
     # dirs: this process's import path (the working dir a tool module was found in, included) and
     # grpo_flow's own files, which an editable install does not put on the import path.

@@ -1,11 +1,13 @@
 """Tool calls: whatever goes wrong becomes the tool's message (TRL's `{'error': ...}`), never a failed step."""
 
+import os
+import threading
 import time
 
 import pytest
 
 from grpo_flow.workers.tools.calls import ToolRequest, run_tool_calls, tool_content
-from grpo_flow.workers.tools.toolbox import build_toolbox
+from grpo_flow.workers.tools.toolbox import Tool, build_toolbox
 
 HERE = "fixture_tools"
 NAMES = ["add", "shout", "explode", "hang", "spin", "as_dict", "nothing", "image_blocks"]
@@ -54,22 +56,74 @@ def test_a_hanging_sandboxed_tool_is_killed_at_the_timeout(tools):
     assert result.failed and result.content == "{'error': 'Tool hang did not return within 1.5 s'}"
 
 
-def test_a_tool_busy_in_python_is_stopped_in_process_at_the_timeout(tools):
+def test_a_tool_busy_in_python_is_killed_with_its_process_at_the_timeout(tools):
     started = time.monotonic()
     (result,) = run_tool_calls([ToolRequest(call("spin", seconds=60), tools)], timeout_s=0.5, sandbox=False)
     assert time.monotonic() - started < 5
     assert result.failed and "did not return within 0.5 s" in result.content
 
 
-def test_a_tool_blocked_in_c_is_left_behind_in_process_and_the_turn_goes_on(tools):
+def sleeps(seconds: float) -> str:
+    """Sleeps (in C), then says which process it ran in.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return str(os.getpid())
+
+
+def test_a_tool_blocked_in_c_is_killed_and_the_next_call_runs_in_a_fresh_process(tools):
+    tools = {**tools, "sleeps": Tool("sleeps", sleeps)}
+    (before,) = run_tool_calls([ToolRequest(call("sleeps", seconds=0), tools)], timeout_s=20, sandbox=False)
     started = time.monotonic()
     results = run_tool_calls(
-        [ToolRequest(call("hang", seconds=30), tools), ToolRequest(call("add", a=1, b=1), tools)],
+        [ToolRequest(call("sleeps", seconds=30), tools), ToolRequest(call("add", a=1, b=1), tools)],
         timeout_s=0.5,
         sandbox=False,
     )
     assert time.monotonic() - started < 5
-    assert results[0].failed and results[1].content == "2"
+    assert results[0].failed and results[0].content == "{'error': 'Tool sleeps did not return within 0.5 s'}"
+    assert results[1].content == "2"  # the turn goes on
+    with pytest.raises(ProcessLookupError):  # the blocked call's process was killed, not left behind
+        os.kill(int(before.content), 0)
+    (after,) = run_tool_calls([ToolRequest(call("sleeps", seconds=0), tools)], timeout_s=20, sandbox=False)
+    assert after.content != before.content and int(before.content) != os.getpid()
+
+
+class Counter:
+    """An environment whose tool changes its state: the change must outlive the call's process."""
+
+    def __init__(self):
+        self.calls, self.pids = 0, []
+
+    def bump(self, by: int) -> str:
+        """Count.
+
+        Args:
+            by: how much
+        """
+        self.calls += by
+        self.pids.append(os.getpid())
+        return str(self.calls)
+
+
+def test_an_environments_state_and_a_closures_answer_come_back_from_the_tools_process():
+    counter, suffix = Counter(), "!"
+    tools = {"bump": Tool("bump", counter.bump), "shout": Tool("shout", lambda text: text.upper() + suffix)}
+    requests = [ToolRequest(call("bump", by=2), tools), ToolRequest(call("bump", by=3), tools)]
+    requests.append(ToolRequest(call("shout", text="a"), tools))
+    results = run_tool_calls(requests, timeout_s=20, sandbox=False)
+    assert [r.content for r in results] == ["2", "5", "A!"]
+    assert counter.calls == 5 and len(set(counter.pids)) == 1 and counter.pids[0] != os.getpid()
+
+
+def test_a_tool_that_cannot_be_sent_to_its_process_is_a_tool_message():
+    lock = threading.Lock()
+    tools = {"locked": Tool("locked", lambda: str(lock.locked()))}
+    (result,) = run_tool_calls([ToolRequest(call("locked"), tools)], timeout_s=20, sandbox=False)
+    assert result.failed and "Tool locked cannot be sent to the process that runs it" in result.content
+    assert "cannot pickle '_thread.lock' object" in result.content
 
 
 def test_sandboxed_tools_cannot_reach_the_network_or_write_outside():
