@@ -655,15 +655,15 @@ class GRPOFlowConfig(BaseModel):
         default=1.0, ge=0, description="Delay between retries.", json_schema_extra=RETRIES
     )
     reward_timeout_s: float | None = Field(
-        default=600.0,
+        default=None,
         gt=0,
-        description="Longest one call of a reward function may take (one call scores a rollout shard); past it "
-        "the step fails naming the function and is not retried. Each function runs in a long-lived process of its "
+        description="None: reward functions are called in the flow's process, as TRL calls them, with no limit. "
+        "A number of seconds: the longest one call may take (one call scores a rollout shard); past it the step "
+        "fails naming the function and is not retried. Then each function runs in a long-lived process of its "
         "own, sent there once (cloudpickle: it must pickle), where it keeps its state from call to call; past the "
         "deadline that process is killed, whatever the call is doing, and the next call starts a fresh one from "
         "the function as first sent (its state restarts). Only the scores and log_extra/log_metric values come "
-        "back: changes it makes to its arguments or globals stay there. None: no limit, called in the flow's "
-        "process, as TRL does.",
+        "back: changes it makes to its arguments or globals stay there.",
         json_schema_extra=RETRIES,
     )
     max_no_reward_steps: int = Field(

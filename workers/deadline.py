@@ -211,6 +211,9 @@ def dumps(value: Any) -> bytes:
 def _pickler() -> type:
     import cloudpickle
 
+    if not hasattr(cloudpickle.cloudpickle, "_code_reduce"):  # a private function: tracebacks lose file names
+        return cloudpickle.Pickler
+
     class Pickler(cloudpickle.Pickler):
         dispatch_table = ChainMap({types.CodeType: _code_with_its_file}, cloudpickle.Pickler.dispatch_table)
 

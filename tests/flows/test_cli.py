@@ -312,7 +312,7 @@ def test_help_shows_each_option_with_its_allowed_values_and_default_grouped_as_t
     assert "(default: dapo)" in flat and "--use-lora {true,false}" in flat and "(default: false)" in flat
     assert "--learning-rate X" in flat and "(default: 1e-06; a tiny model without --preset: 0.005; > 0)" in flat
     assert "--num-generations N" in flat
-    assert "(default: 600.0; > 0)" in flat  # reward_timeout_s
+    assert "--reward-timeout-s X" in flat and "(default: none; > 0)" in flat  # reward_timeout_s
     headings = [line[:-1] for line in help_text.splitlines() if line.endswith(" (config fields):")]
     assert headings == [f"{group} (config fields)" for group in CONFIG_GROUPS]
     sections = help_text.split(" (config fields):")[1:]

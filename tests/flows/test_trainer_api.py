@@ -13,7 +13,7 @@ from grpo_flow.workers.state.storage import RunStorage
 
 def exact_digit(prompts, completions, answer, trainer_state, log_metric, **kwargs):
     """A module-level function: the config names it `module:function`, usable from any process."""
-    log_metric("seen_global_step", trainer_state.global_step)  # it runs in a process of its own (reward_timeout_s)
+    log_metric("seen_global_step", trainer_state.global_step)  # TRL's logging hook, from any process
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 

@@ -137,7 +137,7 @@ def test_a_fork_bomb_is_contained_and_leaves_nothing_behind(sandbox):
     assert result.timed_out and elapsed < 6
     # max_processes, plus `unshare` and the PID namespace's first process.
     assert 0 < peak <= LIMITS.max_processes + 2
-    assert live_processes_with(workdir) == [] and live_processes_with("grpo-sandbox-") == []
+    assert live_processes_with(workdir) == [] and live_processes_with("grpo-sandbox-", descendants_only=True) == []
     assert not os.path.exists(workdir)
     # The machine is still usable: the next program runs normally.
     assert sandbox.run("print('still fine')").stdout == "still fine\n"
