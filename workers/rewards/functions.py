@@ -6,7 +6,7 @@ per completion. The total reward is the weighted sum of the functions that apply
 (TRL's nansum rule).
 
 With a timeout (the config's `reward_timeout_s`), each function runs in a long-lived process of its
-own (workers/deadline.py), sent there once, so it keeps the state it holds in its objects from call to
+own (workers/rewards/deadline.py), sent there once, so it keeps the state it holds in its objects from call to
 call; past the deadline that process is killed, whatever the call is doing, the step fails with a
 RewardTimeoutError naming the function and the step, and the next call starts a fresh process (the
 function's state restarts). The scores and what it gives log_extra/log_metric come back; other changes
@@ -29,7 +29,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from grpo_flow.workers.deadline import DeadlineExceeded, Unsendable, user_code
+from grpo_flow.workers.rewards.deadline import DeadlineExceeded, Unsendable, user_code
 
 if TYPE_CHECKING:  # the process that runs a reward under its deadline imports this module: no pandas, no datasets
     from grpo_flow.schemas.records import RolloutBatch

@@ -12,7 +12,7 @@ Where a call runs: a tool given as a `module:function` path runs, with `sandbox`
 killed at the timeout), because tool code, like reward code, is untrusted; it cannot keep state
 between calls, which TRL's plain tools do not either. A tool given as a Python object (the Python
 API's lambdas and closures), a path tool without `sandbox`, and every environment method run in
-a long-lived process (workers/deadline.py: a plain tool sent to its own once, methods to another), killed
+a long-lived process (workers/rewards/deadline.py: a plain tool sent to its own once, methods to another), killed
 at the timeout whatever the call is doing; the next call starts a fresh one. An environment's state lives
 in its instance for the whole episode: its method travels with each call, its instance with it, and the
 instance's attributes come back, so an environment keeps what can be pickled in its attributes.
@@ -118,10 +118,10 @@ def run_tool_calls(requests: Sequence[ToolRequest], timeout_s: float, sandbox: b
 
 # -- in a process of their own ---------------------------------------------------------------------
 def call_in_process(name: str, func: Callable[..., Any], arguments: dict[str, Any], timeout_s: float) -> ToolResult:
-    """`func(**arguments)` (awaited if async) in a process of its own (workers/deadline.py), at most
+    """`func(**arguments)` (awaited if async) in a process of its own (workers/rewards/deadline.py), at most
     `timeout_s` seconds. A plain tool is sent to its process once; an environment's method travels with
     each call, its instance with it, and the instance's attributes come back: its state for the episode."""
-    from grpo_flow.workers.deadline import DeadlineExceeded, Unsendable, user_code
+    from grpo_flow.workers.rewards.deadline import DeadlineExceeded, Unsendable, user_code
 
     method = inspect.ismethod(func)
     held = [] if method else [functools.partial(tool_message, func)]
@@ -179,7 +179,7 @@ sys.stdout.write(RESULT_MARKER + json.dumps(answer))
 
 def call_in_sandbox(calls: Sequence[tuple[str, dict[str, Any]]], timeout_s: float) -> list[tuple[str, bool]]:
     """(content, failed) for each (path, arguments), each call a sandboxed program of its own."""
-    from grpo_flow.workers.deadline import import_paths
+    from grpo_flow.workers.rewards.deadline import import_paths
     from grpo_flow.workers.rewards.sandbox import LocalSandbox, SandboxLimits
     from grpo_flow.workers.state.source import package_files
 

@@ -326,7 +326,7 @@ def environment_reward_funcs(toolbox: Toolbox) -> dict[str, Callable[..., Any]]:
     return {cls.__name__: environment_reward(cls) for cls in toolbox.reward_classes}
 
 
-@functools.cache  # one function per class, so that it keeps its process (workers/deadline.py) from step to step
+@functools.cache  # one function per class, so that it keeps its process (workers/rewards/deadline.py) from step to step
 def environment_reward(cls: type) -> Callable[..., Any]:
     """A reward function calling `get_reward()` on each rollout's environment of class `cls` (awaited if async)."""
     if inspect.iscoroutinefunction(getattr(cls, "get_reward", None)):

@@ -1,4 +1,4 @@
-"""reward_timeout_s: each reward runs in a long-lived process of its own (workers/deadline.py), where it keeps
+"""reward_timeout_s: each reward runs in a long-lived process of its own (workers/rewards/deadline.py), where it keeps
 its state; past its deadline that process is killed, whatever the call is doing, the step fails naming the
 function and the step, and the next call starts a fresh process."""
 

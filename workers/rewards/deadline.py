@@ -46,7 +46,9 @@ from typing import Any
 
 START_TIMEOUT_S = 120.0  # for a fresh process to load the callables (slow where the machine is busy)
 KEPT_SETS = 32  # sets of callables whose processes are kept; the least recently used beyond go
-PROGRAM = "import sys; sys.path[:0] = {paths!r}; from grpo_flow.workers.deadline import serve; serve({fd}, {parent})"
+PROGRAM = (
+    "import sys; sys.path[:0] = {paths!r}; from grpo_flow.workers.rewards.deadline import serve; serve({fd}, {parent})"
+)
 
 
 class DeadlineExceeded(Exception):

@@ -1,4 +1,4 @@
-"""workers/deadline.py: user code in a long-lived process of its own, which ends with its owner."""
+"""workers/rewards/deadline.py: user code in a long-lived process of its own, which ends with its owner."""
 
 import asyncio
 import os
@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo_flow.workers.deadline import close_all, import_paths, user_code
+from grpo_flow.workers.rewards.deadline import close_all, import_paths, user_code
 
 
 def gone(pid, within_s=30.0):
@@ -40,7 +40,7 @@ def test_an_async_callable_is_awaited_in_the_process_and_close_all_ends_it():
 PARENT = """
 import os, sys, threading, time
 sys.path[:0] = {paths!r}
-from grpo_flow.workers.deadline import user_code
+from grpo_flow.workers.rewards.deadline import user_code
 worker = user_code([os.getpid, time.sleep], key="owned")
 print(worker.call(0, 30), flush=True)
 threading.Thread(target=worker.call, args=(1, 3600, 3600), daemon=True).start()  # busy in C
