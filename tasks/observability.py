@@ -97,14 +97,11 @@ def rollout_rows(
     if rollouts is None:
         if not isinstance(plan_or_run_id, RunPlan):
             return []
-        import pyarrow.dataset as ds
-
-        from grpo_flow.workers.state.storage import RunStorage, arrow_source
+        from grpo_flow.workers.state.storage import RunStorage, parquet_columns
 
         storage = RunStorage.of(plan_or_run_id)
         # Only what the artifact shows: token ids and logprobs are most of a step's bytes.
-        source = arrow_source(storage.rollout_dir(step))
-        names = ds.dataset(source.pop("source"), format="parquet", exclude_invalid_files=True, **source).schema.names
+        names = parquet_columns(storage.rollout_path(step, 0))
         wanted = [n for n in names if n in SHOWN_COLUMNS or n.startswith(REWARD_PREFIX)]
         rollouts = storage.read_rollouts(step, columns=wanted)
     if isinstance(rollouts, pa.Table):

@@ -248,14 +248,28 @@ def remote_key(path: Path) -> str:
     return str(path.path)  # type: ignore[attr-defined]
 
 
-def arrow_source(path: Path) -> dict[str, Any]:
-    """Keyword arguments that point pyarrow's readers at `path` (its file system with it, on a URL)."""
-    return {"source": remote_key(path), "filesystem": remote_fs(path)} if is_remote(path) else {"source": path}
+def arrow_source(path: Path) -> Any:
+    """What pyarrow reads `path` from: the file, or on a URL its bytes, fetched here by fsspec. pyarrow
+    reading through an fsspec file system calls Python from its I/O threads, and threads still at it when
+    the interpreter exits abort the process (apache/arrow#39162: `grpo rollouts` on s3:// often did)."""
+    return pa.BufferReader(remote_fs(path).cat_file(remote_key(path))) if is_remote(path) else path
 
 
-def read_parquet(path: Path) -> pa.Table:
+def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """A Parquet file; with `columns`, those of them it has."""
+    if columns is None:
+        return pq.read_table(arrow_source(path))
     source = arrow_source(path)
-    return pq.read_table(source.pop("source"), **source)
+    names = set(pq.read_schema(source).names)
+    return pq.read_table(source, columns=[name for name in columns if name in names])
+
+
+def parquet_columns(path: Path) -> list[str]:
+    """The column names of a Parquet file (on a URL, read from its footer)."""
+    if not is_remote(path):
+        return list(pq.read_schema(path).names)
+    with remote_fs(path).open(remote_key(path), "rb") as file:
+        return list(pq.ParquetFile(file).schema_arrow.names)
 
 
 def remove_tree(path: Path, marker: str | None = None) -> None:
@@ -385,8 +399,7 @@ def file_matches(path: Path, expected: dict[str, Any]) -> bool:
 
 def read_eval_summary(path: str | os.PathLike) -> dict[str, Any]:
     """The summary stored in an eval file's schema metadata (flows/evaluate.py writes them)."""
-    source = arrow_source(path if is_remote(path) else Path(path))  # type: ignore[arg-type]
-    metadata = pq.read_schema(source.pop("source"), **source).metadata or {}
+    metadata = pq.read_schema(arrow_source(path if is_remote(path) else Path(path))).metadata or {}  # type: ignore[arg-type]
     if EVAL_METADATA_KEY not in metadata:
         raise ValueError(f"{path} has no {EVAL_METADATA_KEY.decode()} metadata")
     return json.loads(metadata[EVAL_METADATA_KEY])
@@ -688,11 +701,10 @@ class RunStorage:
         paths = [p for s in steps for p in sorted(self.rollout_dir(s).glob("shard-*.parquet"))]
         if not paths:
             return pa.table({})
-        if self.remote:
-            dataset = ds.dataset([remote_key(p) for p in paths], format="parquet", filesystem=remote_fs(paths[0]))
+        if self.remote:  # each file's bytes, fetched here (`arrow_source`)
+            table = pa.concat_tables([read_parquet(p, columns) for p in paths], promote_options="default")
         else:
-            dataset = ds.dataset([str(p) for p in paths], format="parquet")
-        table = dataset.to_table(columns=columns)
+            table = ds.dataset([str(p) for p in paths], format="parquet").to_table(columns=columns)
         sort_keys = [(k, "ascending") for k in ("step", "group_index", "sample_index") if k in table.column_names]
         return table.sort_by(sort_keys) if sort_keys else table
 

@@ -5,6 +5,7 @@ exclusive create, and nothing lands in a local folder named after the URL."""
 import json
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -316,3 +317,22 @@ def test_clear_cache_on_a_url_root_clears_the_local_model_cache(tmp_path, monkey
     assert main(["clear-cache", "--storage-root", "memory://bucket/grpo"]) == 0
     assert f"deleted {tmp_path / 'models' / 'tiny-qwen2'}" in capsys.readouterr().out
     assert not (tmp_path / "models" / "tiny-qwen2").exists()
+
+
+def test_a_process_that_read_rollouts_from_a_bucket_exits_cleanly(s3_root):
+    """pyarrow reading through an fsspec file system calls Python from its I/O threads; one still at it
+    as the interpreter exits aborts the process (apache/arrow#39162): most exits of such a read did."""
+
+    storage, rows = RunStorage(s3_root, "read"), 100_000
+    completions = [str(i) * 5 for i in range(rows)]
+    table = pa.table({"completion": completions, "completion_ids": [list(range(20))] * rows})
+    for shard in range(4):
+        storage.write_rollouts(1, shard, table)
+    storage.commit_rollouts(1, num_shards=4)
+    program = (
+        "from grpo_flow.workers.state.storage import RunStorage\n"
+        f"print(RunStorage({s3_root!r}, 'read').read_rollouts(1, columns=['completion']).num_rows)\n"
+    )
+    for _ in range(5):
+        read = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+        assert (read.returncode, read.stdout.strip()) == (0, str(4 * rows)), read.stderr[-2000:]
