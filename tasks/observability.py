@@ -97,11 +97,11 @@ def rollout_rows(
     if rollouts is None:
         if not isinstance(plan_or_run_id, RunPlan):
             return []
-        from grpo_flow.workers.state.storage import RunStorage, parquet_columns
+        from grpo_flow.workers.state.storage import RunStorage, parquet_schema
 
         storage = RunStorage.of(plan_or_run_id)
         # Only what the artifact shows: token ids and logprobs are most of a step's bytes.
-        names = parquet_columns(storage.rollout_path(step, 0))
+        names = parquet_schema(storage.rollout_path(step, 0)).names
         wanted = [n for n in names if n in SHOWN_COLUMNS or n.startswith(REWARD_PREFIX)]
         rollouts = storage.read_rollouts(step, columns=wanted)
     if isinstance(rollouts, pa.Table):

@@ -256,20 +256,20 @@ def arrow_source(path: Path) -> Any:
 
 
 def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
-    """A Parquet file; with `columns`, those of them it has."""
-    if columns is None:
-        return pq.read_table(arrow_source(path))
-    source = arrow_source(path)
-    names = set(pq.read_schema(source).names)
-    return pq.read_table(source, columns=[name for name in columns if name in names])
+    """A Parquet file; with `columns`, those of them it has. Read on this thread: a buffer of Python's
+    bytes released on one of pyarrow's threads at exit aborts the process as well."""
+    file = pq.ParquetFile(arrow_source(path))
+    if columns is not None:
+        columns = [name for name in columns if name in file.schema_arrow.names]
+    return file.read(columns=columns, use_threads=False)
 
 
-def parquet_columns(path: Path) -> list[str]:
-    """The column names of a Parquet file (on a URL, read from its footer)."""
+def parquet_schema(path: Path) -> pa.Schema:
+    """A Parquet file's schema, with its metadata, read from its footer (on a URL too)."""
     if not is_remote(path):
-        return list(pq.read_schema(path).names)
+        return pq.read_schema(path)
     with remote_fs(path).open(remote_key(path), "rb") as file:
-        return list(pq.ParquetFile(file).schema_arrow.names)
+        return pq.ParquetFile(file).schema_arrow
 
 
 def remove_tree(path: Path, marker: str | None = None) -> None:
@@ -399,7 +399,7 @@ def file_matches(path: Path, expected: dict[str, Any]) -> bool:
 
 def read_eval_summary(path: str | os.PathLike) -> dict[str, Any]:
     """The summary stored in an eval file's schema metadata (flows/evaluate.py writes them)."""
-    metadata = pq.read_schema(arrow_source(path if is_remote(path) else Path(path))).metadata or {}  # type: ignore[arg-type]
+    metadata = parquet_schema(path if is_remote(path) else Path(path)).metadata or {}  # type: ignore[arg-type]
     if EVAL_METADATA_KEY not in metadata:
         raise ValueError(f"{path} has no {EVAL_METADATA_KEY.decode()} metadata")
     return json.loads(metadata[EVAL_METADATA_KEY])
