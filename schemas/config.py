@@ -241,7 +241,7 @@ class GRPOFlowConfig(BaseModel):
         default_factory=list,
         description="Tools the model may call during generation (TRL's `tools`), as `module:function` import paths: "
         "plain functions with type hints and a Google-style docstring, which the chat template shows the model. "
-        "Each call runs in the sandbox (`sandbox_tools`), bounded by `tool_timeout_s`; a failure becomes the tool's "
+        "Each call runs in the sandbox (`sandbox_tools`), killed at `tool_timeout_s`; a failure becomes the tool's "
         "message. The model's chat template must render tool calls.",
         json_schema_extra=TOOLS,
     )
@@ -261,20 +261,23 @@ class GRPOFlowConfig(BaseModel):
         "total response (model and tool tokens) reaches `max_completion_length`.",
         json_schema_extra=TOOLS,
     )
-    tool_timeout_s: float = Field(
-        default=10.0,
+    tool_timeout_s: float | None = Field(
+        default=None,
         gt=0,
-        description="Longest one tool call may take; past it the call is killed with its process and the model gets "
-        "a tool message saying so (never a failed step). A tool not sandboxed runs in a long-lived process of its "
-        "own, sent there once (cloudpickle), and restarts from that copy after a kill; an environment's method "
-        "travels with its instance, whose attributes come back after each call, so they must pickle.",
+        description="None: tools given as Python objects, path tools with `sandbox_tools` false, and environments' "
+        "methods are called in the flow's process, as TRL calls them, with no limit; sandboxed tools are killed at "
+        "the sandbox's own limit (10 s). A number of seconds: the longest one tool call may take; past it the call "
+        "is killed with its process and the model gets a tool message saying so (never a failed step). Then a tool "
+        "not sandboxed runs in a long-lived process of its own, sent there once (cloudpickle), and restarts from "
+        "that copy after a kill; an environment's method travels with its instance, whose attributes come back "
+        "after each call, so they must pickle.",
         json_schema_extra=TOOLS,
     )
     sandbox_tools: bool = Field(
         default=True,
         description="Run `tools` given as import paths in the local sandbox: a fresh isolated process per call (no "
         "network, a read-only file system), as untrusted code. False runs them in the flow's process (faster; "
-        "trusted code only). Environments and the Python API's unimportable functions always run in-process.",
+        "trusted code only). Environments and the Python API's unimportable functions are never sandboxed.",
         json_schema_extra=TOOLS,
     )
 

@@ -1,6 +1,6 @@
-"""One turn's tool calls, each bounded by a timeout; whatever goes wrong becomes the tool's message.
+"""One turn's tool calls; whatever goes wrong becomes the tool's message.
 
-    results = run_tool_calls(requests, timeout_s=10.0, sandbox=True)   # one ToolResult per request
+    results = run_tool_calls(requests, timeout_s=None, sandbox=True)   # one ToolResult per request
 
 A call gives TRL's tool message content: the tool's text, or, for anything else it returns,
 `str(result)` (as TRL does); a failure gives `str({"error": message})`, TRL's form, and counts as a
@@ -9,13 +9,15 @@ that are not an object or that the function refuses, an exception, or a call pas
 
 Where a call runs: a tool given as a `module:function` path runs, with `sandbox`, in the local sandbox
 (workers/rewards/sandbox.py: a fresh isolated process per call, no network, a read-only file system,
-killed at the timeout), because tool code, like reward code, is untrusted; it cannot keep state
-between calls, which TRL's plain tools do not either. A tool given as a Python object (the Python
-API's lambdas and closures), a path tool without `sandbox`, and every environment method run in
-a long-lived process (workers/rewards/deadline.py: a plain tool sent to its own once, methods to another), killed
-at the timeout whatever the call is doing; the next call starts a fresh one. An environment's state lives
-in its instance for the whole episode: its method travels with each call, its instance with it, and the
-instance's attributes come back, so an environment keeps what can be pickled in its attributes.
+killed at `timeout_s`, or at the sandbox's own limit), because tool code, like reward code, is
+untrusted; it cannot keep state between calls, which TRL's plain tools do not either. A tool given as
+a Python object (the Python API's lambdas and closures), a path tool without `sandbox`, and every
+environment method are called here, as TRL calls them, with no limit (an environment may hold a socket,
+a browser, a subprocess). With `timeout_s` they run in a long-lived process instead
+(workers/rewards/deadline.py: a plain tool sent to its own once, methods to another), killed at the
+timeout whatever the call is doing; the next call starts a fresh one. There an environment's method
+travels with each call, its instance with it, and the instance's attributes come back, so its state
+must pickle.
 
 Only the standard library is imported at module level: the sandbox imports this module to run a tool.
 """
@@ -23,6 +25,7 @@ Only the standard library is imported at module level: the sandbox imports this 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import json
@@ -96,7 +99,7 @@ def call_target(request: ToolRequest) -> tuple[str, Any, dict[str, Any] | None, 
     return name, tool, dict(arguments), None
 
 
-def run_tool_calls(requests: Sequence[ToolRequest], timeout_s: float, sandbox: bool = True) -> list[ToolResult]:
+def run_tool_calls(requests: Sequence[ToolRequest], timeout_s: float | None, sandbox: bool = True) -> list[ToolResult]:
     """Every request's result, in order: sandboxed ones together (a few processes at a time), then the
     ones that run in this process, one after another."""
     results: list[ToolResult | None] = [None] * len(requests)
@@ -108,12 +111,24 @@ def run_tool_calls(requests: Sequence[ToolRequest], timeout_s: float, sandbox: b
         elif sandbox and getattr(tool, "path", None):
             sandboxed.append((index, name, tool.path, arguments))
         else:
-            results[index] = call_in_process(name, tool.func, arguments, timeout_s)
+            results[index] = (
+                call_here(name, tool.func, arguments)
+                if timeout_s is None
+                else call_in_process(name, tool.func, arguments, timeout_s)
+            )
     if sandboxed:
         answers = call_in_sandbox([(path, arguments) for _, _, path, arguments in sandboxed], timeout_s)
         for (index, name, _, _), answer in zip(sandboxed, answers, strict=True):
             results[index] = ToolResult(name, answer[0], failed=answer[1])
     return [result for result in results if result is not None]
+
+
+def call_here(name: str, func: Callable[..., Any], arguments: dict[str, Any]) -> ToolResult:
+    """`func(**arguments)` (awaited if async) in this process, as TRL calls a tool."""
+    try:
+        return ToolResult(name, tool_message(func, **arguments)[0])
+    except Exception as error:
+        return ToolResult(name, error_content(str(error) or type(error).__name__), failed=True)
 
 
 # -- in a process of their own ---------------------------------------------------------------------
@@ -126,7 +141,7 @@ def call_in_process(name: str, func: Callable[..., Any], arguments: dict[str, An
     method = inspect.ismethod(func)
     held = [] if method else [functools.partial(tool_message, func)]
     try:
-        worker = user_code(held, key=("tool", None if method else id(func)))
+        worker = user_code(held, key=("tool", None if method else func))  # the function, kept: not its id
         if not method:
             return ToolResult(name, worker.call(0, timeout_s, **arguments)[0])
         content, state = worker.call(tool_message, timeout_s, func, **arguments)
@@ -148,9 +163,19 @@ def tool_message(func: Callable[..., Any], /, **arguments: Any) -> tuple[str, di
     """The tool message of `func(**arguments)`, awaited, and the attributes of its instance (a method's)."""
     value = func(**arguments)
     if inspect.isawaitable(value):
-        value = asyncio.run(_awaited(value))
+        value = awaited(value)
     instance = func.__self__ if inspect.ismethod(func) else None
     return tool_content(value), getattr(instance, "__dict__", None)
+
+
+def awaited(awaitable: Any) -> Any:
+    """The awaitable's value, from a thread with or without a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_awaited(awaitable))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # asyncio.run refuses a thread whose loop runs
+        return pool.submit(asyncio.run, _awaited(awaitable)).result()
 
 
 async def _awaited(awaitable: Any) -> Any:
@@ -177,8 +202,9 @@ sys.stdout.write(RESULT_MARKER + json.dumps(answer))
 """
 
 
-def call_in_sandbox(calls: Sequence[tuple[str, dict[str, Any]]], timeout_s: float) -> list[tuple[str, bool]]:
-    """(content, failed) for each (path, arguments), each call a sandboxed program of its own."""
+def call_in_sandbox(calls: Sequence[tuple[str, dict[str, Any]]], timeout_s: float | None) -> list[tuple[str, bool]]:
+    """(content, failed) for each (path, arguments), each call a sandboxed program of its own, killed at
+    `timeout_s` (None: the sandbox's own limit)."""
     from grpo_flow.workers.rewards.deadline import import_paths
     from grpo_flow.workers.rewards.sandbox import LocalSandbox, SandboxLimits
     from grpo_flow.workers.state.source import package_files
@@ -188,7 +214,8 @@ def call_in_sandbox(calls: Sequence[tuple[str, dict[str, Any]]], timeout_s: floa
     # dirs: this process's import path (the working dir a tool module was found in, included) and
     # grpo_flow's own files, which an editable install does not put on the import path.
     visible = [*paths, *map(str, package_files(["schemas", "workers"]).values())]
-    sandbox = LocalSandbox(SandboxLimits(timeout_s=timeout_s, cpu_s=max(1.0, timeout_s)), visible_paths=visible)
+    limits = SandboxLimits() if timeout_s is None else SandboxLimits(timeout_s=timeout_s, cpu_s=max(1.0, timeout_s))
+    sandbox = LocalSandbox(limits, visible_paths=visible)
     program = SANDBOX_PROGRAM.format(paths=paths)
     stdins = [json.dumps({"path": path, "arguments": arguments}) for path, arguments in calls]  # parsed from JSON
     runs = sandbox.run_batch([program] * len(calls), stdins=stdins)
@@ -196,7 +223,7 @@ def call_in_sandbox(calls: Sequence[tuple[str, dict[str, Any]]], timeout_s: floa
     for (path, _), run in zip(calls, runs, strict=True):
         name = path.rpartition(":")[2]
         if run.timed_out:
-            answers.append((error_content(f"Tool {name} did not return within {timeout_s:g} s"), True))
+            answers.append((error_content(f"Tool {name} did not return within {limits.timeout_s:g} s"), True))
             continue
         head, marker, body = run.stdout.rpartition(RESULT_MARKER)
         if not marker:

@@ -22,8 +22,10 @@ def tools():
     return {t.name: t for t in build_toolbox([f"{HERE}:{n}" for n in NAMES], None, None).tools}
 
 
-@pytest.mark.parametrize("sandbox", [False, True], ids=["in-process", "sandbox"])
-def test_each_kind_of_failure_is_a_tool_message(tools, sandbox):
+@pytest.mark.parametrize(
+    ("sandbox", "timeout_s"), [(False, None), (False, 20), (True, 20)], ids=["here", "own-process", "sandbox"]
+)
+def test_each_kind_of_failure_is_a_tool_message(tools, sandbox, timeout_s):
     requests = [
         call("add", a=2, b=3),  # fine, returns an int: str() of it, as TRL
         call("explode", reason="boom"),  # raises
@@ -36,7 +38,7 @@ def test_each_kind_of_failure_is_a_tool_message(tools, sandbox):
         {"type": "code_interpreter", "name": "x"},  # not a function call
         {"type": "function", "function": {"name": "add", "arguments": "[1, 2]"}},  # arguments not an object
     ]
-    results = run_tool_calls([ToolRequest(r, tools) for r in requests], timeout_s=20, sandbox=sandbox)
+    results = run_tool_calls([ToolRequest(r, tools) for r in requests], timeout_s=timeout_s, sandbox=sandbox)
     assert [r.content for r in results[:2]] == ["5", "{'error': 'exploded: boom'}"]
     assert [r.failed for r in results] == [False, True, True, True, False, False, True, True, True, True]
     assert "missing 1 required positional argument: 'b'" in results[2].content
@@ -130,8 +132,45 @@ def test_sandboxed_tools_cannot_reach_the_network_or_write_outside():
     import fixture_tools  # noqa: F401  (importable here; the sandbox imports it by path)
 
     program = ToolRequest(call("shout", text="ok"), {"shout": build_toolbox([f"{HERE}:shout"], None, None).tools[0]})
-    (result,) = run_tool_calls([program], timeout_s=20, sandbox=True)
+    (result,) = run_tool_calls([program], timeout_s=None, sandbox=True)  # the sandbox's own limit
     assert result.content == "OK" and not result.failed
+
+
+class Browser:
+    """An environment holding what cannot be pickled (a lock standing in for a socket or a browser)."""
+
+    def __init__(self):
+        self.session, self.pages = threading.Lock(), []
+
+    def visit(self, url: str) -> str:
+        """Visit.
+
+        Args:
+            url: where
+        """
+        self.pages.append((url, os.getpid()))
+        return f"{url}: {len(self.pages)}"
+
+    async def title(self) -> str:
+        """The page's title."""
+        return self.pages[-1][0].upper()
+
+
+def test_without_a_timeout_tools_and_methods_are_called_here_as_trl_calls_them():
+    import asyncio
+
+    browser, seen = Browser(), []
+    tools = {"visit": Tool("visit", browser.visit), "title": Tool("title", browser.title)}
+    tools["remember"] = Tool("remember", lambda text: seen.append(text) or "ok")  # a closure over this process
+    requests = [call("visit", url="a"), call("visit", url="b"), call("title"), call("remember", text="x")]
+    results = run_tool_calls([ToolRequest(r, tools) for r in requests], timeout_s=None, sandbox=False)
+    assert [r.content for r in results] == ["a: 1", "b: 2", "B", "ok"] and not any(r.failed for r in results)
+    assert browser.pages == [("a", os.getpid()), ("b", os.getpid())] and seen == ["x"]
+
+    async def from_a_running_loop():  # an async tool awaited from a thread whose event loop runs
+        return run_tool_calls([ToolRequest(call("title"), tools)], timeout_s=None, sandbox=False)
+
+    assert asyncio.run(from_a_running_loop())[0].content == "B"
 
 
 def test_tool_content_is_trls_text():
