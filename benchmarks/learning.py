@@ -99,12 +99,27 @@ SHARED_FIELDS = (
 # trl_resampled is the control: TRL with the same prompts, step by step, as `trl` and `grpo_flow` at that
 # seed, but drawing its samples from another seed (seed + RESAMPLE_OFFSET). How far it lands from `trl`
 # is how much the sampled completions alone change what is learned.
-SIDES = ("trl", "grpo_flow", "trl_resampled")
+# grpo_flow_vllm and grpo_flow_vllm_bf16 sample with the vLLM engine, in float32 and in bfloat16 (the actor
+# trains in float32 on both, TRL's importance-sampling correction on): what bf16 sampling costs in learning.
+SIDES = ("trl", "grpo_flow", "trl_resampled", "grpo_flow_vllm", "grpo_flow_vllm_bf16")
 MAIN_SIDES = ("trl", "grpo_flow")
+VLLM_DTYPES = {"grpo_flow_vllm": "float32", "grpo_flow_vllm_bf16": "bfloat16"}
 RESAMPLE_OFFSET = 1000
-LABELS = {"trl": "TRL GRPOTrainer", "grpo_flow": "grpo-flow", "trl_resampled": "TRL, other sampling seed"}
-COLORS = {"trl": "tab:orange", "grpo_flow": "tab:blue", "trl_resampled": "tab:green"}
-STYLES = {"trl": "-", "grpo_flow": "-", "trl_resampled": "--"}
+LABELS = {
+    "trl": "TRL GRPOTrainer",
+    "grpo_flow": "grpo-flow",
+    "trl_resampled": "TRL, other sampling seed",
+    "grpo_flow_vllm": "grpo-flow, vLLM fp32",
+    "grpo_flow_vllm_bf16": "grpo-flow, vLLM bf16",
+}
+COLORS = {
+    "trl": "tab:orange",
+    "grpo_flow": "tab:blue",
+    "trl_resampled": "tab:green",
+    "grpo_flow_vllm": "tab:purple",
+    "grpo_flow_vllm_bf16": "tab:red",
+}
+STYLES = {"trl": "-", "grpo_flow": "-", "trl_resampled": "--", "grpo_flow_vllm": "-", "grpo_flow_vllm_bf16": "-."}
 
 
 def cpu_seconds() -> tuple[float, float] | None:
@@ -308,7 +323,9 @@ def trl_tools(work: dict[str, Any]) -> dict[str, Any]:
     return trl_tool_arguments(build_toolbox(work["tools"], work["environment_factory"], None))
 
 
-def run_grpo_flow(model_path: str, preset: str, steps: int, seed: int, at: list[int], workdir: Path) -> SideRun:
+def run_grpo_flow(
+    model_path: str, preset: str, steps: int, seed: int, at: list[int], workdir: Path, vllm_dtype: str | None = None
+) -> SideRun:
     from benchmarks.steps import StepClock
     from grpo_flow.flows.grpo import grpo
     from grpo_flow.schemas.presets import preset_config
@@ -320,8 +337,9 @@ def run_grpo_flow(model_path: str, preset: str, steps: int, seed: int, at: list[
         preset,
         model=model_path,
         storage_root=str(workdir / "grpo-flow"),
-        run_id=f"learning-{preset}-seed{seed}",
+        run_id=f"learning-{preset}-seed{seed}" + (f"-vllm-{vllm_dtype}" if vllm_dtype else ""),
         seed=seed,
+        **({"rollout_engine": "vllm", "vllm_dtype": vllm_dtype} if vllm_dtype else {}),
         max_steps=steps,
         eval_prompts=0,  # evaluated here, from the copies, with the same code as TRL's copies
         save_steps=10**6,  # like TRL's side, no checkpoints but the one a run always ends with
@@ -370,9 +388,9 @@ def side_run(
 
     # transformers' deprecation notices about TrainingArguments fields TRL sets: noise here.
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    if side == "grpo_flow":
+    if side.startswith("grpo_flow"):
         start_prefect()
-        run = run_grpo_flow(model_path, preset, steps, seed, at, workdir)
+        run = run_grpo_flow(model_path, preset, steps, seed, at, workdir, VLLM_DTYPES.get(side))
     else:
         resample = RESAMPLE_OFFSET if side == "trl_resampled" else 0
         run = run_trl(model_path, load_task(task_name), work, steps, seed, at, workdir, seed + resample, peft_config)
@@ -560,7 +578,7 @@ def training_reward(result: dict[str, Any], side: str, part: slice) -> float:
 
 
 def side_name(side: str) -> str:
-    return {"trl": "TRL", "grpo_flow": "grpo-flow", "trl_resampled": "TRL resampled"}[side]
+    return {"trl": "TRL", "grpo_flow": "grpo-flow", "trl_resampled": "TRL resampled"}.get(side, LABELS[side])
 
 
 def print_report(name: str, result: dict[str, Any]) -> None:
@@ -569,13 +587,13 @@ def print_report(name: str, result: dict[str, Any]) -> None:
         f"\n{name}: preset {result['preset']}, {result['steps']} steps, seeds {result['seeds']}; held-out "
         f"accuracy (greedy, {result['eval_prompts']} prompts) of the start model {result['start_accuracy']:.3f}"
     )
-    print(f"{'side':<15}{'seeds':>6}{'final':>16}{'gain':>16}{'wall s':>16}{'gain/min':>10}{'final min-max':>15}")
+    print(f"{'side':<22}{'seeds':>6}{'final':>16}{'gain':>16}{'wall s':>16}{'gain/min':>10}{'final min-max':>15}")
     for side in sides:
         cells = [f"{result[f'{side}_{k}']:.3f} ± {result[f'{side}_{k}_sd']:.3f}" for k in ("final", "gain")]
         cells.append(f"{result[f'{side}_wall_s']:.1f} ± {result[f'{side}_wall_s_sd']:.1f}")
         span = f"{result[f'{side}_final_min']:.3f}-{result[f'{side}_final_max']:.3f}"
         print(
-            f"{side_name(side):<15}{len(result['runs'][side]):>6}"
+            f"{side_name(side):<22}{len(result['runs'][side]):>6}"
             + "".join(f"{c:>16}" for c in cells)
             + f"{result[f'{side}_gain_per_min']:>10.3f}{span:>15}"
         )

@@ -91,7 +91,7 @@ TRL_GENERATION = "transformers generate (TRL's default; its vLLM modes cannot ru
 # (its max_model_length is prompt + completion, as grpo-flow's engine gets it: real_colocate).
 VLLM_COLOCATE_REAL = {"vllm_gpu_memory_utilization": 0.25}
 REAL_PRESET = "smol-math"
-REAL_SIDES = ("trl", "trl_batching", "grpo_flow", "grpo_flow_vllm")
+REAL_SIDES = ("trl", "trl_batching", "grpo_flow", "grpo_flow_vllm", "grpo_flow_vllm_bf16", "grpo_flow_vllm_async")
 DEFAULT_REAL_SIDES = ("trl", "grpo_flow", "grpo_flow_vllm")
 REAL_LABELS = {
     "trl": "TRL, transformers generate",
@@ -99,7 +99,25 @@ REAL_LABELS = {
     "trl_vllm": "TRL, vLLM colocate",
     "grpo_flow": "grpo-flow, transformers",
     "grpo_flow_vllm": "grpo-flow, vLLM",
+    "grpo_flow_vllm_bf16": "grpo-flow, vLLM bf16",
+    "grpo_flow_vllm_async": "grpo-flow, vLLM 1-off",
 }
+# The vLLM side's variants: sampling in bfloat16 (the actor in float32, TRL's importance-sampling correction
+# on), and one-step-off (step t+1 generated while the actor takes step t).
+VLLM_VARIANTS = {
+    "grpo_flow_vllm": {},
+    "grpo_flow_vllm_bf16": {"vllm_dtype": "bfloat16"},
+    "grpo_flow_vllm_async": {"max_staleness": 1},
+}
+# Each grpo-flow and TRL side against TRL's default: (side, the key of its ratios in the record).
+RATIO_KEYS = (
+    ("grpo_flow", "transformers"),
+    ("grpo_flow_vllm", "vllm"),
+    ("grpo_flow_vllm_bf16", "vllm_bf16"),
+    ("grpo_flow_vllm_async", "vllm_async"),
+    ("trl_vllm", "trl_vllm"),
+    ("trl_batching", "trl_batching"),
+)
 
 # The work's shape options (TRL's names, as GRPOFlowConfig's); None keeps the work's own.
 SHAPE_OPTIONS = ("max_completion_length", "prompts_per_step", "num_generations")
@@ -311,15 +329,20 @@ def tiny_config(
 
 
 def real_config(
-    model_path: str, steps: int, workdir: Path, rollout_engine: str, shaped: dict[str, int] | None = None
+    model_path: str,
+    steps: int,
+    workdir: Path,
+    rollout_engine: str,
+    shaped: dict[str, int] | None = None,
+    side: str = "grpo_flow",
 ) -> Any:
     """The smol-math preset on the real model, as `grpo train --preset smol-math` runs it, for `steps` steps;
-    `shaped`: the shape options that replace the preset's."""
+    `shaped`: the shape options that replace the preset's; `side`: a vLLM variant's (VLLM_VARIANTS)."""
     from grpo_flow.schemas.presets import preset_config
 
     return preset_config(
         REAL_PRESET,
-        run_id=f"vs-trl-smol-{rollout_engine}",
+        run_id=f"vs-trl-smol-{side}",
         rollout_engine=rollout_engine,
         storage_root=str(workdir / "grpo-flow"),
         model=model_path,
@@ -328,6 +351,7 @@ def real_config(
         save_steps=10**6,  # only the last step writes a checkpoint, as on TRL's side (none)
         eval_prompts=0,  # TRL's side evaluates nothing either
         **(shaped or {}),
+        **VLLM_VARIANTS.get(side, {}),
     )
 
 
@@ -652,8 +676,8 @@ def run_real_side(
         return run_trl(model_path, steps, workdir, spec=spec, more_args={"use_transformers_continuous_batching": True})
     if side == "trl_vllm":
         return run_trl_in_vllm_env(model_path, steps, workdir, spec)
-    engine = "vllm" if side == "grpo_flow_vllm" else "transformers"
-    config = real_config(model_path, steps, workdir, engine, shaped)
+    engine = "vllm" if side in VLLM_VARIANTS else "transformers"
+    config = real_config(model_path, steps, workdir, engine, shaped, side)
     try:
         return run_grpo_flow(model_path, steps, workdir, config=config)
     except Exception as error:  # reported in its row (no vLLM environment, say); the others still run
@@ -697,13 +721,7 @@ def measure_real(args: argparse.Namespace) -> dict[str, Any]:
         result[f"{side}_step_s"] = r["step_s"]
         result[f"{side}_generate_tokens_per_s"] = r["generate_tokens_per_s"]
     if "trl" in done:
-        pairs = (
-            ("grpo_flow", "transformers"),
-            ("grpo_flow_vllm", "vllm"),
-            ("trl_vllm", "trl_vllm"),
-            ("trl_batching", "trl_batching"),
-        )
-        for side, key in pairs:
+        for side, key in RATIO_KEYS:
             if side in done:
                 result[f"ratio_{key}"] = done[side]["step_s"] / done["trl"]["step_s"]
                 result[f"generate_tokens_per_s_ratio_{key}"] = (
@@ -758,14 +776,10 @@ def print_real_report(result: dict[str, Any]) -> None:
         )
     print()
     goals = targets(work)
-    for key, side in (
-        ("transformers", "grpo_flow"),
-        ("vllm", "grpo_flow_vllm"),
-        ("trl_vllm", "trl_vllm"),
-        ("trl_batching", "trl_batching"),
-    ):
+    for side, key in RATIO_KEYS:
         if f"ratio_{key}" in result:
-            ratio, goal = result[f"ratio_{key}"], goals.get(key)
+            ratio = result[f"ratio_{key}"]
+            goal = goals.get("vllm" if side in VLLM_VARIANTS else key)
             target = "" if goal is None else f" (target <= {goal}: {'met' if ratio <= goal else 'NOT met'})"
             print(
                 f"{REAL_LABELS[side]} / {REAL_LABELS['trl']}: step x{ratio:.2f}{target}, generation tokens/s "

@@ -44,6 +44,20 @@ def test_without_shape_options_each_work_keeps_its_own_shape(tmp_path):
     assert (preset.max_completion_length, preset.prompts_per_step, preset.num_generations) == (16, 4, 8)
 
 
+def test_the_vllm_variants_sample_in_bf16_or_one_step_off_and_nothing_else(tmp_path):
+    plain, bf16, one_off = (
+        vs_trl.real_config("model", 2, tmp_path, "vllm", {}, side).model_dump()
+        for side in ("grpo_flow_vllm", "grpo_flow_vllm_bf16", "grpo_flow_vllm_async")
+    )
+    assert bf16.pop("vllm_dtype") == "bfloat16" and plain.pop("vllm_dtype") in (None, "float32")
+    assert not bf16["bf16"] and bf16["vllm_importance_sampling_correction"] is True  # the actor stays fp32
+    assert one_off.pop("max_staleness") == 1 and plain.pop("max_staleness") == bf16.pop("max_staleness") == 0
+    runs = {d.pop("run_id") for d in (plain, bf16, one_off)}
+    assert len(runs) == 3  # each side a run of its own
+    one_off.pop("vllm_dtype")
+    assert plain == bf16 == one_off
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
