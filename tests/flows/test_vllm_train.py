@@ -25,18 +25,16 @@ from grpo_flow.workers.state.storage import RunStorage
 from train_cli import train_cli as cli, final_weights, assert_same_weights  # tests/flows/train_cli.py
 
 SMALL = dict(prompts_per_step=8, num_generations=4, num_rollout_workers=2, eval_prompts=0)
-# The kill runs: one engine a run (each start costs seconds of CPU), and 4 steps: the engine killed in step 3
-# has a step after it; the run killed in step 4 has checkpoint 2, step 3 to replay and step 4 to generate.
 KILL_RUN = [
     "--preset",
     "tiny",
     "--rollout-engine",
     "vllm",
     "--max-steps",
-    "4",
+    "5",
     "--save-steps",
     "2",
-    *[f"--{k.replace('_', '-')}={v}" for k, v in {**SMALL, "num_rollout_workers": 1}.items()],
+    *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()],
 ]
 
 
@@ -101,7 +99,7 @@ def test_a_killed_engine_process_heals_within_the_run(unbroken, storage_root):
     healed = cli(storage_root, "vllm-engine-killed", *KILL_RUN, fail_at="engine@3")
     assert healed.returncode == 0, healed.stderr[-3000:]
     storage = RunStorage(storage_root, "vllm-engine-killed")
-    assert_same_weights(final_weights(storage, 4), final_weights(unbroken, 4))
+    assert_same_weights(final_weights(storage, 5), final_weights(unbroken, 5))
     assert storage.read_rollouts(columns=["completion"]).equals(unbroken.read_rollouts(columns=["completion"]))
 
 
@@ -114,7 +112,7 @@ def test_a_killed_run_resumes_to_the_same_weights(unbroken, storage_root):
     assert storage.latest_valid_checkpoint() == 2
     resumed = cli(storage_root, "vllm-run-killed", "--resume")
     assert resumed.returncode == 0 and "resuming run" in resumed.stdout, resumed.stderr[-3000:]
-    assert_same_weights(final_weights(storage, 4), final_weights(unbroken, 4))
+    assert_same_weights(final_weights(storage, 5), final_weights(unbroken, 5))
     assert orphaned_engines() == []  # the killed run's engines died with it (their parent-watch thread)
 
 
