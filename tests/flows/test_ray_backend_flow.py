@@ -3,9 +3,10 @@ tests/conftest.py: `ray start --head` on the loopback address, 2 CPUs, stopped a
 
 The tiny preset's run on Ray is the reference: it must learn, and a run whose rollout engine and
 then actor are killed with SIGKILL mid-run, and a run killed whole and resumed, must both end
-with its final weights, bit for bit. With rollout_engine='vllm' (an engine process of the vLLM
-environment per rollout actor) a short run whose engine process and then rollout actor are killed
-ends with the weights of the same run unbroken, and leaves no engine process behind.
+with its weights at their last step (20 of its 50), bit for bit. With rollout_engine='vllm' (an
+engine process of the vLLM environment per rollout actor) a short run whose engine process and
+then rollout actor are killed ends with the weights of the same run unbroken, and leaves no engine
+process behind.
 """
 
 import os
@@ -13,6 +14,8 @@ import signal
 import sys
 from collections import Counter
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,6 +28,10 @@ from train_cli import train_cli as cli, assert_same_weights  # tests/flows/train
 # The tiny preset on 2 CPUs: the actor gets one, the two rollout engines half of one each.
 RAY = dict(backend="ray", ray_actor_cpus=1.0, ray_rollout_cpus=0.5)
 RAY_CLI = ["--backend", "ray", "--ray-actor-cpus", "1", "--ray-rollout-cpus", "0.5"]
+# The killed runs stop at step 20, where the unbroken run has a checkpoint too (one every 10 steps): the
+# tiny preset's learning rate is constant and each step's prompts depend on (seed, step) only, so a run's
+# first 20 steps do not depend on its length. A kill needs a checkpoint before it and steps after it, no more.
+SAVE_STEPS, SHORT = 10, 20
 
 
 def ray_config(cluster, storage_root, run_id, **overrides):
@@ -37,9 +44,14 @@ def final_weights(storage: RunStorage, step: int = 50) -> dict[str, torch.Tensor
     return load_file(storage.checkpoint_dir(step) / "model" / "model.safetensors")
 
 
+def first_steps(rows: pa.Table, steps: int) -> pa.Table:
+    """The rows of steps 1 to `steps`, in their order."""
+    return rows.filter(pc.less_equal(rows["step"], steps))
+
+
 @pytest.fixture(scope="module")
 def unbroken(prefect_server, storage_root, ray_cluster):
-    summary = grpo(ray_config(ray_cluster, storage_root, "ray-unbroken"))
+    summary = grpo(ray_config(ray_cluster, storage_root, "ray-unbroken", save_steps=SAVE_STEPS))
     return summary, RunStorage(storage_root, "ray-unbroken")
 
 
@@ -65,13 +77,13 @@ def test_the_tiny_preset_learns_on_ray_actors(unbroken, ray_cluster):
 def test_an_engine_and_then_the_actor_killed_mid_run_heal_and_the_run_ends_with_the_unbroken_weights(
     unbroken, ray_cluster, storage_root, monkeypatch
 ):
-    """SIGKILL rollout-1's process while it generates step 10, and the actor's while it takes step 25:
+    """SIGKILL rollout-1's process while it generates step 5, and the actor's while it takes step 15:
     Ray restarts each process, the backend restores what it must hold (the published weights from the
-    object store; checkpoint 20 plus the logged steps 21-24), and the step goes on."""
+    object store; checkpoint 10 plus the logged steps 11-14), and the step goes on."""
     from grpo_flow.workers.backends import ray_backend
 
     calls: Counter = Counter()
-    kill_at = {("rollout-1", "generate"): 10, ("actor", "step"): 25}
+    kill_at = {("rollout-1", "generate"): 5, ("actor", "step"): 15}
     killed: list[tuple[str, int]] = []
     original = ray_backend.RayHandle.call
 
@@ -86,20 +98,20 @@ def test_an_engine_and_then_the_actor_killed_mid_run_heal_and_the_run_ends_with_
         return original(self, method, *args)
 
     monkeypatch.setattr(ray_backend.RayHandle, "call", call)
-    summary = grpo(ray_config(ray_cluster, storage_root, "ray-killed"))
+    summary = grpo(ray_config(ray_cluster, storage_root, "ray-killed", save_steps=SAVE_STEPS, max_steps=SHORT))
 
     assert summary["status"] == "completed" and [name for name, _ in killed] == ["rollout-1", "actor"]
     for _, pid in killed:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    # The engine took the published weights again; the actor restored checkpoint 20 and replayed 21-24.
-    assert calls[("rollout-1", "load_weights")] >= 1 and calls[("rollout-1", "generate")] >= 51
-    assert calls[("actor", "restore")] >= 1 and calls[("actor", "step")] >= 50 + 1 + 4
+    # The engine took the published weights again; the actor restored checkpoint 10 and replayed 11-14.
+    assert calls[("rollout-1", "load_weights")] >= 1 and calls[("rollout-1", "generate")] >= SHORT + 1
+    assert calls[("actor", "restore")] >= 1 and calls[("actor", "step")] >= SHORT + 1 + 4
     storage = RunStorage(storage_root, "ray-killed")
-    assert storage.logged_steps() == list(range(1, 51))
-    assert_same_weights(final_weights(storage), final_weights(unbroken[1]))
+    assert storage.logged_steps() == list(range(1, SHORT + 1))
+    assert_same_weights(final_weights(storage, SHORT), final_weights(unbroken[1], SHORT))
     ours = storage.read_rollouts(columns=["step", "completion", "advantage"])
-    assert ours.equals(unbroken[1].read_rollouts(columns=["step", "completion", "advantage"]))
+    assert ours.equals(first_steps(unbroken[1].read_rollouts(columns=["step", "completion", "advantage"]), SHORT))
 
 
 # -- vLLM engines on Ray actors -------------------------------------------------------------------------------
@@ -204,9 +216,9 @@ def test_vllm_engines_on_ray_actors_generate_and_heal_when_the_engine_or_its_act
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_run_killed_whole_resumes_on_the_cluster_to_the_unbroken_weights(unbroken, ray_cluster, storage_root):
-    """The `grpo train` process (the Ray driver) SIGKILLs itself before the actor takes step 30; Ray ends
-    the actors it owned; `grpo train --resume` starts new ones, restores checkpoint 20, replays the logged
-    steps 21-30 and goes on."""
+    """The `grpo train` process (the Ray driver) SIGKILLs itself before the actor takes step 15; Ray ends
+    the actors it owned; `grpo train --resume` starts new ones, restores checkpoint 10, replays the logged
+    steps 11-15 and goes on."""
     killed = cli(
         storage_root,
         "ray-resumed",
@@ -215,15 +227,19 @@ def test_a_run_killed_whole_resumes_on_the_cluster_to_the_unbroken_weights(unbro
         *RAY_CLI,
         "--ray-address",
         ray_cluster.address,
-        fail_at="actor@30:kill",
+        "--save-steps",
+        str(SAVE_STEPS),
+        "--max-steps",
+        str(SHORT),
+        fail_at="actor@15:kill",
     )
     assert killed.returncode == -9, killed.stderr[-3000:]
     storage = RunStorage(storage_root, "ray-resumed")
-    assert storage.latest_valid_checkpoint() == 20 and storage.rollout_steps()[-1] == 30
+    assert storage.latest_valid_checkpoint() == 10 and storage.rollout_steps()[-1] == 15
     resumed = cli(storage_root, "ray-resumed", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming run" in resumed.stdout
-    assert_same_weights(final_weights(storage), final_weights(unbroken[1]))
+    assert_same_weights(final_weights(storage, SHORT), final_weights(unbroken[1], SHORT))
     assert not ray_cluster.named_actors("grpo-flow/ray-resumed/")  # the killed driver's actors went with it
 
 
