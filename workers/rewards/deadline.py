@@ -38,7 +38,8 @@ import time
 import traceback
 import types
 from collections import ChainMap, OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -317,7 +318,7 @@ def _answered(call: Callable[[], Any]) -> bytes:
     RuntimeError."""
     try:
         value = call()
-        answer = (True, asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value, "")
+        answer = (True, run_coroutine(value) if inspect.isawaitable(value) else value, "")
     except BaseException as error:  # SystemExit too: the caller names it
         answer = (False, error, traceback.format_exc())
     try:
@@ -329,5 +330,16 @@ def _answered(call: Callable[[], Any]) -> bytes:
         return pickle.dumps((False, RuntimeError(f"the call's {what} cannot be sent back: {error}"), answer[2]))
 
 
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
+def run_coroutine(awaitable: Awaitable[Any]) -> Any:
+    """Run an awaitable to completion from sync code, even where an event loop is already running."""
+
+    async def wrapper() -> Any:
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wrapper())
+    # This thread's loop is busy running us: a fresh loop in another thread.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="user-code") as pool:
+        return pool.submit(asyncio.run, wrapper()).result()

@@ -26,11 +26,11 @@ import re
 import secrets
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
+from grpo_flow.workers.rewards.deadline import run_coroutine
 from grpo_flow.workers.rewards.sandbox import LocalSandbox, SandboxResult
 
 logger = logging.getLogger("grpo_flow.environments")
@@ -152,21 +152,6 @@ def score_each(
 
         return gather()
     return [score(c, p, **cols) for c, p, cols in calls]
-
-
-def run_coroutine(awaitable: Awaitable[Any]) -> Any:
-    """Run an awaitable to completion from sync code, even where an event loop is already running."""
-
-    async def wrapper() -> Any:
-        return await awaitable
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(wrapper())
-    # This thread's loop is busy running us: a fresh loop in another thread.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-env") as pool:
-        return pool.submit(asyncio.run, wrapper()).result()
 
 
 def is_reward_environment(obj: Any) -> bool:

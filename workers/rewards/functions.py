@@ -29,7 +29,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from grpo_flow.workers.rewards.deadline import DeadlineExceeded, Unsendable, user_code
+from grpo_flow.workers.rewards.deadline import DeadlineExceeded, Unsendable, run_coroutine, user_code
 
 if TYPE_CHECKING:  # the process that runs a reward under its deadline imports this module: no pandas, no datasets
     from grpo_flow.schemas.records import RolloutBatch
@@ -333,8 +333,6 @@ def _call(func: RewardFunc, timeout: float | None, kwargs: dict[str, Any], logs:
 def scores_and_logs(func: RewardFunc, logs: Logs | None = None, /, **kwargs: Any) -> tuple[Any, Logs]:
     """`func(**kwargs)` awaited, a generator made a list, with log_extra/log_metric writing to `logs` (new
     ones in the process that holds the function, which sends them back)."""
-    from grpo_flow.workers.rewards.environments import run_coroutine
-
     extra, metrics = logs if logs is not None else ({}, {})
     kwargs["log_extra"] = lambda column, values: extra.setdefault(str(column), []).extend(values)
     kwargs["log_metric"] = lambda name, value: metrics.setdefault(str(name), []).append(float(value))

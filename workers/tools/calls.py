@@ -24,8 +24,6 @@ Only the standard library is imported at module level: the sandbox imports this 
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
 import inspect
 import json
@@ -163,23 +161,11 @@ def tool_message(func: Callable[..., Any], /, **arguments: Any) -> tuple[str, di
     """The tool message of `func(**arguments)`, awaited, and the attributes of its instance (a method's)."""
     value = func(**arguments)
     if inspect.isawaitable(value):
-        value = awaited(value)
+        from grpo_flow.workers.rewards.deadline import run_coroutine
+
+        value = run_coroutine(value)
     instance = func.__self__ if inspect.ismethod(func) else None
     return tool_content(value), getattr(instance, "__dict__", None)
-
-
-def awaited(awaitable: Any) -> Any:
-    """The awaitable's value, from a thread with or without a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(_awaited(awaitable))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # asyncio.run refuses a thread whose loop runs
-        return pool.submit(asyncio.run, _awaited(awaitable)).result()
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
 
 
 # -- in the sandbox --------------------------------------------------------------------------------
