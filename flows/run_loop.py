@@ -57,6 +57,7 @@ from grpo_flow.tasks.observability import (
     update_run_progress,
 )
 from grpo_flow.tasks.run import finish_run
+from grpo_flow.workers.rewards import deadline
 from grpo_flow.workers.state.location import absolute_root
 from grpo_flow.workers.state.storage import RunStorage
 
@@ -212,6 +213,7 @@ class RunLoop:
         self._stack.enter_context(temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}))
         collide = self.config.step_subflows and not ephemeral_database_in_memory()
         self._stack.enter_context(artifact_writes_paused() if collide else nullcontext())
+        self._stack.callback(deadline.close_all)  # user code's processes end with its run, not with the session
         plan = self.plan
         started = {"first_step": plan.first_step, "total_steps": plan.total_steps, "resumes": plan.resumes}
         events.emit(events.RUN_STARTED, plan.run_id, {**started, "model": self.config.model})

@@ -16,7 +16,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-SORT_KEYS = ("reward", "advantage", "length")
 NOT_REWARDS = ("reward_error",)  # a `reward_` column that is no reward function's score
 
 

@@ -191,7 +191,6 @@ class GRPOFlowTrainer:
                 "eval_dataset, and an accuracy_reward given as a function, need a train_dataset "
                 "(for an hf: data set, name the accuracy reward instead)",
             )
-        self._reward_names = names
         # Names for the config: importable paths stay as they are; other objects are registered at train().
         config_names = [
             f"registered:{n}" if object_only else n for n, object_only in zip(names, registered, strict=True)

@@ -286,3 +286,30 @@ def test_the_api_stores_local_paths_absolute_and_refuses_a_dataset_object_it_doe
     assert scored.config.accuracy_reward == "last_digit"  # held out and scored as `grpo train --accuracy-reward`
     with pytest.raises(ValueError, match=r"^dataset: 'registered:abc' names a Dataset object that only the Python"):
         GRPOFlowTrainer(reward_funcs=["last_digit"], dataset="registered:abc", storage_root="store")
+
+
+def test_the_process_of_a_reward_under_reward_timeout_s_ends_with_its_run(prefect_server, storage_root):
+    import os
+
+    from grpo_flow.workers.rewards import deadline
+
+    def reports_its_pid(completions, log_metric, **kwargs):
+        import os
+
+        log_metric("reward_pid", os.getpid())
+        return [0.0] * len(completions)
+
+    trainer = GRPOFlowTrainer(
+        reward_funcs=[reports_its_pid],
+        train_dataset=digits_dataset(),
+        run_id="api-deadline",
+        storage_root=str(storage_root),
+        reward_timeout_s=120,
+        **SMALL,
+    )
+    assert trainer.train()["status"] == "completed"
+    (pid,) = {m["reward_pid"] for m in RunStorage(storage_root, "api-deadline").read_metrics().to_pylist()}
+    assert pid != os.getpid()  # scored in the deadline process, the same one for both steps
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)  # killed and reaped at the run's end, not kept for the rest of the session
+    assert not deadline._KEPT

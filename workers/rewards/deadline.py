@@ -15,7 +15,8 @@ is killed (SIGKILL), whatever the call is doing (a Python loop, a sleep or socke
 `except BaseException` that swallows everything), and the next call starts a fresh one from the
 callables as first sent: their state restarts. Calls that overlap (scoring several shards at once) run
 on threads of their own in the same process, sharing its state as they would here; a kill ends them all.
-The processes end with this one: at exit, and, if it is killed, on their own.
+The processes end with the run that started them (close_all), with this process at exit, and on their own
+if it is killed.
 
 Only the standard library is imported at module level: the sandbox imports workers/tools/calls.py.
 """
@@ -258,7 +259,7 @@ def user_code(funcs: Sequence[Callable[..., Any]], key: Hashable) -> UserCode:
 
 @atexit.register
 def close_all() -> None:
-    """End every process (a run's end: the next call starts fresh ones)."""
+    """End every process, at a run's end: the next call starts fresh ones."""
     with _KEPT_LOCK:
         workers = list(_KEPT.values())
         _KEPT.clear()

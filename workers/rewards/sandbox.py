@@ -74,7 +74,6 @@ from typing import Any, Literal
 logger = logging.getLogger("grpo_flow.sandbox")
 
 SCRIPT_NAME = "main.py"
-SETUP_FAILED_EXIT = 121  # the prelude's exit status when isolation could not be put in place
 _MIN_NPROC_KERNEL = (5, 14)  # RLIMIT_NPROC counted per user namespace from this kernel on
 
 

@@ -45,7 +45,6 @@ class ResumePoint:
     checkpoint_step: int | None  # restore this checkpoint; None: start from the initial model
     replay_steps: tuple[int, ...]  # logged steps after it: the actor trains on them again, no generation
     first_step: int  # the first step after the checkpoint
-    changed_fields: tuple[str, ...] = ()
     set_aside: tuple[int, ...] = ()  # steps whose damaged rollouts were moved to quarantine/
     moved: tuple[str, ...] = ()  # each file or folder moved to quarantine/, why, and what it means: for the console
 
