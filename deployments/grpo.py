@@ -9,7 +9,7 @@ So against the `grpo` flow itself, `--param max_steps=3` is refused and
 
 `grpo_preset` (Prefect flow name `grpo`, so deployments read `grpo/tiny`) takes instead:
 
-- `preset`: the starting point (each deployment sets its own: `tiny`, `gsm8k`, `math`, `mbpp`);
+- `preset`: the starting point (each deployment sets its own: `tiny`, `smol-math`, `gsm8k`, `math`, `mbpp`);
 - every GRPOFlowConfig field as a parameter of its own, default None = "the preset's value",
   so `--param max_steps=3 --param run_id=my-run` works, and the UI draws a form field for each;
 - `config`: a JSON object of config fields merged over the preset and the single fields (a

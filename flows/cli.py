@@ -63,7 +63,7 @@ def option_help(field: Any, preset_value: Any = None) -> tuple[str, str]:
         metavar = "{true,false}"
     else:
         metavar = "N" if int in kinds else "X" if float in kinds else "TEXT"
-    default = "[]" if field.default_factory is list else field.default
+    default = json.dumps(field.default_factory()) if field.default_factory else field.default  # [] or {}
     if default is None:
         default = "none"
     elif isinstance(default, bool):

@@ -313,6 +313,7 @@ def test_help_shows_each_option_with_its_allowed_values_and_default_grouped_as_t
     assert "--learning-rate X" in flat and "(default: 1e-06; a tiny model without --preset: 0.005; > 0)" in flat
     assert "--num-generations N" in flat
     assert "--reward-timeout-s X" in flat and "(default: none; > 0)" in flat  # reward_timeout_s
+    assert "instead. (default: {})" in flat and "PydanticUndefined" not in flat  # storage_options: a dict factory
     headings = [line[:-1] for line in help_text.splitlines() if line.endswith(" (config fields):")]
     assert headings == [f"{group} (config fields)" for group in CONFIG_GROUPS]
     sections = help_text.split(" (config fields):")[1:]
