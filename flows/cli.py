@@ -444,7 +444,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         rows.append(("wandb", f"{summary['wandb_steps_not_delivered']} step(s) not delivered; all are in metrics/"))
     rows += [
         ("mean reward, last 5 steps", shown(summary["final_reward"], ".3f")),
-        ("wall time", f"{shown(summary['wall_seconds'], '.1f')} s"),
+        ("wall time from the workers' start", f"{shown(summary['wall_seconds'], '.1f')} s"),  # not the model's build
         ("storage", os.path.join(summary["storage"], "runs", summary["run_id"])),
     ]
     width = max(len(name) for name, _ in rows)
@@ -499,11 +499,12 @@ def command_rollouts(args: argparse.Namespace) -> int:
     shown += [column for column in ("tool_calls", "tool_failures", "messages") if column in table.column_names]
     rows = chosen_rollouts(table.select(shown).to_pylist(), args.min_reward, args.max_reward, args.sort, args.limit)
     bounds = "" if args.min_reward is None and args.max_reward is None else " in the reward range asked"
-    print(f"run {args.run_id}, step {step}: {len(rows)} of its {table.num_rows} completions{bounds}")
+    heading = f"run {args.run_id}, step {step}: {len(rows)} of its {table.num_rows} completions{bounds}"
+    print(heading, file=sys.stderr if args.json else sys.stdout)  # --json: stdout holds only the objects
     if not args.json:
         print("\n".join(group_lines(rows, names)).rstrip())
         return 0
-    columns = list(SHOWN_COLUMNS)
+    columns = [*SHOWN_COLUMNS, *(f"reward_{name}" for name in names), "completion_tokens"]
     episodes = "messages" in table.column_names and table.column("messages").null_count < table.num_rows
     if episodes:  # multi-turn: each turn (assistant messages with their tool calls, tool results) in order
         columns += ["tool_calls", "tool_failures", "messages"]
@@ -619,9 +620,19 @@ def command_eval(args: argparse.Namespace) -> int:
         step = resolve_checkpoint(storage, args.checkpoint)
     except EvaluationError as error:
         raise UsageError(f"{'--checkpoint' if args.checkpoint is not None else 'RUN'}: {error}") from error
+    check_can_evaluate(storage)
+    from grpo_flow.flows.ephemeral_server import ServerStartError, start_ephemeral_server
     from grpo_flow.flows.evaluate import evaluate
+    from grpo_flow.flows.quiet import log_path_for, quiet_prefect_run
 
     print(f"grpo-flow: evaluating run {args.run_id}, checkpoint {step} (k={args.k})", flush=True)
+    try:  # Prefect's logs to the log file, as grpo train does; --verbose keeps Prefect's console
+        start_ephemeral_server(log_path_for(args.storage_root)) if args.verbose else quiet_prefect_run(
+            args.storage_root
+        )
+    except ServerStartError as error:
+        print(f"grpo eval: {error}", file=sys.stderr)
+        return 1
     try:
         summary = evaluate(
             run_id=args.run_id,
@@ -670,6 +681,21 @@ def check_evaluable(storage: Any) -> None:
             check_local_or_hub("dataset", config.dataset.removeprefix("hf:"), "data set", folder_only=False)
         except StartCheckError as error:
             raise UsageError(f"RUN: run {storage.run_id!r}'s data set {error.message}") from None
+
+
+def check_can_evaluate(storage: Any) -> None:
+    """What an evaluation needs beyond what showing a stored one does: the run's rewards import here, and it
+    evaluates single turns on held-out prompts (before Prefect and the model, each a traceback later)."""
+    from grpo_flow.flows.checks import StartCheckError, check_rewards
+    from grpo_flow.flows.evaluate import evaluation_refusal
+
+    config = GRPOFlowConfig(**storage.effective_config())
+    try:
+        check_rewards(config)
+    except StartCheckError as error:
+        raise UsageError(f"RUN: run {storage.run_id!r}: {error.field}: {error.message}") from None
+    if (refusal := evaluation_refusal(config, storage.run_id)) is not None:
+        raise UsageError(f"RUN: {refusal}")
 
 
 def settings_differences(stored: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -781,6 +807,12 @@ class CommandParser(argparse.ArgumentParser):
     """argparse, saying which option a mistyped one looks like (`--lerning-rate`: did you mean
     --learning-rate?), among the options of the command typed."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No prefixes: `--num-generation 4` would set num_generations, and a prefix that names one field
+        # today names two once a field is added; the config takes no abbreviated names either.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
@@ -871,7 +903,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="highest first (length: completion tokens; default: as generated, group by group)",
     )
     rollouts.add_argument(
-        "--json", action="store_true", help="one JSON object per completion (prompt repeated), for scripts"
+        "--json",
+        action="store_true",
+        help="one JSON object per completion (prompt repeated), for scripts: nothing else on stdout",
     )
     rollouts.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT)
     rollouts.set_defaults(handler=command_rollouts)

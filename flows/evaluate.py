@@ -30,8 +30,8 @@ prompt_id, sample_index, prompt, completion, completion_tokens, finish_reason, r
 `reward_<function>` column per function, correct, and the data set's answer columns), with the
 summary as JSON in the file's schema metadata (key `grpo_flow.eval`; `read_eval_summary`). A file
 is never overwritten: it is linked into place, which fails if one exists, and a checkpoint that
-has one is read back instead of evaluated again (`force=True` evaluates it again, after moving
-the earlier file to `eval/superseded/`). Also: a Prefect table artifact `eval-<run>`
+has one is read back instead of evaluated again (`force=True` evaluates it again, and moves
+the earlier file to `eval/superseded/` once the new one is made). Also: a Prefect table artifact `eval-<run>`
 (one row per evaluated checkpoint of the run), and wandb when the run's config has
 report_to=wandb (metrics `eval/...` against `eval/checkpoint_step`).
 """
@@ -106,6 +106,23 @@ def pass_k_values(k: int) -> list[int]:
         values.add(j)
         j *= 2
     return sorted(values)
+
+
+def evaluation_refusal(config: GRPOFlowConfig, run_id: str) -> str | None:
+    """Why the run's checkpoints cannot be evaluated (known once its data set loads, before any model), or None."""
+    from grpo_flow.workers.rewards.task import run_task
+
+    if config.tools or config.environment_factory:  # single turns would score a policy that needs its tools
+        return (
+            f"run {run_id!r} trains multi-turn episodes with tools, which grpo eval does not play yet; its held-out "
+            f"accuracy is in its summary (eval_prompts), or, from a checkout: python -m benchmarks.tools_accuracy {run_id}"
+        )
+    if len(run_task(config).heldout) == 0:
+        return (
+            f"run {run_id!r} holds out no prompts: its data set has no test or validation split, and without an "
+            "accuracy_reward a run holds none of its prompts out (start it with --accuracy-reward)"
+        )
+    return None
 
 
 # -- eval files ----------------------------------------------------------------------------------------
@@ -281,8 +298,8 @@ def evaluate_checkpoint(
     """Sample, score and store one checkpoint's evaluation; returns its summary.
 
     Not cached: the eval file is the record. Safe to retry: nothing is stored until the file is
-    linked into place, and a retry that finds the file reads it back. `force`: a stored
-    evaluation is moved to eval/superseded/ first, and the checkpoint is evaluated again.
+    linked into place, and a retry that finds the file reads it back. `force`: the checkpoint is
+    evaluated again, and a stored evaluation is moved to eval/superseded/ when the new one is written.
     """
     from grpo_flow.workers.backends import local_device
     from grpo_flow.workers.rewards.task import run_task
@@ -292,24 +309,14 @@ def evaluate_checkpoint(
 
     storage = RunStorage(storage_root, run_id)
     path = storage.eval_path(step)
-    if path.exists() and force:
-        supersede(storage, step)
-    if path.exists():
+    if path.exists() and not force:
         return {**read_eval_summary(path), "already_evaluated": True}
     started = time.perf_counter()
     config = GRPOFlowConfig(**storage.effective_config())
-    if config.tools or config.environment_factory:  # single turns would score a policy that needs its tools
-        raise EvaluationError(
-            f"run {run_id!r} trains multi-turn episodes with tools, which grpo eval does not play yet; its held-out "
-            f"accuracy is in its summary (eval_prompts), or, from a checkout: python -m benchmarks.tools_accuracy {run_id}"
-        )
+    if (refusal := evaluation_refusal(config, run_id)) is not None:  # before the model loads
+        raise EvaluationError(refusal)
     settings = settings_for(config, k, prompts, temperature, seed, greedy)
     task_data = run_task(config)
-    if len(task_data.heldout) == 0:  # before the model loads
-        raise EvaluationError(
-            f"run {run_id!r} holds out no prompts: its data set has no test or validation split, and without an "
-            "accuracy_reward a run holds none of its prompts out (start it with --accuracy-reward)"
-        )
     heldout = list(task_data.heldout.select(range(min(settings.prompts, len(task_data.heldout)))))
     funcs = resolve_reward_funcs(config.reward_funcs or list(task_data.default_rewards), run_id)
     accuracy = accuracy_reward(task_data)
@@ -356,6 +363,8 @@ def evaluate_checkpoint(
     }
     table = pa.Table.from_pylist(rows)
     table = table.replace_schema_metadata({EVAL_METADATA_KEY: json.dumps(summary).encode()})
+    if force and path.exists():  # only now: an evaluation that fails leaves the stored one where it was
+        supersede(storage, step)
     try:
         write_once(path, table)
     except FileExistsError:  # another evaluation of the same checkpoint finished first: keep its file

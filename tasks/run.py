@@ -20,7 +20,7 @@ from grpo_flow.tasks.observability import USER_FACING
 from grpo_flow.workers import backends
 from grpo_flow.workers.rewards.task import run_task
 from grpo_flow.workers.rollout.base import check_chat_prompts, load_generation_tokenizer, string_prompts_warning
-from grpo_flow.workers.rollout.heldout import heldout_accuracy
+from grpo_flow.workers.rollout.heldout import accuracy_reward, heldout_accuracy
 from grpo_flow.workers.state.location import use_storage_options
 from grpo_flow.workers.state.lock import hold_run_lock, release_run_lock, release_run_locks_of
 from grpo_flow.workers.state.resume import (
@@ -139,9 +139,12 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
     trained = plan.resume_checkpoint is not None or bool(plan.replay_steps)
     if config.eval_prompts == 0 or (initial and trained):  # the initial policy is gone
         return float("nan")
-    say(f"evaluating on {config.eval_prompts} held-out prompts {'before' if initial else 'after'} training")
-    engine = backends.run_workers(config).engine_at_current_version()
     task_data = run_task(config)
+    prompts = min(config.eval_prompts, len(task_data.heldout))
+    if prompts == 0 or accuracy_reward(task_data) is None:  # nothing held out, or nothing to score it with
+        return float("nan")
+    say(f"evaluating on {prompts} held-out prompts {'before' if initial else 'after'} training")
+    engine = backends.run_workers(config).engine_at_current_version()
     total_steps = plan.total_steps
     # Rewards are called as in training; trainer_state says where the policy stands.
     state = RewardTrainerState(
@@ -157,7 +160,7 @@ def evaluate_heldout(config: GRPOFlowConfig, plan: RunPlan, initial: bool = Fals
     accuracy = heldout_accuracy(
         engine,
         task_data,
-        config.eval_prompts,
+        prompts,
         config.max_completion_length,
         config.max_prompt_length,
         state=state,

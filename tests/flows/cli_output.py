@@ -14,7 +14,7 @@ SUMMARY_ROWS = [
     "held-out accuracy, before RL",
     "held-out accuracy, after RL",
     "mean reward, last 5 steps",
-    "wall time",
+    "wall time from the workers' start",
     "storage",
 ]
 # Simple mode (TRL's loop) evaluates nothing held out before and after RL.

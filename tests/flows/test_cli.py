@@ -157,8 +157,11 @@ def test_train_then_list_then_read_rollouts(tmp_path):
 
     shown = run_cli("rollouts", "cli-run", "--step", "1", "--limit", "3", "--storage-root", str(root), "--json")
     assert shown.returncode == 0, shown.stderr
-    rows = [json.loads(line) for line in shown.stdout.splitlines()[1:]]
-    assert len(rows) == 3 and all("completion" in r and "reward" in r for r in rows)
+    rows = [json.loads(line) for line in shown.stdout.splitlines()]  # only the objects: a script pipes them
+    assert len(rows) == 3 and all(
+        {"completion", "reward", "reward_last_digit", "completion_tokens"} <= set(r) for r in rows
+    )
+    assert shown.stderr == "run cli-run, step 1: 3 of its 256 completions\n"
     grouped = run_cli("rollouts", "cli-run", "--step", "1", "--sort", "reward", "--storage-root", str(root))
     lines = grouped.stdout.splitlines()
     assert grouped.returncode == 0 and lines[0] == "run cli-run, step 1: 8 of its 256 completions"
@@ -342,7 +345,7 @@ def test_the_summary_says_what_was_not_measured_and_when_a_run_was_already_compl
     assert lines[0] == "grpo-flow: run done was already complete; nothing to train"
     rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in lines[1:])
     assert rows["held-out accuracy, before RL"] == rows["held-out accuracy, after RL"] == "not measured"
-    assert rows["mean reward, last 5 steps"] == "0.500" and rows["wall time"] == "3.2 s"
+    assert rows["mean reward, last 5 steps"] == "0.500" and rows["wall time from the workers' start"] == "3.2 s"
 
 
 @pytest.mark.parametrize("command", ["verify", "eval", "report", "rollouts", "checkpoints"])
@@ -406,6 +409,10 @@ def test_a_mistyped_option_gets_a_did_you_mean(tmp_path, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == "grpo train: error: unrecognized arguments: --lerning-rate 0.1; did you mean --learning-rate?"
+    with pytest.raises(SystemExit):  # a prefix of an option is not taken for it, as the config takes no prefixes
+        main(["train", "--num-generation", "4", "--storage-root", str(tmp_path)])
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "grpo train: error: unrecognized arguments: --num-generation 4; did you mean --num-generations?"
 
 
 def test_a_reader_that_stops_early_gets_no_broken_pipe_traceback(tmp_path):

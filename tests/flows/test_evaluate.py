@@ -367,3 +367,73 @@ def test_grpo_eval_of_an_evaluated_checkpoint_shows_the_stored_result_without_lo
     assert read_eval_summary(path)["samples_per_prompt"] == 2  # measured again, with the options given
     (earlier,) = (path.parent / "superseded").glob("step-000001.*.parquet")
     assert read_eval_summary(earlier) == stored
+
+
+def test_a_forced_evaluation_that_fails_leaves_the_stored_one_in_place(eval_root, monkeypatch):
+    import grpo_flow.flows.evaluate as evaluate_module
+
+    root, _ = eval_root
+    path = RunStorage(root, "evaluated").eval_path(2)
+    if not path.exists():
+        evaluate(run_id="evaluated", storage_root=str(root), checkpoint=2, k=2, prompts=4)
+    stored, earlier = path.read_bytes(), set(path.parent.glob("superseded/step-000002.*"))
+
+    def no_engine(*args, **kwargs):
+        raise RuntimeError("the checkpoint's engine did not start")
+
+    monkeypatch.setattr(evaluate_module, "checkpoint_engine", no_engine)
+    with pytest.raises(RuntimeError, match="did not start"):
+        evaluate(run_id="evaluated", storage_root=str(root), checkpoint=2, k=2, prompts=4, force=True)
+    assert path.read_bytes() == stored  # where grpo eval and the nightly sweep read it
+    assert set(path.parent.glob("superseded/step-000002.*")) == earlier
+
+
+def test_grpo_eval_refuses_what_it_cannot_evaluate_in_one_line(eval_root, tmp_path, monkeypatch, capsys, caplog):
+    """A run that holds out no prompts, and one whose rewards do not import here, get exit 2 and one line,
+    not the evaluation task's tracebacks."""
+    import json
+    import logging
+    import sys
+
+    from grpo_flow.flows.grpo import grpo
+    from grpo_flow.schemas.config import GRPOFlowConfig
+    from grpo_flow.workers.data.tiny_model import ensure_tiny_model
+
+    root, _ = eval_root
+    (tmp_path / "data.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"{1000 + 37 * i}=", "answer": str((1000 + 37 * i) % 10)}) + "\n" for i in range(20)
+        )
+    )
+    (tmp_path / "eval_cli_rewards.py").write_text(
+        "def exact(completions, answer, **kwargs):\n    return [0.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    config = GRPOFlowConfig(
+        model=str(ensure_tiny_model(root)),
+        dataset=f"hf:{tmp_path / 'data.jsonl'}",
+        reward_funcs=["eval_cli_rewards:exact"],
+        run_id="unscored",
+        storage_root=str(root),
+        max_steps=1,
+        save_steps=1,
+        prompts_per_step=4,
+        num_generations=2,
+        max_completion_length=2,
+    )
+    caplog.set_level(logging.INFO, logger="grpo_flow.phase")
+    assert grpo(config)["status"] == "completed"
+    assert not [r for r in caplog.records if "held-out prompts" in r.getMessage()]  # none held out: none announced
+    capsys.readouterr()
+    assert main(["eval", "unscored", "--storage-root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo eval: RUN: run 'unscored' holds out no prompts") and err.count("\n") == 1, err
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delitem(sys.modules, "eval_cli_rewards")
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry != str(tmp_path)])  # as a new process
+    assert main(["eval", "unscored", "--storage-root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "RUN: run 'unscored': reward_funcs: cannot import 'eval_cli_rewards:exact'" in err and err.count("\n") == 1

@@ -155,17 +155,25 @@ def test_nothing_is_held_out_when_evaluation_is_off(tmp_path):
         )
 
 
-def test_held_out_accuracy_is_measured_with_the_users_accuracy_reward(prefect_server, storage_root):
+def test_held_out_accuracy_is_measured_with_the_users_accuracy_reward(prefect_server, storage_root, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="grpo_flow.phase")
     trainer = GRPOFlowTrainer(
         reward_funcs=[exact_digit],
         accuracy_reward="exact_digit",
         train_dataset=digits_dataset(),
         run_id="api-accuracy",
         storage_root=str(storage_root),
-        **{**SMALL, "eval_prompts": 4},
+        **{**SMALL, "eval_prompts": 200},
     )
     summary = trainer.train()
     assert 0.0 <= summary["initial_eval_accuracy"] <= 1.0 and 0.0 <= summary["final_eval_accuracy"] <= 1.0
+    said = [r.getMessage() for r in caplog.records if r.name == "grpo_flow.phase" and "held-out" in r.getMessage()]
+    assert said == [  # what is held out of 40 prompts (10 %), not eval_prompts
+        "evaluating on 4 held-out prompts before training",
+        "evaluating on 4 held-out prompts after training",
+    ]
 
 
 def test_api_mistakes_get_one_line_naming_the_argument(tmp_path):
