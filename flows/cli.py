@@ -873,7 +873,9 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="STAGE@STEP[:kill|:hang]",
         help="testing aid: fail on purpose (as $GRPO_FLOW_FAIL_AT)",
     )
-    train.add_argument("--no-progress", action="store_true", help="no progress bar (or lines)")
+    train.add_argument(
+        "--no-progress", action="store_true", help="no progress bar or lines, and no lines on what starts"
+    )
     train.add_argument(
         "--progress-every",
         type=steps_count,
