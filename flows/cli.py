@@ -260,6 +260,7 @@ def train_run(config: GRPOFlowConfig, args: argparse.Namespace, log_path: Any) -
                     show_progress=not args.no_progress,
                     allow_config_change=args.allow_config_change,
                     progress_every=args.progress_every,
+                    verbose=args.verbose,
                     return_state=True,
                 ),
                 lambda signum: stop_at_once(config, signum),
