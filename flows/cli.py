@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import logging
 import math
 import os
 import signal
@@ -260,6 +261,7 @@ def train_run(config: GRPOFlowConfig, args: argparse.Namespace, log_path: Any) -
                     show_progress=not args.no_progress,
                     allow_config_change=args.allow_config_change,
                     progress_every=args.progress_every,
+                    verbose=args.verbose,
                     return_state=True,
                 ),
                 lambda signum: stop_at_once(config, signum),
@@ -320,15 +322,23 @@ def hold_cli_lock(config: GRPOFlowConfig) -> None:
     """One writer per run, taken before Prefect starts, so a second process is refused (exit 2) in
     about a second. The flow finds it held (re-entrant in-process) and gives it back when it ends."""
     from grpo_flow.workers.state.lock import LockWriteError, RunLockedError, hold_run_lock, release_run_lock
+    from grpo_flow.workers.state.lock import logger as lock_logger
     from grpo_flow.workers.state.storage import RunStorage
 
     run_dir = RunStorage.of(config).run_dir
+    # Taking over a killed writer's lock is logged as a warning before any logging is set up, which
+    # Python's last-resort handler printed bare: prefixed here as the run's other warnings are.
+    said = logging.StreamHandler(sys.stderr)
+    said.setFormatter(logging.Formatter("grpo-flow: warning: %(message)s"))
+    lock_logger.addHandler(said)
     try:
         hold_run_lock(run_dir)
     except RunLockedError as error:
         raise UsageError(f"--run-id: {error}") from None
     except LockWriteError as error:  # a full disk: nothing was started or left behind
         raise UsageError(f"--storage-root: {error}") from None
+    finally:
+        lock_logger.removeHandler(said)
     atexit.register(release_run_lock, run_dir)  # whatever path the command leaves by
 
 

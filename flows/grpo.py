@@ -25,6 +25,7 @@ paper's per-sequence mean; num_iterations (GRPO's mu) defaults to 1, as TRL's.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any, NamedTuple
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 from prefect import flow, unmapped
 from prefect.runtime import flow_run
 
-from grpo_flow.flows.quiet import keep_completed_states_out
+from grpo_flow.flows.quiet import keep_completed_states_out, quiet_libraries
 from grpo_flow.flows.run_loop import RunLoop, as_is, in_background, step_subflow
 from grpo_flow.schemas.config import GRPOFlowConfig, new_run_id
 from grpo_flow.schemas.records import RunPlan
@@ -205,19 +206,29 @@ grpo_step = step_subflow(run_step)
     on_cancellation=[release_flow_run_locks],
 )
 def grpo(
-    config: GRPOFlowConfig, show_progress: bool = False, allow_config_change: bool = False, progress_every: int = 0
+    config: GRPOFlowConfig,
+    show_progress: bool = False,
+    allow_config_change: bool = False,
+    progress_every: int = 0,
+    verbose: bool = False,
 ) -> dict[str, Any]:
     """A GRPO run from its config, or the rest of an existing run with the same run_id; returns the
     run's summary (also in summary.json).
 
     allow_config_change: resume even if a field that alters training differs from the run's.
     progress_every: with show_progress, a line every this many steps when not on a terminal (0: ten a run).
+    verbose: keep transformers' and datasets' progress bars ("Loading weights", "Writing model shards")
+    and advisory warnings, as `grpo train --verbose` does; otherwise they stay out of the run.
     """
     if config.run_id is None:
         config = config.model_copy(update={"run_id": new_run_id(config)})
     fail_at()  # a bad GRPO_FLOW_FAIL_AT fails here, before anything starts
     keep_completed_states_out()  # the run's log tab: one line per step, not one per task run
-    with shown_phases(sys.stderr if show_progress else None):
+    # Here rather than in the CLI alone, so that a call from Python and a deployment run are quiet too.
+    with (
+        contextlib.nullcontext() if verbose else quiet_libraries(),
+        shown_phases(sys.stderr if show_progress else None),
+    ):
         return run_grpo(config, allow_config_change, show_progress, progress_every)
 
 

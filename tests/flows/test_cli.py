@@ -398,6 +398,29 @@ def test_a_full_disk_at_the_writer_lock_is_one_line_and_leaves_no_lock(tmp_path,
     assert not (root / "runs" / "full").exists()
 
 
+def test_taking_over_a_killed_writers_lock_is_said_as_a_grpo_flow_warning(tmp_path, capsys):
+    """Resuming after a SIGKILL printed "run demo: taking over the writer lock of pid ..." without the
+    prefix of every other warning: nothing had set up logging yet, so Python's last resort printed it."""
+    from grpo_flow.flows.cli import hold_cli_lock
+    from grpo_flow.workers.state.lock import LOCK_FILE, release_run_lock, this_host
+    from grpo_flow.workers.state.storage import RunStorage
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    config = build_config("tiny", {"run_id": "demo", "storage_root": str(tmp_path)})
+    run_dir = RunStorage.of(config).run_dir
+    run_dir.mkdir(parents=True)
+    record = {"host": this_host(), "pid": gone.pid, "since": "then", "expires": 0, "token": "killed"}
+    (run_dir / LOCK_FILE).write_text(json.dumps(record))
+    try:
+        hold_cli_lock(config)
+    finally:
+        release_run_lock(run_dir)
+    err = capsys.readouterr().err
+    holder = f"pid {gone.pid} on host {this_host()} since then"
+    assert err == f"grpo-flow: warning: run demo: taking over the writer lock of {holder}: that process is gone\n"
+
+
 def test_a_seed_beyond_numpys_range_is_refused_before_it_overflows(tmp_path, capsys):
     assert main(["train", "--seed", "99999999999999999999999", "--storage-root", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "grpo train: --seed: Input should be less than or equal to 4294967295\n"

@@ -221,3 +221,26 @@ def test_steps_without_subflows_train_the_same_and_make_no_step_subflow_runs(pre
             r.name for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))
         }
     assert found == {"subflows-true-step-1"}
+
+
+def test_the_flow_keeps_library_progress_bars_out_unless_verbose(prefect_server, storage_root, capfd, monkeypatch):
+    """Called from Python (or in a deployment run), transformers drew "Loading weights" and "Writing model
+    shards" bars per model load and save, which `grpo train` kept out only through its environment."""
+    from datasets.utils import logging as datasets_logging
+    from transformers.utils import logging as hf_logging
+
+    def draws_bars(config, *args):
+        list(hf_logging.tqdm(range(3), desc="Loading weights"))
+        list(datasets_logging.tqdm(range(3), desc="Generating train split"))
+        return {"run_id": config.run_id}
+
+    monkeypatch.setattr("grpo_flow.flows.grpo.run_grpo", draws_bars)
+    hf_logging.enable_progress_bar()
+    config = preset_config("tiny", run_id="quiet-libraries", storage_root=str(storage_root))
+    grpo(config)
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "Generating train split" not in err
+    assert hf_logging.is_progress_bar_enabled()  # as before the run
+    grpo(config, verbose=True)
+    err = capfd.readouterr().err
+    assert "Loading weights" in err and "Generating train split" in err

@@ -195,7 +195,8 @@ def load_hub(load: HubLoader | None, hub: tuple[str, str | None], columns: Seque
     # `workers.data.loaders.load_dataset` and reach the builders through `load_task`.
     load = load if load is not None else load_dataset
     path, config = hub
-    loaded = load(path, name=config)
+    with without_progress_bars():
+        loaded = load(path, name=config)
     if not isinstance(loaded, DatasetDict):
         raise ValueError(f"{path}: the loader returned {type(loaded).__name__}, expected a DatasetDict of splits")
     for split_name, split in loaded.items():
@@ -231,8 +232,8 @@ def gsm8k_answer(solution: str) -> str:
 
 @contextlib.contextmanager
 def without_progress_bars() -> Iterator[None]:
-    """datasets' "Map" and "Filter" bars off while a loader converts rows: it is not something a user
-    asked to watch. Then as before."""
+    """datasets' "Generating train split", "Map" and "Filter" bars off while a loader reads or converts
+    rows: it is not something a user asked to watch. Then as before."""
     from datasets.utils import logging as datasets_logging
 
     shown = datasets_logging.is_progress_bar_enabled()
@@ -744,15 +745,16 @@ def load_custom_task(
     it has one, else a `heldout_fraction` of the train prompts.
     """
     path = Path(source)
-    if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
-        loaded = load_from_disk(str(path))
-    elif path.is_file() and path.suffix in FILE_BUILDERS:
-        check_data_file(path, source)
-        loaded = (load or load_dataset)(FILE_BUILDERS[path.suffix], data_files=str(path))
-    elif path.suffix in FILE_BUILDERS and not path.exists():  # a data file's name, not a hub id
-        raise ValueError(f"{source}: no such file")
-    else:
-        loaded = (load or load_dataset)(source, name=config)
+    with without_progress_bars():
+        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+            loaded = load_from_disk(str(path))
+        elif path.is_file() and path.suffix in FILE_BUILDERS:
+            check_data_file(path, source)
+            loaded = (load or load_dataset)(FILE_BUILDERS[path.suffix], data_files=str(path))
+        elif path.suffix in FILE_BUILDERS and not path.exists():  # a data file's name, not a hub id
+            raise ValueError(f"{source}: no such file")
+        else:
+            loaded = (load or load_dataset)(source, name=config)
     label = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", path.stem if path.exists() else source)
     if isinstance(loaded, Dataset):
         if heldout_split is not None:

@@ -463,3 +463,17 @@ def test_converting_rows_draws_no_progress_bar_and_leaves_datasets_bars_as_they_
     assert datasets_logging.is_progress_bar_enabled()
     split.map(lambda row: row)  # datasets' own call, outside a loader, still shows its bar
     assert "Map" in capfd.readouterr().err
+
+
+def test_reading_a_new_data_file_draws_no_progress_bar(tmp_path, capfd):
+    """The first read of a local `hf:` file, which datasets converts to its cache, printed
+    "Generating train split: 120 examples" on stderr."""
+    from datasets.utils import logging as datasets_logging
+
+    datasets_logging.enable_progress_bar()
+    lines = [json.dumps({"prompt": f"{i}=", "answer": str(i % 10)}) for i in range(20)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    task = load_custom_task(str(tmp_path / "rows.jsonl"), heldout_fraction=0.2, default_rewards=("m:f",))
+    assert len(task.train) + len(task.heldout) == 20
+    assert "Generating" not in capfd.readouterr().err
+    assert datasets_logging.is_progress_bar_enabled()
