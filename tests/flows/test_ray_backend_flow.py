@@ -12,6 +12,7 @@ process behind.
 import os
 import signal
 import sys
+import time
 from collections import Counter
 
 import pyarrow as pa
@@ -22,6 +23,7 @@ from safetensors.torch import load_file
 
 from grpo_flow.flows.grpo import grpo
 from grpo_flow.schemas.presets import preset_config
+from grpo_flow.workers.state.lock import pid_alive
 from grpo_flow.workers.state.storage import RunStorage
 from train_cli import train_cli as cli, assert_same_weights  # tests/flows/train_cli.py
 
@@ -77,8 +79,8 @@ def test_the_tiny_preset_learns_on_ray_actors(unbroken, ray_cluster):
 def test_an_engine_and_then_the_actor_killed_mid_run_heal_and_the_run_ends_with_the_unbroken_weights(
     unbroken, ray_cluster, storage_root, monkeypatch
 ):
-    """SIGKILL rollout-1's process while it generates step 5, and the actor's while it takes step 15:
-    Ray restarts each process, the backend restores what it must hold (the published weights from the
+    """SIGKILL rollout-1's process as it is asked to generate step 5, and the actor's while it takes step
+    15: Ray restarts each process, the backend restores what it must hold (the published weights from the
     object store; checkpoint 10 plus the logged steps 11-14), and the step goes on."""
     from grpo_flow.workers.backends import ray_backend
 
@@ -91,8 +93,15 @@ def test_an_engine_and_then_the_actor_killed_mid_run_heal_and_the_run_ends_with_
         calls[(self.name, method)] += 1
         if kill_at.get((self.name, method)) == calls[(self.name, method)]:
             pid = original(self, "ready")["pid"]  # the worker's own answer (the dashboard's state API is off in tests)
-            ref = getattr(self.handle, method).remote(*args)
-            os.kill(pid, signal.SIGKILL)  # while the call is in flight
+            if self.name == "actor":  # a step lasts long enough to be killed while the call is in flight
+                ref = getattr(self.handle, method).remote(*args)
+                os.kill(pid, signal.SIGKILL)
+            else:  # a tiny model's generate can answer before a signal lands: killed, gone, then asked
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while pid_alive(pid) and time.monotonic() < deadline:  # a zombie counts as gone
+                    time.sleep(0.05)
+                ref = getattr(self.handle, method).remote(*args)
             killed.append((self.name, pid))
             return self.ray.get(ref)
         return original(self, method, *args)
