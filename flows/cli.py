@@ -617,7 +617,7 @@ def command_eval(args: argparse.Namespace) -> int:
     if args.prompts is not None and args.prompts < 1:
         raise UsageError(f"--prompts: must be at least 1, got {args.prompts}")
     storage = named_run(args.storage_root, args.run_id)
-    check_evaluable(storage)
+    config = check_evaluable(storage)
     stored = None if args.force else storage.stored_evaluation(args.checkpoint)
     if stored is not None:
         print_eval_summary({**stored, "already_evaluated": True})
@@ -630,7 +630,7 @@ def command_eval(args: argparse.Namespace) -> int:
         step = resolve_checkpoint(storage, args.checkpoint)
     except EvaluationError as error:
         raise UsageError(f"{'--checkpoint' if args.checkpoint is not None else 'RUN'}: {error}") from error
-    check_can_evaluate(storage)
+    check_can_evaluate(config, storage.run_id)
     from grpo_flow.flows.ephemeral_server import ServerStartError, start_ephemeral_server
     from grpo_flow.flows.evaluate import evaluate
     from grpo_flow.flows.quiet import log_path_for, quiet_prefect_run
@@ -664,7 +664,7 @@ def command_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_evaluable(storage: Any) -> None:
+def check_evaluable(storage: Any) -> GRPOFlowConfig:
     """The run's config can be read, and a fresh process can rebuild its data and rewards (checked before
     Prefect and the model start, where each took seconds to fail)."""
     from grpo_flow.flows.checks import StartCheckError, check_local_or_hub
@@ -691,20 +691,20 @@ def check_evaluable(storage: Any) -> None:
             check_local_or_hub("dataset", config.dataset.removeprefix("hf:"), "data set", folder_only=False)
         except StartCheckError as error:
             raise UsageError(f"RUN: run {storage.run_id!r}'s data set {error.message}") from None
+    return config
 
 
-def check_can_evaluate(storage: Any) -> None:
+def check_can_evaluate(config: GRPOFlowConfig, run_id: str) -> None:
     """What an evaluation needs beyond what showing a stored one does: the run's rewards import here, and it
     evaluates single turns on held-out prompts (before Prefect and the model, each a traceback later)."""
     from grpo_flow.flows.checks import StartCheckError, check_rewards
     from grpo_flow.flows.evaluate import evaluation_refusal
 
-    config = GRPOFlowConfig(**storage.effective_config())
     try:
         check_rewards(config)
     except StartCheckError as error:
-        raise UsageError(f"RUN: run {storage.run_id!r}: {error.field}: {error.message}") from None
-    if (refusal := evaluation_refusal(config, storage.run_id)) is not None:
+        raise UsageError(f"RUN: run {run_id!r}: {error.field}: {error.message}") from None
+    if (refusal := evaluation_refusal(config, run_id)) is not None:
         raise UsageError(f"RUN: {refusal}")
 
 
